@@ -1,0 +1,89 @@
+# All set-up lives here: `make demo` and `make test` work on a fresh machine and do not
+# reinstall what is already current.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCHREC_VERSION := 1.9.2
+BUILD_DIR ?= build/dev
+ASAN_DIR ?= build/asan
+MARCH ?= native
+JOBS ?= $(shell nproc)
+SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+PYTEST_ARGS ?=
+
+.PHONY: all setup system-deps build native-test asan-test lint test test-fast demo bench clean
+
+all: build
+
+# ---- environment -------------------------------------------------------------------------
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.deps-stamp: requirements-cpu.txt | $(VENV)/bin/python
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps torchrec==$(TORCHREC_VERSION)
+	touch $@
+
+# UCX backs the rdma transport; installed from apt where we can (root + apt-get).
+system-deps:
+	@if ! pkg-config --exists ucx 2>/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libucx-dev"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libucx-dev pkg-config) >/dev/null \
+	      || echo "warning: could not install libucx-dev; the rdma transport will not be built"; \
+	  else echo "note: UCX (libucx-dev) not found; the rdma transport will not be built"; fi; \
+	fi
+
+setup: $(VENV)/.deps-stamp system-deps
+
+# ---- native build (development: the extension lands next to the Python sources) -----------
+$(BUILD_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
+	$(VENV)/bin/cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) -DBAGPIPE_INPLACE=ON -DBAGPIPE_MARCH=$(MARCH) \
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja)
+
+build: setup $(BUILD_DIR)/CMakeCache.txt
+	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS)
+	@echo "$(CURDIR)" > "$(SITE)/torchrec_bagpipe_dev.pth"
+	@for s in ps:torchrec_bagpipe.ps.server launch:torchrec_bagpipe.launch; do \
+	  f=$(VENV)/bin/torchrec-bagpipe-$${s%%:*}; \
+	  printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$(abspath $(PY))" "$${s#*:}" > $$f; \
+	  chmod +x $$f; done
+
+native-test: build
+	$(BUILD_DIR)/bagpipe_native_tests
+
+$(ASAN_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
+	$(VENV)/bin/cmake -S . -B $(ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DBAGPIPE_BUILD_PYTHON=OFF -DBAGPIPE_SANITIZE=ON \
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja)
+
+asan-test: setup $(ASAN_DIR)/CMakeCache.txt
+	$(VENV)/bin/cmake --build $(ASAN_DIR) -j $(JOBS) --target bagpipe_native_tests
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(ASAN_DIR)/bagpipe_native_tests
+
+lint: setup
+	$(VENV)/bin/ruff check torchrec_bagpipe tests benchmarks examples
+
+# ---- the two README commands -------------------------------------------------------------
+test: build
+	$(MAKE) --no-print-directory native-test
+	$(MAKE) --no-print-directory asan-test
+	$(MAKE) --no-print-directory lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything except the multi-process suites (inner development loop).
+test-fast: build
+	$(PY) -m pytest -m "not slow" -x -q $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m torchrec_bagpipe.demo
+
+bench: build
+	$(PY) benchmarks/ps_store.py --quick
+
+clean:
+	rm -rf build torchrec_bagpipe/_C*.so

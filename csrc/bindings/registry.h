@@ -1,0 +1,27 @@
+// Each binding file registers one init function; module.cc calls them all in name order.
+// Adding a binding file never edits another one.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <functional>
+#include <string>
+
+namespace bagpipe::bindings {
+
+using InitFn = std::function<void(pybind11::module_&)>;
+
+struct Registrar {
+  Registrar(const std::string& name, InitFn fn);
+};
+
+// Python exception classes shared by all bindings (created in module.cc).
+pybind11::object SessionErrorType();
+pybind11::object TransportErrorType();
+
+}  // namespace bagpipe::bindings
+
+#define BAGPIPE_BINDING(name)                                                            \
+  static void bagpipe_bind_##name(pybind11::module_& m);                                \
+  static ::bagpipe::bindings::Registrar bagpipe_binding_reg_##name(#name, bagpipe_bind_##name); \
+  static void bagpipe_bind_##name(pybind11::module_& m)

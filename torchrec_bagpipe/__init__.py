@@ -1,0 +1,33 @@
+"""torchrec_bagpipe: TorchRec embeddings on a native parameter server with BagPipe caching.
+
+Public names are imported lazily so `import torchrec_bagpipe` stays cheap and does not pull
+in torchrec until a TorchRec-facing name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "BagPipeConfig": "torchrec_bagpipe.config",
+    "EmbeddingStore": "torchrec_bagpipe.ps.store",
+    "SessionError": "torchrec_bagpipe._native",
+    "TransportError": "torchrec_bagpipe._native",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrec_bagpipe' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

@@ -1,0 +1,353 @@
+"""One typed configuration object for every BagPipe knob.
+
+Field names are the design's flag names with ``_`` for ``-``: the field
+``optimization_cache_capacity`` is the CLI flag ``--optimization-cache-capacity``.
+`BagPipeConfig.add_arguments` adds every field to an ``argparse`` parser and
+`BagPipeConfig.from_args` reads them back, so scripts never restate the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+ReadMode = Literal["bagpipe", "ps"]
+Aggregation = Literal["ps", "collective"]
+PSType = Literal["local", "tcp", "rdma"]
+EvictionPolicy = Literal["oracle", "lru"]
+Partitioner = Literal["modulo", "hash", "fast_range"]
+
+ROWS_PER_CACHE_UNIT = 64
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class BagPipeConfig:
+    """Every knob of the BagPipe runtime, the parameter server and its transports.
+
+    With no arguments it runs on one node with any number of rank processes and no server to
+    start: PS shards live inside the trainer processes (one per rank), online planning, ``ps``
+    aggregation and an automatically sized cache.
+    """
+
+    # ---- execution --------------------------------------------------------------------
+    read_mode: ReadMode = field(
+        default="bagpipe",
+        metadata=_help(
+            "bagpipe: bounded cache with lookahead prefetch; ps: no cache, every row is "
+            "fetched from the PS every step (the no-cache baseline)"
+        ),
+    )
+    optimization_prescan: bool = field(
+        default=False,
+        metadata=_help(
+            "build access plans from the whole ID trace before training (each step is then "
+            "checked against its plan); otherwise ranks exchange batch IDs online"
+        ),
+    )
+    optimization_cache_capacity: int | None = field(
+        default=None,
+        metadata=_help(
+            "per-rank cache capacity in units of 64 rows; unset: sized automatically "
+            "(see cache_auto_fraction)"
+        ),
+    )
+    cache_auto_fraction: float = field(
+        default=0.05,
+        metadata=_help("automatic cache size as a fraction of the table rows (at least 1 unit)"),
+    )
+    bagpipe_aggregation: Aggregation = field(
+        default="ps",
+        metadata=_help(
+            "ps: ranks send local unique-row gradients to the PS, which sums them in rank "
+            "order; collective: all-reduce active-row gradients, one rank submits each row"
+        ),
+    )
+    lookahead: int = field(
+        default=8,
+        metadata=_help("number of future batches the planner sees (0: no prefetch)"),
+    )
+    eviction_policy: EvictionPolicy = field(
+        default="oracle",
+        metadata=_help(
+            "oracle: evict the row whose next use in the window is furthest; lru: least "
+            "recently used"
+        ),
+    )
+    prepared_batches: int = field(
+        default=2,
+        metadata=_help("bound on the queue of batches whose rows are already gathered"),
+    )
+    gradient_division: bool | None = field(
+        default=None,
+        metadata=_help(
+            "divide summed sparse gradients by the world size; unset: follow TorchRec's "
+            "torchrec.distributed.comm_ops.get_gradient_division()"
+        ),
+    )
+
+    # ---- parameter server --------------------------------------------------------------
+    ps_type: PSType = field(
+        default="local",
+        metadata=_help(
+            "transport to the PS shards: local (in-process), tcp, or rdma (UCX); the launcher "
+            "uses the local backend on a single node"
+        ),
+    )
+    ps_addresses: list[str] = field(
+        default_factory=list,
+        metadata=_help(
+            "host:port of each PS shard server, in shard order; empty: shards are hosted "
+            "inside the trainer processes"
+        ),
+    )
+    ps_shards: int | None = field(
+        default=None,
+        metadata=_help("number of PS shards; unset: len(ps_addresses), or one per rank"),
+    )
+    partitioner: Partitioner = field(
+        default="modulo", metadata=_help("how fused row keys map to PS shards")
+    )
+    memory_budget: str | None = field(
+        default=None,
+        metadata=_help(
+            "DRAM budget of each PS shard in bytes (suffixes K, M, G allowed) or 'auto'; "
+            "unset: unlimited"
+        ),
+    )
+    spill_dir: str | None = field(
+        default=None,
+        metadata=_help("directory for PS pages spilled above the memory budget"),
+    )
+    store_threads: int = field(default=1, metadata=_help("worker threads of each PS store"))
+    init_seed: int = field(
+        default=0, metadata=_help("seed of the PS's deterministic lazy row initialisation")
+    )
+    max_packet_rows: int = field(
+        default=4096, metadata=_help("rows per gradient/get packet (bounded packets)")
+    )
+    inflight_packets: int = field(
+        default=8,
+        metadata=_help("packets in flight per shard before waiting for ACKs (slot capacity)"),
+    )
+    job_token: str | None = field(
+        default=None,
+        metadata=_help("shared secret PS servers require from clients; unset: one per job"),
+    )
+
+    # ---- timeouts (seconds) -------------------------------------------------------------
+    ps_timeout: float = field(
+        default=120.0,
+        metadata=_help("bound on every wait for the PS: a get, a commit, a committed step"),
+    )
+    connect_timeout: float = field(
+        default=30.0, metadata=_help("bound on connecting to a PS shard")
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raises ValueError naming the field for any inconsistent setting."""
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            allowed = _literal_values(hints[f.name])
+            value = getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ValueError(
+                    f"BagPipeConfig.{f.name} must be one of {sorted(allowed)}, got {value!r}"
+                )
+        if self.optimization_cache_capacity is not None and self.optimization_cache_capacity < 1:
+            raise ValueError(
+                "BagPipeConfig.optimization_cache_capacity must be >= 1 (units of 64 rows), "
+                f"got {self.optimization_cache_capacity}"
+            )
+        if not 0.0 < self.cache_auto_fraction <= 1.0:
+            raise ValueError("BagPipeConfig.cache_auto_fraction must be in (0, 1]")
+        for name in ("lookahead",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"BagPipeConfig.{name} must be >= 0")
+        for name in ("prepared_batches", "store_threads", "max_packet_rows", "inflight_packets"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BagPipeConfig.{name} must be >= 1")
+        if self.ps_shards is not None and self.ps_shards < 1:
+            raise ValueError("BagPipeConfig.ps_shards must be >= 1")
+        if self.ps_addresses and self.ps_shards not in (None, len(self.ps_addresses)):
+            raise ValueError(
+                f"BagPipeConfig.ps_shards ({self.ps_shards}) does not match the "
+                f"{len(self.ps_addresses)} ps_addresses"
+            )
+        for addr in self.ps_addresses:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"BagPipeConfig.ps_addresses: {addr!r} is not host:port")
+        if self.memory_budget is not None:
+            self.memory_budget_bytes()  # raises on a malformed value
+        for name in ("ps_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"BagPipeConfig.{name} must be > 0 seconds")
+
+    # ---- derived values ---------------------------------------------------------------------
+    def memory_budget_bytes(self) -> int | None:
+        """The budget in bytes; -1 means 'auto'; None means unlimited."""
+        if self.memory_budget is None:
+            return None
+        text = str(self.memory_budget).strip().upper()
+        if text == "AUTO":
+            return -1
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+        mult = 1
+        if text and text[-1] in scale:
+            mult = scale[text[-1]]
+            text = text[:-1]
+        try:
+            value = int(float(text) * mult)
+        except ValueError:
+            raise ValueError(
+                f"BagPipeConfig.memory_budget must be bytes (e.g. 512M, 4G) or 'auto', "
+                f"got {self.memory_budget!r}"
+            ) from None
+        if value <= 0:
+            raise ValueError("BagPipeConfig.memory_budget must be > 0")
+        return value
+
+    def resolved_gradient_division(self) -> bool:
+        """Whether summed gradients are divided by the world size (TorchRec's switch)."""
+        if self.gradient_division is not None:
+            return self.gradient_division
+        try:
+            from torchrec.distributed.comm_ops import get_gradient_division
+        except ImportError:  # torchrec absent: TorchRec's default
+            return True
+        return bool(get_gradient_division())
+
+    def cache_rows(self, table_rows: int) -> int:
+        """Resident row capacity of one rank's cache for a fused table of `table_rows` rows."""
+        units = self.optimization_cache_capacity
+        if units is None:
+            wanted = max(1, int(table_rows * self.cache_auto_fraction))
+            units = max(1, -(-wanted // ROWS_PER_CACHE_UNIT))
+        return units * ROWS_PER_CACHE_UNIT
+
+    def replace(self, **changes: Any) -> BagPipeConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- CLI ------------------------------------------------------------------------------
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+        """Adds one ``--flag`` per field (``--foo-bar`` for ``foo_bar``)."""
+        hints = get_type_hints(cls)
+        group = parser.add_argument_group("BagPipe")
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            tp = hints[f.name]
+            help_text = f.metadata.get("help", "")
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                default = f.default_factory()  # type: ignore[misc]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
+            base = _strip_optional(tp)
+            if base is bool:
+                if tp is bool:
+                    kwargs["action"] = argparse.BooleanOptionalAction
+                else:
+                    kwargs["type"] = _parse_bool
+                    kwargs["metavar"] = "{true,false}"
+            elif _literal_values(base) is not None:
+                kwargs["choices"] = sorted(_literal_values(base))  # type: ignore[arg-type]
+                kwargs["type"] = _case_insensitive(_literal_values(base))  # type: ignore[arg-type]
+            elif get_origin(base) is list:
+                kwargs["nargs"] = "*"
+                kwargs["type"] = str
+            elif base in (int, float, str):
+                kwargs["type"] = base
+            else:  # pragma: no cover - a new field type must be taught here
+                raise TypeError(f"no CLI mapping for BagPipeConfig.{f.name}: {tp}")
+            group.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> BagPipeConfig:
+        """Builds a config from a namespace filled by `add_arguments` (extra names ignored)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls, prefix: str = "BAGPIPE_", **overrides: Any) -> BagPipeConfig:
+        """Reads ``BAGPIPE_<FIELD>`` variables (used by the launcher to hand configs down)."""
+        parser = argparse.ArgumentParser(add_help=False)
+        cls.add_arguments(parser)
+        argv: list[str] = []
+        for f in fields(cls):
+            raw = os.environ.get(prefix + f.name.upper())
+            if raw is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            hint = get_type_hints(cls)[f.name]
+            if hint is bool:
+                argv.append(flag if _parse_bool(raw) else "--no-" + flag[2:])
+            elif get_origin(_strip_optional(hint)) is list:
+                argv.extend([flag, *[a for a in raw.split(",") if a]])
+            else:
+                argv.extend([flag, raw])
+        ns = parser.parse_args(argv)
+        return cls.from_args(ns, **overrides)
+
+    def to_env(self, prefix: str = "BAGPIPE_") -> dict[str, str]:
+        """The inverse of `from_env` for every field that differs from its default."""
+        env: dict[str, str] = {}
+        default = type(self)()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name) or value is None:
+                continue
+            if isinstance(value, list):
+                env[prefix + f.name.upper()] = ",".join(value)
+            else:
+                text = str(value).lower() if isinstance(value, bool) else str(value)
+                env[prefix + f.name.upper()] = text
+        return env
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = get_args(tp)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return tp
+
+
+def _literal_values(tp: Any) -> set[Any] | None:
+    tp = _strip_optional(tp)
+    if get_origin(tp) is Literal:
+        return set(get_args(tp))
+    return None
+
+
+def _parse_bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _case_insensitive(values: set[str]):
+    lookup = {v.lower(): v for v in values}
+
+    def parse(text: str) -> str:
+        return lookup.get(text.lower(), text)
+
+    return parse

@@ -1,0 +1,20 @@
+"""The parameter server: storage engine, shards, client and server program."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "EmbeddingStore": "torchrec_bagpipe.ps.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrec_bagpipe.ps' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_LAZY)
