@@ -46,11 +46,14 @@ $(BUILD_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
 
 build: setup $(BUILD_DIR)/CMakeCache.txt
 	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS)
-	@echo "$(CURDIR)" > "$(SITE)/torchrec_bagpipe_dev.pth"
-	@for s in ps:torchrec_bagpipe.ps.server launch:torchrec_bagpipe.launch; do \
-	  f=$(VENV)/bin/torchrec-bagpipe-$${s%%:*}; \
-	  printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$(abspath $(PY))" "$${s#*:}" > $$f; \
-	  chmod +x $$f; done
+	@# Expose this checkout to the venv (a .pth entry plus the console scripts), unless the
+	@# venv is shared with another checkout (a git worktree pointing at someone else's venv).
+	@case "$$(realpath $(VENV))/" in "$(CURDIR)"/*) \
+	  echo "$(CURDIR)" > "$(SITE)/torchrec_bagpipe_dev.pth"; \
+	  for s in ps:torchrec_bagpipe.ps.server launch:torchrec_bagpipe.launch; do \
+	    f=$(VENV)/bin/torchrec-bagpipe-$${s%%:*}; \
+	    printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$(abspath $(PY))" "$${s#*:}" > $$f; \
+	    chmod +x $$f; done;; esac
 
 native-test: build
 	$(BUILD_DIR)/bagpipe_native_tests
