@@ -7,6 +7,7 @@ checked here first so that errors name the argument the caller passed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
@@ -130,7 +131,7 @@ def _init_args(
                 if b < 0:
                     raise ValueError(f"init_bound[{i}][1] must be >= 0, got {b}")
                 bounds.append(b)
-            if any(b <= a for a, b in zip(starts, starts[1:])):
+            if any(b <= a for a, b in itertools.pairwise(starts)):
                 raise ValueError("init_bound: range starts must be strictly increasing")
         else:
             raise TypeError(
