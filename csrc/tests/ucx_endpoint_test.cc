@@ -20,7 +20,6 @@
 
 #include "common/errors.h"
 #include "tests/test_harness.h"
-#include "tests/ucx_test_env.h"
 #include "transport/ucx_acceptor.h"
 #include "transport/ucx_endpoint.h"
 
@@ -242,7 +241,6 @@ class TestClient {
 
 template <typename F>
 void ForEachTls(F f) {
-  testing::UcxTestEnvironment();
   for (const char* tls : kTls) {
     try {
       f(std::string(tls));
