@@ -149,8 +149,10 @@ inline std::vector<uint8_t> CommitBodyBytes(const commit::wire::CommitBody& b,
                                             const std::vector<float>& grads) {
   std::vector<uint8_t> out(sizeof(b) + keys.size() * 8 + grads.size() * 4);
   std::memcpy(out.data(), &b, sizeof(b));
-  std::memcpy(out.data() + sizeof(b), keys.data(), keys.size() * 8);
-  std::memcpy(out.data() + sizeof(b) + keys.size() * 8, grads.data(), grads.size() * 4);
+  if (!keys.empty()) std::memcpy(out.data() + sizeof(b), keys.data(), keys.size() * 8);
+  if (!grads.empty()) {
+    std::memcpy(out.data() + sizeof(b) + keys.size() * 8, grads.data(), grads.size() * 4);
+  }
   return out;
 }
 
