@@ -43,7 +43,8 @@ size_t SlotBytesFor(const ClientOptions& o) {
   const size_t rows = std::max<uint32_t>(o.max_packet_rows, 1);
   size_t bytes = std::max(wire::CommitFrameBytes(rows, o.dim), wire::AssignFrameBytes(rows, o.dim));
   bytes = std::max(bytes, wire::GetFrameBytes(rows));
-  bytes = std::max(bytes, kHeaderBytes + sizeof(wire::OpenBody) + wire::kMaxTableName);
+  bytes = std::max(bytes, kHeaderBytes + sizeof(wire::OpenBody) +
+                             o.init.bound_starts.size() * 12 + wire::kMaxTableName);
   return bytes;
 }
 
@@ -197,6 +198,10 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
     }
     if (options_.max_packet_rows == 0) throw ValueError("max_packet_rows must be >= 1");
     if (!(options_.timeout > 0)) throw ValueError("timeout must be > 0 seconds");
+    if (options_.init.bound_starts.size() != options_.init.bound_values.size() ||
+        options_.init.bound_starts.size() > wire::kMaxBoundRanges) {
+      throw ValueError("init bound ranges: starts and bounds must pair up (at most 65536)");
+    }
     for (size_t j = 0; j < channels_.size(); ++j) {
       if (!channels_[j]) throw ValueError("shard endpoint " + std::to_string(j) + " is missing");
       if (channels_[j]->slot_bytes() < SlotBytesFor(options_)) {
@@ -259,10 +264,19 @@ void PSClient::OpenSessions() {
     b.init_value = options_.init.value;
     b.init_seed = options_.init.seed;
     b.key_bound = options_.key_bound;
-    const size_t len = kHeaderBytes + sizeof(b) + options_.table.size();
+    const size_t r = options_.init.bound_starts.size();
+    b.num_bound_ranges = static_cast<uint32_t>(r);
+    const size_t len = kHeaderBytes + sizeof(b) + r * 12 + options_.table.size();
     WriteHeader(f, MsgType::kOpen, len);
-    std::memcpy(f + kHeaderBytes, &b, sizeof(b));
-    std::memcpy(f + kHeaderBytes + sizeof(b), options_.table.data(), options_.table.size());
+    uint8_t* p = f + kHeaderBytes;
+    std::memcpy(p, &b, sizeof(b));
+    p += sizeof(b);
+    if (r) {
+      std::memcpy(p, options_.init.bound_starts.data(), r * 8);
+      std::memcpy(p + r * 8, options_.init.bound_values.data(), r * 4);
+    }
+    p += r * 12;
+    std::memcpy(p, options_.table.data(), options_.table.size());
     reqs[j] = std::make_shared<SyncRequest>();
     ch.Post(slot, len, reqs[j]);
     ch.Flush();

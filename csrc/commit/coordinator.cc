@@ -35,6 +35,30 @@ const char* InitKindName(store::InitKind k) {
 
 }  // namespace
 
+std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b) {
+  if (a.kind != b.kind) {
+    return std::string("init '") + InitKindName(a.kind) + "' differs from the table's init '" +
+           InitKindName(b.kind) + "'";
+  }
+  if (a.kind == store::InitKind::kUniform) {
+    if (!SameBits(a.bound, b.bound)) {
+      return "init_bound " + FloatText(a.bound) + " differs from the table's " + FloatText(b.bound);
+    }
+    bool same_ranges = a.bound_starts == b.bound_starts && a.bound_values.size() == b.bound_values.size();
+    for (size_t i = 0; same_ranges && i < a.bound_values.size(); ++i) {
+      same_ranges = SameBits(a.bound_values[i], b.bound_values[i]);
+    }
+    if (!same_ranges) return "init_bound ranges differ from the table's";
+  }
+  if (a.kind == store::InitKind::kConstant && !SameBits(a.value, b.value)) {
+    return "init_value " + FloatText(a.value) + " differs from the table's " + FloatText(b.value);
+  }
+  if (a.kind == store::InitKind::kUniform && a.seed != b.seed) {
+    return "seed " + std::to_string(a.seed) + " differs from the table's seed " + std::to_string(b.seed);
+  }
+  return {};
+}
+
 CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableStore> store,
                                      int64_t committed_step, CoordinatorOptions options)
     : table_(std::move(table)),
@@ -83,23 +107,8 @@ int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
     throw ValueError(where + "dim " + std::to_string(params.dim) + " differs from the table's dim " +
                      std::to_string(spec_.dim));
   }
-  const auto& a = table_spec.init;
-  const auto& b = spec_.init;
-  if (a.kind != b.kind) {
-    throw ValueError(where + "init '" + InitKindName(a.kind) + "' differs from the table's init '" +
-                     InitKindName(b.kind) + "'");
-  }
-  if (!SameBits(a.bound, b.bound)) {
-    throw ValueError(where + "init_bound " + FloatText(a.bound) + " differs from the table's " +
-                     FloatText(b.bound));
-  }
-  if (!SameBits(a.value, b.value)) {
-    throw ValueError(where + "init_value " + FloatText(a.value) + " differs from the table's " +
-                     FloatText(b.value));
-  }
-  if (a.seed != b.seed) {
-    throw ValueError(where + "seed " + std::to_string(a.seed) + " differs from the table's seed " +
-                     std::to_string(b.seed));
+  if (const std::string d = InitDifference(table_spec.init, spec_.init); !d.empty()) {
+    throw ValueError(where + d);
   }
   if (table_spec.key_bound != spec_.key_bound) {
     throw ValueError(where + "key_bound " + std::to_string(table_spec.key_bound) +

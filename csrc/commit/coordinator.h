@@ -50,6 +50,9 @@ namespace bagpipe::commit {
 
 using LogFn = std::function<void(const std::string&)>;
 
+// Empty if the two init specs define the same rows; otherwise which field differs.
+std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b);
+
 struct CoordinatorOptions {
   LogFn log;                    // one line per session event; may be empty
   std::string checkpoint_dir;   // where the periodic checkpoint goes (empty: none)

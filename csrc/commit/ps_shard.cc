@@ -38,9 +38,8 @@ bool SameSpec(const TableSpec& a, const TableSpec& b, std::string* why) {
     *why = "dim " + std::to_string(a.dim) + " differs from the table's dim " + std::to_string(b.dim);
     return false;
   }
-  if (a.init.kind != b.init.kind || std::memcmp(&a.init.bound, &b.init.bound, 4) != 0 ||
-      std::memcmp(&a.init.value, &b.init.value, 4) != 0 || a.init.seed != b.init.seed) {
-    *why = "init (kind, bound, value, seed) differs from the table's";
+  if (const std::string d = InitDifference(a.init, b.init); !d.empty()) {
+    *why = d;
     return false;
   }
   if (a.key_bound != b.key_bound) {
@@ -227,6 +226,8 @@ bool PSShard::Dispatch(const std::shared_ptr<ServerLink>& link, const wire::Fram
       spec.init.bound = open.body.init_bound;
       spec.init.value = open.body.init_value;
       spec.init.seed = open.body.init_seed;
+      spec.init.bound_starts = open.bound_starts;
+      spec.init.bound_values = open.bound_values;
       spec.key_bound = open.body.key_bound;
       SessionParams params;
       params.session = open.body.session;

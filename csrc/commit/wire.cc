@@ -178,8 +178,26 @@ bool ParseOpen(const uint8_t* body, size_t len, OpenView* out, std::string* why)
   if (len < sizeof(OpenBody)) return Fail(why, "Open: body too short");
   out->body = Load<OpenBody>(body);
   const auto& b = out->body;
-  if (!ExactPayload(len, sizeof(OpenBody), b.name_len, 1, "Open", why)) return false;
-  out->table = std::string_view(reinterpret_cast<const char*>(body + sizeof(OpenBody)), b.name_len);
+  if (b.num_bound_ranges > kMaxBoundRanges) return Fail(why, "Open: num_bound_ranges is too large");
+  const size_t ranges_len = size_t{b.num_bound_ranges} * 12;
+  if (!ExactPayload(len, sizeof(OpenBody) + ranges_len, b.name_len, 1, "Open", why)) return false;
+  const uint8_t* ranges = body + sizeof(OpenBody);
+  out->bound_starts.resize(b.num_bound_ranges);
+  out->bound_values.resize(b.num_bound_ranges);
+  if (b.num_bound_ranges) {
+    std::memcpy(out->bound_starts.data(), ranges, size_t{b.num_bound_ranges} * 8);
+    std::memcpy(out->bound_values.data(), ranges + size_t{b.num_bound_ranges} * 8,
+                size_t{b.num_bound_ranges} * 4);
+  }
+  for (size_t i = 0; i < out->bound_values.size(); ++i) {
+    if (!std::isfinite(out->bound_values[i]) || out->bound_values[i] < 0) {
+      return Fail(why, "Open: bound range " + std::to_string(i) + " is not a finite bound >= 0");
+    }
+    if (i > 0 && out->bound_starts[i] <= out->bound_starts[i - 1]) {
+      return Fail(why, "Open: bound range starts must be strictly increasing");
+    }
+  }
+  out->table = std::string_view(reinterpret_cast<const char*>(ranges + ranges_len), b.name_len);
   if (!ValidTableName(out->table)) {
     return Fail(why, "Open: table name must be 1-128 characters of [A-Za-z0-9_.:-]");
   }

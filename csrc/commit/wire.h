@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace bagpipe::commit::wire {
 
@@ -42,7 +43,7 @@ inline constexpr size_t kDefaultMaxFrameBytes = size_t{256} << 20;
 enum class MsgType : uint16_t {
   kHello = 1,            // C->S  HelloBody + token bytes (must be a connection's first frame)
   kHelloOk = 2,          // S->C  HelloOkBody
-  kOpen = 3,             // C->S  OpenBody + table name bytes
+  kOpen = 3,             // C->S  OpenBody + int64 starts[r] + f32 bounds[r] + table name
   kOpenOk = 4,           // S->C  OpenOkBody
   kCommit = 5,           // C->S  CommitBody + keys[nrows] + grads[nrows * dim]
   kAck = 6,              // S->C  AckBody
@@ -115,11 +116,12 @@ struct OpenBody {
   uint16_t name_len;      // table name bytes that follow, 1..kMaxTableName
   float init_bound;
   float init_value;
-  uint32_t reserved;
+  uint32_t num_bound_ranges;  // r: per-key-range uniform bounds (store::InitSpec), <= 2^16
   uint64_t init_seed;
   int64_t key_bound;      // >= 0: keys lie in [0, key_bound); -1: any int64
 };
 static_assert(sizeof(OpenBody) == 56);
+inline constexpr uint32_t kMaxBoundRanges = 1u << 16;
 
 struct OpenOkBody {
   int64_t committed_step;
@@ -264,6 +266,8 @@ struct HelloView {
 };
 struct OpenView {
   OpenBody body;
+  std::vector<int64_t> bound_starts;
+  std::vector<float> bound_values;
   std::string_view table;
 };
 struct CommitView {
