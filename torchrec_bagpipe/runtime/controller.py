@@ -375,6 +375,7 @@ class BagPipeController:
         try:
             if self._failed is None and self._active is None:
                 self._drain()
+                self._committed()
         except BaseException as e:
             error = e
         finally:
