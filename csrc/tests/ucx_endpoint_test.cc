@@ -57,7 +57,7 @@ class EchoServer {
     o.limits.max_ring_bytes = max_ring_bytes;
     o.handshake_timeout = 5;
     acceptor_ = std::make_unique<Acceptor>(
-        o, [](const std::string& t) { return t == kToken; },
+        o, [](const std::string& t, std::string*) { return t == kToken; },
         [this](const std::shared_ptr<Endpoint>& ep) { return Attach(ep); });
   }
   ~EchoServer() {

@@ -38,7 +38,8 @@ struct AcceptorOptions {
 
 class Acceptor {
  public:
-  using Authorize = std::function<bool(const std::string& token)>;
+  // false refuses the client; *why (preset to "wrong job token") is what it is told.
+  using Authorize = std::function<bool(const std::string& token, std::string* why)>;
   // Receives the new endpoint and returns its handlers; keeping the endpoint is the
   // callee's business (the acceptor drops its reference when the handshake ends).
   using OnConnection = std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>;

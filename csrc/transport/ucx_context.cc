@@ -1,6 +1,7 @@
 #include "transport/ucx_context.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -65,7 +66,18 @@ Context::~Context() {
   if (context_ != nullptr) ucp_cleanup(context_);
 }
 
-std::shared_ptr<Context> Context::Get(const UcxConfig& config) {
+std::shared_ptr<Context> Context::Get(const UcxConfig& requested) {
+  // Unset fields take the environment's value now, so a process that changes UCX_TLS between
+  // connections gets a context per setting (the cache key is what UCX will really use).
+  UcxConfig config = requested;
+  if (config.tls.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    if (env != nullptr) config.tls = env;
+  }
+  if (config.net_devices.empty()) {
+    const char* env = std::getenv("UCX_NET_DEVICES");
+    if (env != nullptr) config.net_devices = env;
+  }
   static std::mutex mu;
   static auto* cache = new std::map<std::pair<std::string, std::string>, std::weak_ptr<Context>>();
   std::lock_guard<std::mutex> lock(mu);

@@ -9,7 +9,8 @@
 //   1. A Context outlives every worker, registration and remote key built on it (holders
 //      keep a shared_ptr).
 //   2. The transports a Context uses are fixed at creation: config.tls / config.net_devices
-//      when set, otherwise UCX's own environment (UCX_TLS, UCX_NET_DEVICES) and defaults.
+//      when set, otherwise UCX_TLS / UCX_NET_DEVICES as they are when Get is called, otherwise
+//      UCX's defaults; config() reports the resolved values.
 //   3. Every UCX status that is not UCS_OK reaches callers as TransportError, with the
 //      operation and ucs_status_string in the message (ThrowStatus).
 #pragma once
@@ -36,8 +37,9 @@ struct UcxConfig {
 
 class Context {
  public:
-  // The shared context for `config`, created on first use. Throws TransportError when UCX
-  // cannot initialise (e.g. an unknown transport name in config.tls).
+  // The shared context for `config` (unset fields resolved from UCX_TLS / UCX_NET_DEVICES at
+  // this call), created on first use. Throws TransportError when UCX cannot initialise
+  // (e.g. an unknown transport name in config.tls).
   static std::shared_ptr<Context> Get(const UcxConfig& config);
 
   ~Context();

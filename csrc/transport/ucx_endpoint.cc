@@ -221,11 +221,7 @@ std::vector<uint8_t> Endpoint::WorkerAddress() {
 }
 
 void Endpoint::CreateEndpoint(const std::vector<uint8_t>& remote_address) {
-  std::string tls = context_->config().tls;
-  if (tls.empty()) {
-    const char* env = std::getenv("UCX_TLS");
-    tls = env != nullptr ? env : "";
-  }
+  const std::string& tls = context_->config().tls;  // resolved (Context::Get)
   const bool want_peer = tls.empty() || ListsNetworkTransport(tls);
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -409,7 +405,8 @@ void Endpoint::VerifyRing(const wire::BootReply& reply, Deadline deadline) {
 
 std::shared_ptr<Endpoint> Endpoint::Accept(
     std::shared_ptr<Context> context, Socket control, const std::string& peer,
-    const AcceptLimits& limits, const std::function<bool(const std::string&)>& authorize,
+    const AcceptLimits& limits,
+    const std::function<bool(const std::string& token, std::string* why)>& authorize,
     const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
     Deadline deadline) {
   const int fd = control.fd();
@@ -464,9 +461,8 @@ std::shared_ptr<Endpoint> Endpoint::Accept(
   std::vector<uint8_t> client_address(h.address_len);
   RecvAll(fd, token.data(), token.size(), deadline, peer);
   RecvAll(fd, client_address.data(), client_address.size(), deadline, peer);
-  if (!authorize(token)) {
-    return refuse(wire::BootStatus::kUnauthorized, "wrong job token");
-  }
+  std::string why = "wrong job token";
+  if (!authorize(token, &why)) return refuse(wire::BootStatus::kUnauthorized, why);
 
   // Declared before `ep`: they outlive its progress thread (see RunOnThread).
   std::vector<uint8_t> my_address;
@@ -557,6 +553,11 @@ bool Endpoint::failed() const {
 Failure Endpoint::failure() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failure_;
+}
+
+void Endpoint::WaitFailureHandled(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, deadline, [&] { return !failed_ || failure_done_; });
 }
 
 EndpointStats Endpoint::stats() const {
@@ -1185,6 +1186,8 @@ void Endpoint::HandleFailure() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     failure = failure_;
+    failure_done_ = true;
+    cv_.notify_all();
   }
   if (Handlers().on_failure) Handlers().on_failure(failure);
 }
@@ -1218,6 +1221,9 @@ void Endpoint::Teardown() {
   for (Op* op : live_ops_) delete op;
   live_ops_.clear();
   outstanding_ = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  failure_done_ = true;
+  cv_.notify_all();
 }
 
 }  // namespace bagpipe::transport::ucx

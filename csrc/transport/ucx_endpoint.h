@@ -145,9 +145,10 @@ class Endpoint {
                                            EndpointHandlers handlers, Deadline deadline);
 
   // Shard: the server half of the bootstrap on an accepted control connection. `authorize`
-  // checks the token; `on_connection` returns the handlers of the new endpoint (called
-  // before the client can send anything). Returns nullptr when the client was refused
-  // (it got a BootReply saying why). Throws on I/O errors and timeouts.
+  // checks the token (false: refused, *why says why); `on_connection` returns the handlers
+  // of the new endpoint (called before the client can send anything). Returns nullptr when
+  // the client was refused (it got a BootReply saying why). Throws on I/O errors and
+  // timeouts.
   struct AcceptLimits {
     uint32_t max_slots = wire::kMaxSlots;
     size_t max_slot_bytes = size_t{256} << 20;
@@ -156,7 +157,8 @@ class Endpoint {
   };
   static std::shared_ptr<Endpoint> Accept(
       std::shared_ptr<Context> context, Socket control, const std::string& peer,
-      const AcceptLimits& limits, const std::function<bool(const std::string&)>& authorize,
+      const AcceptLimits& limits,
+      const std::function<bool(const std::string& token, std::string* why)>& authorize,
       const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
       Deadline deadline);
 
@@ -195,6 +197,9 @@ class Endpoint {
 
   bool failed() const;
   Failure failure() const;
+  // Waits (bounded) until a failed endpoint finished its failure handling (invariant 4):
+  // after it, UCX writes nothing more into Landing buffers. Returns at once if not failed.
+  void WaitFailureHandled(Deadline deadline);
   EndpointStats stats() const;
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
 
@@ -308,6 +313,7 @@ class Endpoint {
   bool graceful_stop_ = false;
   bool closed_ = false;
   bool started_ = false;
+  bool failure_done_ = false;  // HandleFailure (or the teardown) finished
   std::string setup_error_;
   EndpointStats stats_;
   std::atomic<bool> failed_flag_{false};
