@@ -338,6 +338,18 @@ std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* key
   return Enqueue(std::move(op));
 }
 
+std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* keys, size_t n,
+                                                std::shared_ptr<DeferredRows> grads) {
+  if (step < 0) throw ValueError("step must be >= 0, got " + std::to_string(step));
+  if (!grads) throw ValueError("grads must not be null");
+  CheckKeys(keys, n, "keys");
+  std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCommit, step));
+  op->keys_ = keys;
+  op->n_ = n;
+  op->deferred_rows_ = std::move(grads);
+  return Enqueue(std::move(op));
+}
+
 std::shared_ptr<ClientOp> PSClient::GetAsync(const int64_t* keys, size_t n, int64_t at_step,
                                              float* out) {
   if (at_step < -1) throw ValueError("at_step must be >= -1, got " + std::to_string(at_step));
@@ -485,6 +497,7 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
     case OpKind::kCommit:
     case OpKind::kAssign: {
       const bool is_commit = op->kind_ == OpKind::kCommit;
+      if (op->deferred_rows_) op->rows_ = op->deferred_rows_->Wait(op->deadline_);
       const size_t dim = options_.dim;
       const size_t maxr = options_.max_packet_rows;
       const uint32_t S = num_shards();

@@ -64,6 +64,17 @@ size_t SlotBytesFor(const ClientOptions& options);
 
 enum class OpKind : uint8_t { kCommit = 0, kGet = 1, kAssign = 2, kCheckpoint = 3 };
 
+// Rows that become readable only later: gradients a native worker is copying from a GPU into
+// pinned host memory (transport/device_staging.h). The client's worker calls Wait before it
+// reads them, and the op keeps this object (with its buffer) alive until it finishes.
+class DeferredRows {
+ public:
+  virtual ~DeferredRows() = default;
+  // The rows (n x dim), readable while this object lives. Throws TimeoutError at the
+  // deadline, or the error that broke the staging.
+  virtual const float* Wait(transport::Deadline deadline) = 0;
+};
+
 // An asynchronous operation's handle.
 class ClientOp {
  public:
@@ -95,6 +106,7 @@ class ClientOp {
   size_t n_ = 0;
   const float* rows_ = nullptr;  // commit grads / assign rows
   float* out_ = nullptr;         // get output (n x dim)
+  std::shared_ptr<DeferredRows> deferred_rows_;  // commit grads readable later (rows_ set by Stage)
   transport::Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
   int outstanding_ = 0;           // replies not yet received
@@ -132,6 +144,10 @@ class PSClient {
   // REQUIRES: step >= 0, keys within key_bound (ValueError naming the position otherwise).
   std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
                                         const float* grads);
+  // As above, with gradients that become readable later (a device copy in flight); the
+  // worker waits for them (bounded by the op's deadline) before packing.
+  std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
+                                        std::shared_ptr<DeferredRows> grads);
   // Reads n rows into out (n x dim) once every shard committed at_step (-1: now).
   std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out);
   // Writes rows (n x dim) for keys on their shards (bulk load; last duplicate wins).

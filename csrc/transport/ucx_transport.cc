@@ -162,6 +162,13 @@ void UcxChannel::DoFlush() {
   }
 }
 
+void UcxChannel::BackendStats(ChannelStats* stats) const {
+  if (!endpoint_) return;
+  const auto es = endpoint_->stats();
+  stats->one_sided_writes = es.puts;
+  stats->doorbells = es.doorbells;
+}
+
 void UcxChannel::DoClose() {
   if (endpoint_) endpoint_->Close(/*graceful=*/true);
 }

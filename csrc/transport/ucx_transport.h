@@ -55,6 +55,7 @@ class UcxChannel : public Channel {
   void DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) override;
   void DoFlush() override;
   void DoClose() override;
+  void BackendStats(ChannelStats* stats) const override;
 
  private:
   UcxChannel(std::string peer, const ChannelOptions& options);
