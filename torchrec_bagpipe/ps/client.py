@@ -49,9 +49,9 @@ def _endpoint(e: Any, index: int) -> Any:
         text = e
         rdma = text.startswith("ucx://") or text.startswith("rdma://")
         if rdma:
-            from torchrec_bagpipe.ps.rdma import require_rdma
+            from torchrec_bagpipe.ps import rdma as _rdma
 
-            require_rdma()
+            _rdma.require_rdma()
             text = text.split("://", 1)[1]
         if text.startswith("tcp://"):
             text = text[len("tcp://"):]

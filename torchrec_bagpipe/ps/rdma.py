@@ -37,10 +37,18 @@ class RdmaUnavailableError(RuntimeError):
     """ps_type='rdma' was asked for in a build compiled without UCX (libucx-dev)."""
 
 
+_UNAVAILABLE = (
+    "ps_type='rdma' needs UCX (the ucx library, Debian/Ubuntu package libucx-dev, found through "
+    "pkg-config 'ucx'), and this build of torchrec_bagpipe was compiled without it: install "
+    "libucx-dev and rebuild (make build / pip install .), or use ps_type='tcp' or the "
+    "single-node local backend"
+)
+
+
 def require_rdma() -> None:
     """Raises `RdmaUnavailableError` naming the missing library when UCX is not built in."""
     if not HAVE_UCX:
-        raise RdmaUnavailableError(str(C.RDMA_UNAVAILABLE))
+        raise RdmaUnavailableError(str(C.RDMA_UNAVAILABLE) or _UNAVAILABLE)
 
 
 def rdma_endpoint(address: str) -> str:
