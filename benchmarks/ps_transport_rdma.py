@@ -12,6 +12,7 @@ ping-pong. A link model (latency + bytes / bandwidth, bounded in-flight window; 
 predicts on a real fabric (``model_*`` lines).
 
 Usage: python benchmarks/ps_transport_rdma.py [--quick] [--transports local,tcp,rdma-sm,rdma-tcp]
+       python benchmarks/ps_transport_rdma.py --ucx-endpoints nodeB:7000,nodeC:7000  (a fabric)
 Shards and clients share this machine's cores: compare ratios, not absolute numbers.
 """
 
@@ -133,21 +134,26 @@ class Setup:
     """`shards` PS shards reached over `transport`, and one client (rank 0 of 1)."""
 
     def __init__(self, transport: str, shards: int, dim: int, keys: int, window: int,
-                 packet_rows: int) -> None:
+                 packet_rows: int, remote: list[str] | None = None) -> None:
         self.transport = transport
-        self.shards = [PSShard(i, shards) for i in range(shards)]
-        if transport == "local":
+        self.shards = [] if remote else [PSShard(i, shards) for i in range(shards)]
+        if remote:  # shard servers started elsewhere (a real fabric): --ucx-endpoints
+            endpoints = [rdma.rdma_endpoint(a) for a in remote]
+        elif transport == "local":
             endpoints: list[Any] = list(self.shards)
         elif transport == "tcp":
             endpoints = [s.serve(job_token="bench").address for s in self.shards]
-        elif transport.startswith("rdma-"):
+        elif transport.startswith("rdma"):
             rdma.require_rdma()
-            os.environ["UCX_TLS"] = transport.split("-", 1)[1]
+            if transport.startswith("rdma-"):  # rdma-sm, rdma-tcp; plain rdma: UCX_TLS as set
+                os.environ["UCX_TLS"] = transport.split("-", 1)[1]
             endpoints = [s.serve_ucx(job_token="bench").address for s in self.shards]
         else:
             raise ValueError(f"unknown transport {transport!r}")
+        # A table of its own per configuration and run: remote servers outlive the run.
+        table = f"bench_{os.getpid()}_{int(time.time())}_d{dim}_s{shards}"
         self.client = PSClient(
-            endpoints, table="bench", dim=dim, lr=0.01, job_token="bench", timeout=120.0,
+            endpoints, table=table, dim=dim, lr=0.01, job_token="bench", timeout=120.0,
             init="uniform", init_bound=0.05, key_bound=keys, max_packet_rows=packet_rows,
             inflight_packets=window,
         )
@@ -184,9 +190,10 @@ def model_step_seconds(link: str, packets: float, payload_bytes: float, window: 
 # ---- measurements ------------------------------------------------------------------------
 
 def bench_config(transport: str, shards: int, dim: int, rows: int, repeats: int, window: int,
-                 packet_rows: int, raw_bw: float, raw_rtt: float, rtt_iters: int) -> None:
+                 packet_rows: int, raw_bw: float, raw_rtt: float, rtt_iters: int,
+                 remote: list[str] | None = None) -> None:
     keys_total = rows * 4
-    st = Setup(transport, shards, dim, keys_total, window, packet_rows)
+    st = Setup(transport, shards, dim, keys_total, window, packet_rows, remote)
     try:
         g = torch.Generator().manual_seed(dim * 7 + shards)
         keys = torch.randperm(keys_total, generator=g)[:rows].contiguous()
@@ -253,9 +260,16 @@ def main() -> None:
     ap.add_argument("--transports", default="local,tcp,rdma-sm,rdma-tcp")
     ap.add_argument("--window", type=int, default=8, help="inflight_packets per shard")
     ap.add_argument("--packet-rows", type=int, default=4096, help="max_packet_rows")
+    ap.add_argument("--ucx-endpoints", default="",
+                    help="host:port,... of running `torchrec-bagpipe-ps --transport rdma "
+                         "--job-token bench` servers (a real fabric); measures transport 'rdma' "
+                         "against them instead of in-process shards")
     args = ap.parse_args()
     repeats = 3 if args.quick else 7
     transports = [t for t in args.transports.split(",") if t]
+    remote = [a for a in args.ucx_endpoints.split(",") if a]
+    if remote:
+        transports = ["rdma"]
     if not rdma.HAVE_UCX:
         dropped = [t for t in transports if t.startswith("rdma")]
         transports = [t for t in transports if not t.startswith("rdma")]
@@ -273,9 +287,10 @@ def main() -> None:
             rows = (1 << 16) if dim == 32 else (1 << 14)
             if not args.quick:
                 rows *= 4
-            for shards in (1, 2):
+            for shards in ((len(remote),) if remote else (1, 2)):
                 bench_config(transport, shards, dim, rows, repeats, args.window,
-                             args.packet_rows, raw_bw, raw_rtt, 50 if args.quick else 500)
+                             args.packet_rows, raw_bw, raw_rtt, 50 if args.quick else 500,
+                             remote or None)
 
 
 if __name__ == "__main__":
