@@ -103,7 +103,6 @@ class EchoServer {
       FrameHead fh;
       std::memcpy(&fh, f.data, sizeof(fh));
       frames_.fetch_add(1);
-      if (getenv("UCX_TEST_DEBUG")) fprintf(stderr, "server frame slot=%u len=%zu tag=%lu id=%lu\n", f.slot, f.len, (unsigned long)f.tag, (unsigned long)fh.id);
       // The doorbell's tag is the frame id: the write landed before its doorbell.
       if (fh.id != f.tag) {
         self->Fail("frame in slot does not match its doorbell");
@@ -116,7 +115,6 @@ class EchoServer {
                       [payload](bool) {});
     };
     h.on_failure = [this](const Failure& f) {
-      if (getenv("UCX_TEST_DEBUG")) fprintf(stderr, "server failure: %s\n", f.message.c_str());
       std::lock_guard<std::mutex> lock(mu_);
       failures_.push_back(f);
       cv_.notify_all();
@@ -188,11 +186,6 @@ class TestClient {
     std::unique_lock<std::mutex> lock(mu_);
     const bool ok = cv_.wait_for(lock, t, [&] { return replies_.count(id) != 0 || failed_; }) &&
                     replies_.count(id) != 0;
-    if (!ok) {
-      auto st = ep_->stats();
-      fprintf(stderr, "no reply %lu: failed=%d '%s' frames=%lu puts=%lu flushes=%lu doorbells=%lu recv=%lu sleeps=%lu\n",
-              (unsigned long)id, failed_, failure_.message.c_str(), st.frames, st.puts, st.flushes, st.doorbells, st.messages_received, st.sleeps);
-    }
     return ok;
   }
   bool WaitFailure(std::chrono::milliseconds t = 10s) {

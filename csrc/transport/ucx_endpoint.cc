@@ -25,7 +25,6 @@ constexpr auto kSpin = std::chrono::microseconds(50);  // busy-poll while reques
 constexpr unsigned kProgressBurst = 64;
 constexpr size_t kMaxHeldMessages = 1 << 16;
 
-static bool Dbg() { static bool d = std::getenv("BAGPIPE_UCX_DEBUG") != nullptr; return d; }
 constexpr size_t kMaxDoorbellEntries = 256;  // per doorbell (fits UCX's AM header limit)
 
 const char* BootStatusName(int32_t s) {
@@ -827,7 +826,6 @@ ucs_status_t Endpoint::OnFrameAm(void* arg, const void* header, size_t header_le
 
 ucs_status_t Endpoint::ReceiveAm(unsigned am_id, const void* header, size_t header_len,
                                  void* data, size_t length, const ucp_am_recv_param_t* param) {
-  if (Dbg() && !OnProgressThread()) fprintf(stderr, "[%s] AM ON FOREIGN THREAD\n", peer_.c_str());
   if (failed_flag_.load(std::memory_order_acquire)) return UCS_OK;  // dropped
   // Doorbells only flow to shards, frame messages only to clients.
   const unsigned expected = role_ == Role::kServer ? wire::kAmDoorbell : wire::kAmFrame;
@@ -841,7 +839,6 @@ ucs_status_t Endpoint::ReceiveAm(unsigned am_id, const void* header, size_t head
   }
   wire::MessagePrefix prefix;
   std::memcpy(&prefix, header, sizeof(prefix));
-  if (Dbg()) fprintf(stderr, "[%s] recv am %u seq %lu len %zu attr %lx\n", peer_.c_str(), am_id, (unsigned long)prefix.seq, length, (unsigned long)param->recv_attr);
   if (prefix.seq < next_recv_seq_ || incoming_.count(prefix.seq) != 0 ||
       incoming_.size() >= kMaxHeldMessages) {
     Fail("UCX message from " + peer_ + " out of sequence (seq " + std::to_string(prefix.seq) +
@@ -1001,10 +998,8 @@ void Endpoint::DoSend(unsigned am_id, const void* head, size_t head_len, const v
       ++stats_.doorbells;
     }
   }
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ep_, am_id, op->header.data(), op->header.size(), payload,
-                            payload_len, &prm);
-  if (Dbg()) fprintf(stderr, "[%s] send am %u seq %lu len %zu -> %s\n", peer_.c_str(), am_id, (unsigned long)prefix.seq, payload_len, sp == nullptr ? "done" : UCS_PTR_IS_ERR(sp) ? "err" : "pending");
-  Track(op, sp);
+  Track(op, ucp_am_send_nbx(ep_, am_id, op->header.data(), op->header.size(), payload,
+                            payload_len, &prm));
 }
 
 void Endpoint::Land(Incoming& in, uint8_t* dst, std::function<void(bool)> done,
@@ -1062,7 +1057,6 @@ void Endpoint::DispatchRingFrames(const std::vector<wire::DoorbellEntry>& entrie
 }
 
 void Endpoint::HandleDoorbell(Incoming& in) {
-  if (Dbg()) fprintf(stderr, "[%s] doorbell head %zu len %zu deliveries %zu\n", peer_.c_str(), in.head.size(), in.length, deliveries_.size());
   const size_t n = in.head.size() / sizeof(wire::DoorbellEntry);
   std::vector<wire::DoorbellEntry> entries(n);
   bool ok = in.head.size() % sizeof(wire::DoorbellEntry) == 0 && n > 0 && n <= kMaxDoorbellEntries;

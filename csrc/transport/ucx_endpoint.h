@@ -25,13 +25,16 @@
 //     lock; they may call SendMessage / PostPut / FlushAndRing / Fail, never Close.
 //
 // Invariants:
-//   1. Frames reach the shard in the order PostPut was called: a doorbell is sent only after
-//      the flush covering its puts completed (the writes are visible in the ring), doorbells
-//      go out in flush order, and every active message carries a seq the receiver acts on
-//      strictly in order (UCP does not promise AM ordering across protocols or lanes).
+//   1. Frames reach on_ring_frame in the order PostPut was called, each only once its bytes
+//      are in the ring: kPut sends a doorbell only after the flush covering its writes
+//      completed, doorbells go out in flush order; kMessage lands the doorbell's payload in
+//      the slot first. Every active message carries a seq the receiver acts on strictly in
+//      order (UCP does not promise AM ordering across protocols or lanes).
 //   2. Messages reach on_message in send order and their Landing.done calls run in that
 //      order, each after its payload landed in Landing.dst (a rendezvous payload is received
 //      by UCX straight into dst, with no bounce buffer).
+//   2b. A handler sees a ring slot's frame until the shard answers it; the client reuses a
+//      slot only after that answer (Channel's slot ownership), so frames are never copied.
 //   3. Every wait is bounded: connecting (deadline), closing (kCloseTimeout); liveness comes
 //      from the control connection (EOF without Bye = torn) and, where the transports
 //      support it, UCP peer-failure detection.
