@@ -101,6 +101,9 @@ def _sgd_from_param(param: torch.Tensor, where: str) -> float | None:
     for key, value in kwargs.items():
         if key == "lr":
             continue
+        if key == "optimizer":  # added in place by TorchRec's stock sharder
+            _sgd_from_fused_params({"optimizer": value}, where)
+            continue
         if key not in _NEUTRAL_SGD_KWARGS:
             raise UnsupportedOptimizerError(
                 f"{where}: SGD argument {key}={value!r} is not supported by BagPipe"

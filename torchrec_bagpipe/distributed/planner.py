@@ -50,6 +50,7 @@ from torchrec_bagpipe.distributed.sharder import (
 )
 
 __all__ = [
+    "BagPipeParameterSharding",
     "BagPipePerfEstimator",
     "BagPipeShardingPlanner",
     "BagPipeStorageEstimator",
@@ -62,12 +63,31 @@ _ID_BYTES = 8
 _FP32_BYTES = 4
 
 
-def bagpipe_parameter_sharding(world_size: int) -> ParameterSharding:
+@dataclasses.dataclass
+class BagPipeParameterSharding(ParameterSharding):
+    """A ParameterSharding naming the BagPipe kernel.
+
+    TorchRec's stock EBC sharder asks a customized-kernel sharding for extra fused params
+    before it builds its kernels; answering with an error turns a DMP built without the
+    BagPipe sharder into a clear failure instead of a confusing one.
+    """
+
+    def get_additional_fused_params(self) -> dict[str, object]:
+        raise ValueError(
+            "this sharding plan places tables on the BagPipe kernel ('customized_kernel'), "
+            "but the EmbeddingBagCollection is being sharded by TorchRec's stock sharder: "
+            "build DistributedModelParallel with "
+            "sharders=[BagPipeEmbeddingBagCollectionSharder(...)]"
+        )
+
+
+def bagpipe_parameter_sharding(world_size: int, ranks: list[int] | None = None
+                               ) -> BagPipeParameterSharding:
     """The ParameterSharding of one BagPipe table: compute on every rank, rows in the PS."""
-    return ParameterSharding(
+    return BagPipeParameterSharding(
         sharding_type=ShardingType.DATA_PARALLEL.value,
         compute_kernel=BAGPIPE_KERNEL,
-        ranks=list(range(world_size)),
+        ranks=list(ranks) if ranks is not None else list(range(world_size)),
     )
 
 
@@ -282,5 +302,14 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
                     BagPipeStorageEstimator(self._topology, self._constraints, config),
                 ],
             )
-        return super().plan(module, sharders)
+        plan = super().plan(module, sharders)
+        for module_plan in plan.plan.values():
+            for name, ps in list(module_plan.items()):  # type: ignore[attr-defined]
+                if ps.compute_kernel == BAGPIPE_KERNEL and not isinstance(
+                    ps, BagPipeParameterSharding
+                ):
+                    module_plan[name] = bagpipe_parameter_sharding(  # type: ignore[index]
+                        self._topology.world_size, ps.ranks
+                    )
+        return plan
 
