@@ -72,8 +72,9 @@ class ReferenceController:
 
     def submit(self, keys: torch.Tensor) -> None:
         t = self.submitted
-        if self.trace is not None:
-            if t >= len(self.trace) or not torch.equal(self.trace[t], keys):
+        if self.trace is not None and (
+            t >= len(self.trace) or not torch.equal(self.trace[t], keys)
+        ):
                 raise ValueError(f"step {t}: the batch does not match the prescan plan")
         self.queue.append((t, keys.clone()))
         self.submitted += 1

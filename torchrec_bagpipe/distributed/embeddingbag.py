@@ -326,7 +326,9 @@ class ShardedBagPipeEmbeddingBagCollection(
             key_dim=1,
         )
 
-    def output_dist(self, ctx: BagPipeEBCContext, output: KeyedTensor) -> LazyAwaitable[KeyedTensor]:
+    def output_dist(
+        self, ctx: BagPipeEBCContext, output: KeyedTensor
+    ) -> LazyAwaitable[KeyedTensor]:
         return LazyNoWait(output)
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
@@ -432,7 +434,7 @@ class ShardedBagPipeEmbeddingBagCollection(
         self._finish_pending()
         self._runtimes[g].controller.flush()
         if self._job.rank == 0:
-            start, stop = self._fused[g].table_range(table)
+            start, _stop = self._fused[g].table_range(table)
             self._assign_rows(g, start, value)
         self._loaded = True
 

@@ -54,8 +54,8 @@ __all__ = [
     "BagPipePerfEstimator",
     "BagPipeShardingPlanner",
     "BagPipeStorageEstimator",
-    "bagpipe_plan",
     "bagpipe_parameter_sharding",
+    "bagpipe_plan",
 ]
 
 # Bytes of one int64 id and of a fp32 value.

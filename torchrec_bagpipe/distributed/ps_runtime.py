@@ -12,6 +12,7 @@ sharding; every rank calls them in the same order (they may run collectives).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -121,10 +122,8 @@ def build_fused_table(
 def _close_at_exit() -> None:
     job = _JOB
     if job is not None and not job.closed and dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):
             job.close()
-        except Exception:
-            pass
 
 
 atexit.register(_close_at_exit)

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -77,6 +78,7 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
         self._window_iter: Iterator[Any] | None = None
         self._window_exhausted = False
         self._window_ready = False
+        self.prescan_seconds = 0.0
 
     @property
     def lookahead(self) -> int:
@@ -112,7 +114,9 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
         try:
             super()._pipeline_model(batch, context, pipelined_forward)
             if not self._prescanned:
+                start = time.perf_counter()
                 self._prescan()
+                self.prescan_seconds = time.perf_counter() - start
                 self._prescanned = True
         finally:
             for m in self._bagpipe_modules:
