@@ -20,7 +20,11 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
            results: Any, args: tuple[Any, ...], env: dict[str, str]) -> None:
     os.environ.update(env)
     try:
+        import torch
         import torch.distributed as dist
+
+        # The parent imported torch before OMP_NUM_THREADS reached this process.
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
 
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size

@@ -163,14 +163,16 @@ def to_batch(samples: list[Sample], keys: list[str], weighted: bool) -> Batch:
 
 
 def batches_for(kind: str, samples: list[list[list[Sample]]], rank: int | None,
-                seed: int) -> list[Batch]:
-    """Local batches of `rank` (None: the global batches), keys in a shuffled order."""
+                seed: int, shuffle_keys: bool = True) -> list[Batch]:
+    """Local batches of `rank` (None: the global batches), keys in a shuffled order
+    (TorchRec's stock sharded EBC needs one fixed key order: shuffle_keys=False)."""
     _, weighted = tables_for(kind)
     rng = random.Random(seed + 7)
     keys = list(feature_sizes(kind))
     out = []
     for step in samples:
-        rng.shuffle(keys)
+        if shuffle_keys:
+            rng.shuffle(keys)
         chosen = step[rank] if rank is not None else [s for r in step for s in r]
         out.append(to_batch(chosen, list(keys), weighted))
     return out
@@ -242,13 +244,13 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
     return state, losses
 
 
-def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None
-                    ) -> dict[str, torch.Tensor]:
+def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None,
+                    shuffle_keys: bool = True) -> dict[str, torch.Tensor]:
     model = build_model(case.kind, case.seed)
     if init is not None:
         model.load_state_dict(init)
     samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
-    batches = batches_for(case.kind, samples, None, case.seed)
+    batches = batches_for(case.kind, samples, None, case.seed, shuffle_keys)
     emb = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
     opt = torch.optim.SGD([{"params": emb, "lr": EMB_LR}, {"params": dense, "lr": DENSE_LR}])

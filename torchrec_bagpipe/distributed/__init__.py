@@ -22,6 +22,7 @@ _LAZY = {
     "bagpipe_metrics": "torchrec_bagpipe.distributed.utils",
     "prescan_model": "torchrec_bagpipe.distributed.utils",
     "close_model": "torchrec_bagpipe.distributed.utils",
+    "flush_model": "torchrec_bagpipe.distributed.utils",
 }
 
 

@@ -398,7 +398,7 @@ class ShardedBagPipeEmbeddingBagCollection(
         if self._closed:
             return
         try:
-            self._finish_pending()
+            self._finish_pending(check_lr=False)
             for rt in self._runtimes:
                 rt.controller.flush()
         finally:
@@ -624,13 +624,16 @@ class ShardedBagPipeEmbeddingBagCollection(
         pending.popleft()
         self._runtimes[g].controller.finish_step(step, grad)
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, check_lr: bool = True) -> None:
         """Finishes, with a zero gradient, every step that received none."""
         for g, pending in enumerate(self._pending):
             while pending:
                 step = pending[0]
-                zeros = torch.zeros_like(step.rows, memory_format=torch.contiguous_format)
-                self._optim.finish(g, step, zeros.detach())
+                zeros = torch.zeros_like(step.rows.detach(), memory_format=torch.contiguous_format)
+                if check_lr:
+                    self._optim.finish(g, step, zeros)
+                else:
+                    self._finish(g, step, zeros)
 
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
