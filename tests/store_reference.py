@@ -63,3 +63,72 @@ def sgd_reference(w: np.ndarray, grads: list[np.ndarray], lr: float, divisor: in
         g = (g / np.float32(divisor)).astype(np.float32)
     u = (g * np.float32(lr)).astype(np.float32)
     return (w - u).astype(np.float32)
+
+
+_P1 = 11400714785074694791
+_P2 = 14029467366897019727
+_P3 = 1609587929392839161
+_P4 = 9650029242287828579
+_P5 = 2870177450012600261
+_MASK = (1 << 64) - 1
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & _MASK
+
+
+def _round(acc: int, lane: int) -> int:
+    acc = (acc + lane * _P2) & _MASK
+    return (_rotl(acc, 31) * _P1) & _MASK
+
+
+def xxh64(data: bytes, seed: int = 0) -> int:
+    """Plain-Python XXH64 (the checkpoint checksum), for crafting manifests in tests."""
+    n = len(data)
+    p = 0
+    if n >= 32:
+        v = [
+            (seed + _P1 + _P2) & _MASK,
+            (seed + _P2) & _MASK,
+            seed,
+            (seed - _P1) & _MASK,
+        ]
+        while p + 32 <= n:
+            for i in range(4):
+                v[i] = _round(v[i], int.from_bytes(data[p + 8 * i : p + 8 * i + 8], "little"))
+            p += 32
+        h = (_rotl(v[0], 1) + _rotl(v[1], 7) + _rotl(v[2], 12) + _rotl(v[3], 18)) & _MASK
+        for lane in v:
+            h ^= _round(0, lane)
+            h = (h * _P1 + _P4) & _MASK
+    else:
+        h = (seed + _P5) & _MASK
+    h = (h + n) & _MASK
+    while p + 8 <= n:
+        h ^= _round(0, int.from_bytes(data[p : p + 8], "little"))
+        h = (_rotl(h, 27) * _P1 + _P4) & _MASK
+        p += 8
+    if p + 4 <= n:
+        h ^= (int.from_bytes(data[p : p + 4], "little") * _P1) & _MASK
+        h = (_rotl(h, 23) * _P2 + _P3) & _MASK
+        p += 4
+    while p < n:
+        h ^= (data[p] * _P5) & _MASK
+        h = (_rotl(h, 11) * _P1) & _MASK
+        p += 1
+    h ^= h >> 33
+    h = (h * _P2) & _MASK
+    h ^= h >> 29
+    h = (h * _P3) & _MASK
+    h ^= h >> 32
+    return h
+
+
+def rewrite_manifest(path: str, edit) -> None:
+    """Applies edit(json_text) -> json_text to a checkpoint's MANIFEST, re-signing it."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    body = text[: text.rindex("#xxh64 ")]
+    body = edit(body)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(body + f"#xxh64 {xxh64(body.encode()):016x}\n")

@@ -16,6 +16,7 @@
 #include "bindings/buffers.h"
 #include "bindings/registry.h"
 #include "common/errors.h"
+#include "store/checkpoint.h"
 #include "store/embedding_store.h"
 
 namespace bagpipe::bindings {
@@ -232,6 +233,13 @@ BAGPIPE_BINDING(store) {
              return py::make_tuple(n, cursor);
            },
            py::arg("cursor"), py::arg("keys"), py::arg("rows"))
+      .def("save",
+           [](StoreHandle& h, const std::string& path, const std::map<std::string, std::string>& meta,
+              bool weights_only) {
+             py::gil_scoped_release nogil;
+             h.store().Save(path, meta, weights_only);
+           },
+           py::arg("path"), py::arg("meta"), py::arg("weights_only"))
       .def("stats",
            [](StoreHandle& h) {
              store::StoreStats s = h.store().Stats();
@@ -251,6 +259,62 @@ BAGPIPE_BINDING(store) {
              d["memory_budget"] = s.memory_budget;
              return d;
            });
+
+  m.def(
+      "store_load",
+      [](const std::string& path, std::optional<int> num_shards, std::optional<int> num_threads,
+         std::optional<int64_t> key_bound, std::optional<uint32_t> page_rows,
+         std::optional<int64_t> memory_budget, std::optional<std::string> spill_dir,
+         std::optional<double> high_watermark, std::optional<double> low_watermark,
+         std::optional<int> dim, bool weights_only) {
+        store::LoadOverrides ov;
+        ov.num_shards = num_shards;
+        ov.num_threads = num_threads;
+        ov.key_bound = key_bound;
+        ov.page_rows = page_rows;
+        ov.memory_budget = memory_budget;
+        ov.spill_dir = std::move(spill_dir);
+        ov.high_watermark = high_watermark;
+        ov.low_watermark = low_watermark;
+        ov.dim = dim;
+        ov.weights_only = weights_only;
+        std::map<std::string, std::string> meta;
+        std::unique_ptr<store::EmbeddingStore> s;
+        {
+          py::gil_scoped_release nogil;
+          s = store::EmbeddingStore::Load(path, ov, &meta);
+        }
+        auto handle = std::make_unique<StoreHandle>(std::move(s));
+        handle->FlushWarning();
+        return py::make_tuple(std::move(handle), meta);
+      },
+      py::arg("path"), py::arg("num_shards"), py::arg("num_threads"), py::arg("key_bound"),
+      py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
+      py::arg("high_watermark"), py::arg("low_watermark"), py::arg("dim"),
+      py::arg("weights_only"));
+
+  m.def(
+      "store_checkpoint_info",
+      [](const std::string& path) {
+        store::Manifest mf;
+        {
+          py::gil_scoped_release nogil;
+          mf = store::CheckpointReader(path).manifest();
+        }
+        py::dict d = InitDict(mf.init);
+        d["version"] = mf.version;
+        d["contents"] = mf.weights_only ? "weights" : "full";
+        d["dim"] = mf.dim;
+        d["key_bound"] = mf.key_bound;
+        d["num_shards"] = mf.num_shards;
+        d["page_rows"] = mf.page_rows;
+        d["optimizer"] = mf.optimizer;
+        d["state_dim"] = mf.state_dim;
+        d["rows"] = mf.rows;
+        d["meta"] = mf.meta;
+        return d;
+      },
+      py::arg("path"));
 
   m.def(
       "store_initial_rows",

@@ -1,6 +1,7 @@
 #include "store/embedding_store.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -8,6 +9,7 @@
 
 #include "common/errors.h"
 #include "common/thread_pool.h"
+#include "store/checkpoint.h"
 #include "store/hash.h"
 #include "store/key_map.h"
 #include "store/os_memory.h"
@@ -120,6 +122,8 @@ class EmbeddingStore::Impl {
   size_t Size();
   size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows);
   StoreStats Stats();
+  void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
+            bool weights_only);
   void SetSpillCallback(SpillCallback cb) {
     std::lock_guard<std::mutex> lock(mu_);
     spill_.set_callback(std::move(cb));
@@ -669,6 +673,61 @@ StoreStats EmbeddingStore::Impl::Stats() {
   return st;
 }
 
+void EmbeddingStore::Impl::Save(const std::string& dir,
+                               const std::map<std::string, std::string>& meta,
+                               bool weights_only) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckpointWriter writer(dir);
+  Manifest m;
+  m.weights_only = weights_only;
+  m.dim = dim_;
+  m.init = opt_.init;
+  m.key_bound = opt_.key_bound;
+  m.num_shards = opt_.num_shards;
+  m.page_rows = opt_.page_rows;
+  m.optimizer = "sgd";
+  m.state_dim = 0;
+  m.meta = meta;
+  m.segments.resize(num_shards_);
+  pool_.Run(num_shards_, [&](size_t s) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "keys-%04zu.bin", s);
+    CheckpointWriter::File keys = writer.Create(name);
+    std::snprintf(name, sizeof(name), "rows-%04zu.bin", s);
+    CheckpointWriter::File rows = writer.Create(name);
+    // Stage rows in chunks so each file write is large.
+    constexpr size_t kChunk = 4096;
+    std::vector<int64_t> kbuf;
+    std::vector<float> rbuf;
+    kbuf.reserve(kChunk);
+    rbuf.reserve(kChunk * static_cast<size_t>(dim_));
+    auto flush = [&] {
+      keys.Write(kbuf.data(), kbuf.size() * sizeof(int64_t));
+      rows.Write(rbuf.data(), rbuf.size() * sizeof(float));
+      kbuf.clear();
+      rbuf.clear();
+    };
+    const KeyMap& map = shards_[s]->map;
+    uint64_t count = 0;
+    for (size_t b = 0; b < map.capacity(); ++b) {
+      const KeyMap::Entry& e = map.entries()[b];
+      if (e.tag == 0) continue;
+      kbuf.push_back(e.key);
+      const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
+      rbuf.insert(rbuf.end(), r, r + dim_);
+      ++count;
+      if (kbuf.size() == kChunk) flush();
+    }
+    flush();
+    SegmentEntry& seg = m.segments[s];
+    seg.count = count;
+    seg.keys = keys.Finish();
+    seg.rows = rows.Finish();
+  });
+  for (const auto& seg : m.segments) m.rows += seg.count;
+  writer.Commit(m);
+}
+
 // ---- public face ------------------------------------------------------------------------
 
 EmbeddingStore::EmbeddingStore(const StoreOptions& options) : impl_(std::make_unique<Impl>(options)) {}
@@ -696,6 +755,74 @@ size_t EmbeddingStore::Export(int64_t* cursor, size_t max_rows, int64_t* keys, f
 }
 StoreStats EmbeddingStore::Stats() { return impl_->Stats(); }
 void EmbeddingStore::SetSpillCallback(SpillCallback cb) { impl_->SetSpillCallback(std::move(cb)); }
+
+void EmbeddingStore::Save(const std::string& dir, const std::map<std::string, std::string>& meta,
+                          bool weights_only) {
+  impl_->Save(dir, meta, weights_only);
+}
+
+std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir,
+                                                     const LoadOverrides& ov,
+                                                     std::map<std::string, std::string>* meta) {
+  CheckpointReader reader(dir);
+  const Manifest& m = reader.manifest();
+  if (ov.dim && *ov.dim != m.dim) {
+    throw ValueError("dim: the checkpoint in " + dir + " has dim " + std::to_string(m.dim) +
+                     ", expected " + std::to_string(*ov.dim) + " (mismatched checkpoint)");
+  }
+  if (ov.init && !(*ov.init == m.init)) {
+    throw ValueError("init: the checkpoint in " + dir +
+                     " was written with a different initialisation (kind, bound, value or "
+                     "seed); mismatched checkpoint");
+  }
+  if (m.state_dim > 0 && !m.weights_only && m.optimizer != "sgd" && !ov.weights_only) {
+    throw ValueError("path: the checkpoint in " + dir + " holds state of optimizer '" +
+                     m.optimizer + "', which this store does not run; load it weights_only");
+  }
+  StoreOptions o;
+  o.dim = m.dim;
+  o.init = m.init;
+  o.key_bound = ov.key_bound.value_or(m.key_bound);
+  o.num_shards = ov.num_shards.value_or(m.num_shards);
+  o.page_rows = ov.page_rows.value_or(m.page_rows);
+  if (ov.num_threads) o.num_threads = *ov.num_threads;
+  if (ov.memory_budget) o.memory_budget = *ov.memory_budget;
+  if (ov.spill_dir) o.spill_dir = *ov.spill_dir;
+  if (ov.high_watermark) o.high_watermark = *ov.high_watermark;
+  if (ov.low_watermark) o.low_watermark = *ov.low_watermark;
+  auto store = std::make_unique<EmbeddingStore>(o);
+  store->Reserve(m.rows);
+  constexpr size_t kChunk = 65536;
+  std::vector<int64_t> keys(kChunk);
+  std::vector<float> rows(kChunk * static_cast<size_t>(m.dim));
+  for (const SegmentEntry& seg : m.segments) {
+    CheckpointReader::File kf = reader.Open(seg.keys);
+    CheckpointReader::File rf = reader.Open(seg.rows);
+    for (uint64_t done = 0; done < seg.count;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, seg.count - done));
+      if (kf.Read(keys.data(), n * sizeof(int64_t)) != n * sizeof(int64_t) ||
+          rf.Read(rows.data(), n * m.dim * sizeof(float)) != n * m.dim * sizeof(float)) {
+        throw ValueError(reader.dir() + ": torn checkpoint (a data file ended early)");
+      }
+      store->Assign(keys.data(), n, rows.data());
+      done += n;
+    }
+    kf.Finish();
+    rf.Finish();
+    if (seg.has_state) reader.Open(seg.state).Finish();  // verified; SGD keeps no state
+  }
+  if (store->Size() != m.rows) {
+    throw ValueError(reader.dir() + ": corrupt checkpoint (duplicate keys: " +
+                     std::to_string(store->Size()) + " distinct of " + std::to_string(m.rows) +
+                     " rows)");
+  }
+  if (meta != nullptr) *meta = m.meta;
+  return store;
+}
+
+std::map<std::string, std::string> EmbeddingStore::ReadCheckpointMeta(const std::string& dir) {
+  return CheckpointReader(dir).manifest().meta;
+}
 
 void EmbeddingStore::InitialRows(const InitSpec& init, int dim, const int64_t* keys, size_t n,
                                  float* out) {

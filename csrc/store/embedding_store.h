@@ -69,6 +69,24 @@ struct StoreStats {
   int64_t memory_budget = 0;   // effective budget in bytes (0: unlimited)
 };
 
+// Options of EmbeddingStore::Load. Unset fields come from the checkpoint (shards, page
+// rows, key bound) or the StoreOptions defaults (threads, budget, spill).
+struct LoadOverrides {
+  std::optional<int> num_shards;
+  std::optional<int> num_threads;
+  std::optional<int64_t> key_bound;
+  std::optional<uint32_t> page_rows;
+  std::optional<int64_t> memory_budget;
+  std::optional<std::string> spill_dir;
+  std::optional<double> high_watermark;
+  std::optional<double> low_watermark;
+  // Expectations: a checkpoint that disagrees is refused (ValueError naming the field).
+  std::optional<int> dim;
+  std::optional<InitSpec> init;
+  // Load weights only, ignoring any optimizer state (inference).
+  bool weights_only = false;
+};
+
 class EmbeddingStore {
  public:
   // REQUIRES: options valid (throws ValueError naming the field otherwise).
@@ -114,6 +132,22 @@ class EmbeddingStore {
   StoreStats Stats();
 
   void SetSpillCallback(SpillCallback cb);
+
+  // Crash-safe checkpoint into `dir` (format and guarantees: checkpoint.h, manifest.h).
+  // `meta` is stored verbatim in the manifest (the commit layer records its committed step
+  // there). weights_only: an inference export without optimizer state.
+  // REQUIRES: dir absent, empty or a previous checkpoint (ValueError otherwise).
+  void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
+            bool weights_only);
+
+  // Opens a checkpoint written by Save; fills *meta (if not null) with its meta strings.
+  // Throws ValueError for a torn, corrupt, mismatched or unknown-version checkpoint.
+  static std::unique_ptr<EmbeddingStore> Load(const std::string& dir,
+                                              const LoadOverrides& overrides,
+                                              std::map<std::string, std::string>* meta);
+
+  // The meta strings of a checkpoint, after verifying its manifest (not its data files).
+  static std::map<std::string, std::string> ReadCheckpointMeta(const std::string& dir);
 
   // Initial value of key's row (n x dim), without touching the store.
   // REQUIRES: ValidateInitSpec(init) passes (ValueError otherwise), dim > 0.

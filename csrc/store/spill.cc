@@ -113,12 +113,21 @@ void SpillTier::SwapOut(PageArena::Page* p) {
   sync_file_range(fd_, static_cast<off_t>(extent) * static_cast<off_t>(arena_->page_bytes()),
                   static_cast<off_t>(arena_->page_bytes()), SYNC_FILE_RANGE_WRITE);
   ++swap_outs_;
-  if (!warned_) {
+  if (first_spill_.empty()) {
+    first_spill_ = "EmbeddingStore: resident rows passed the memory budget of " +
+                   std::to_string(budget_) + " bytes; cold pages now spill to " + dir_;
+  }
+  if (!warned_ && callback_) {
     warned_ = true;
-    if (callback_) {
-      callback_("EmbeddingStore: resident rows passed the memory budget of " +
-                std::to_string(budget_) + " bytes; cold pages now spill to " + dir_);
-    }
+    callback_(first_spill_);
+  }
+}
+
+void SpillTier::set_callback(SpillCallback cb) {
+  callback_ = std::move(cb);
+  if (!warned_ && callback_ && !first_spill_.empty()) {
+    warned_ = true;
+    callback_(first_spill_);
   }
 }
 

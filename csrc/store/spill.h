@@ -67,7 +67,8 @@ class SpillTier {
   // a bounded number of hot spilled pages back in.
   void AfterOp(uint32_t epoch);
 
-  void set_callback(SpillCallback cb) { callback_ = std::move(cb); }
+  // A callback set after the first spill runs at once (the spill happened unobserved).
+  void set_callback(SpillCallback cb);
 
   int64_t spill_count() const { return spill_count_; }
   int64_t swap_outs() const { return swap_outs_; }
@@ -95,7 +96,8 @@ class SpillTier {
   std::vector<int64_t> free_extents_;
 
   SpillCallback callback_;
-  bool warned_ = false;
+  std::string first_spill_;  // message of the first spill; empty before it
+  bool warned_ = false;      // the callback has run
   int64_t spill_count_ = 0;
   int64_t swap_outs_ = 0;
   int64_t swap_ins_ = 0;

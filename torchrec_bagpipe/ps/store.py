@@ -14,11 +14,12 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchrec_bagpipe._native import C
 
-__all__ = ["EmbeddingStore", "SpillWarning", "initial_rows"]
+__all__ = ["EmbeddingStore", "SpillWarning", "checkpoint_info", "initial_rows"]
 
 SpillWarning = C.SpillWarning
 
@@ -139,6 +140,27 @@ def _init_args(
                 f"{type(init_bound).__name__}"
             )
     return init, bound, value, seed, starts, bounds
+
+
+def _path_arg(path: Any, name: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{name} must be a non-empty path")
+    return text
+
+
+def _f32(x: float) -> int:
+    """The IEEE bits of x rounded to float32 (how the store keeps init parameters)."""
+    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+
+def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The verified manifest of a checkpoint (dim, init, rows, meta, ...), without its data."""
+    info = dict(C.store_checkpoint_info(_path_arg(path, "path")))
+    info["meta"] = dict(info["meta"])
+    return info
 
 
 def initial_rows(
@@ -308,6 +330,122 @@ class EmbeddingStore:
         """rows, bytes_resident, bytes_maps, bytes_spilled, pages, pages_spilled, page_bytes,
         spill_count, swap_outs, swap_ins, lookups, updates, memory_budget."""
         return dict(self._core.stats())
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        meta: dict[str, str] | None = None,
+        weights_only: bool = False,
+    ) -> None:
+        """Crash-safe checkpoint into directory `path` (replaced atomically when it holds one).
+
+        `meta` (str -> str) is stored in the manifest and returned by `load` as ``store.meta``.
+        ``weights_only=True`` writes an inference export without optimizer state.
+        """
+        path = _path_arg(path, "path")
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict):
+            raise TypeError(f"meta must be a dict of str to str, got {type(meta).__name__}")
+        for k, v in meta.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(
+                    f"meta must map str to str, got {type(k).__name__} -> {type(v).__name__}"
+                )
+        self._core.save(path, meta, bool(weights_only))
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dim: int | None = None,
+        init: str | None = None,
+        init_bound: float | Sequence[tuple[int, float]] | None = None,
+        init_value: float | None = None,
+        seed: int | None = None,
+        num_shards: int | None = None,
+        num_threads: int | None = None,
+        key_bound: int | None = None,
+        memory_budget: int | str | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
+        high_watermark: float | None = None,
+        low_watermark: float | None = None,
+        page_rows: int | None = None,
+        weights_only: bool = False,
+    ) -> EmbeddingStore:
+        """Opens a checkpoint written by `save`.
+
+        `dim`, `init`, `init_bound`, `init_value` and `seed`, when given, are expectations: a
+        checkpoint that disagrees is refused with a ValueError naming the field. The other
+        arguments override the checkpoint's layout (shards, page rows, key bound) or set the
+        runtime options (threads, budget, spill). A torn, corrupt or unknown-version
+        checkpoint raises ValueError.
+        """
+        path = _path_arg(path, "path")
+        info = checkpoint_info(path)
+        if dim is not None:
+            _int_arg(dim, "dim", minimum=1)
+        if init is not None and init != info["init"]:
+            raise ValueError(
+                f"init: the checkpoint in {path} uses init={info['init']!r}, expected {init!r}"
+            )
+        if seed is not None and _int_arg(seed, "seed") != info["seed"]:
+            raise ValueError(f"seed: the checkpoint in {path} uses seed={info['seed']}, got {seed}")
+        if (
+            init_value is not None
+            and info["init"] == "constant"
+            and _f32(_float_arg(init_value, "init_value")) != _f32(info["init_value"])
+        ):
+            raise ValueError(
+                f"init_value: the checkpoint in {path} uses {info['init_value']}, got {init_value}"
+            )
+        if init_bound is not None and info["init"] == "uniform":
+            _, bound, _, _, starts, bounds = _init_args(
+                "uniform", init_bound, 0.0, 0, info["key_bound"] if info["key_bound"] > 0 else None
+            )
+            same = (
+                starts == list(info["bound_starts"])
+                and [_f32(b) for b in bounds] == [_f32(b) for b in info["bound_values"]]
+                and (starts or _f32(bound) == _f32(info["init_bound"]))
+            )
+            if not same:
+                raise ValueError(
+                    f"init_bound: the checkpoint in {path} was written with a different bound"
+                )
+
+        def opt_int(value: Any, name: str, minimum: int) -> int | None:
+            return None if value is None else _int_arg(value, name, minimum=minimum)
+
+        def opt_float(value: Any, name: str) -> float | None:
+            return None if value is None else _float_arg(value, name)
+
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise TypeError(f"spill_dir must be a path, got {type(spill_dir).__name__}")
+        core, meta = C.store_load(
+            path,
+            opt_int(num_shards, "num_shards", 1),
+            opt_int(num_threads, "num_threads", 1),
+            opt_int(key_bound, "key_bound", 1),
+            opt_int(page_rows, "page_rows", 1),
+            None if memory_budget is None else _budget_arg(memory_budget),
+            None if spill_dir is None else os.fspath(spill_dir),
+            opt_float(high_watermark, "high_watermark"),
+            opt_float(low_watermark, "low_watermark"),
+            dim,
+            bool(weights_only),
+        )
+        store = cls.__new__(cls)
+        store._core = core
+        store._dim = int(core.options()["dim"])
+        store.meta = dict(meta)
+        return store
+
+    @staticmethod
+    def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The verified manifest of a checkpoint (dim, init, rows, meta, ...), without its data."""
+        return checkpoint_info(path)
 
     # ---- initial values -----------------------------------------------------------------------
     @staticmethod
