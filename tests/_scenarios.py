@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -54,6 +56,13 @@ def tables_for(kind: str) -> tuple[list[EmbeddingBagConfig], bool]:
             EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=20, feature_names=["f1"]),
             EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=35, feature_names=["f2"]),
         ], True
+    if kind == "mixed":  # "local" stays on TorchRec's stock kernel (a second EBC)
+        return [
+            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
+                               feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="local", embedding_dim=4, num_embeddings=30,
+                               feature_names=["f2"]),
+        ], False
     if kind == "mean":
         return [
             EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
@@ -66,19 +75,24 @@ def tables_for(kind: str) -> tuple[list[EmbeddingBagConfig], bool]:
 
 
 class TwoTower(nn.Module):
-    """An EBC and a dense tower joined by a linear head (loss: mean BCE)."""
+    """EBCs and a dense tower joined by a linear head (loss: mean BCE)."""
 
-    def __init__(self, ebc: EmbeddingBagCollection) -> None:
+    def __init__(self, ebc: EmbeddingBagCollection,
+                 other: EmbeddingBagCollection | None = None) -> None:
         super().__init__()
         self.ebc = ebc
-        width = sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs())
+        self.other = other
+        width = sum(c.embedding_dim * len(c.feature_names)
+                    for e in (ebc, other) if e is not None for c in e.embedding_bag_configs())
         self.dense = nn.Linear(DENSE_IN, 4)
         self.over = nn.Linear(width + 4, 1)
         self.loss_fn = nn.BCEWithLogitsLoss()
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        kt = self.ebc(batch.sparse_features)
-        x = torch.cat([kt.values(), torch.relu(self.dense(batch.dense_features))], dim=1)
+        parts = [self.ebc(batch.sparse_features).values()]
+        if self.other is not None:
+            parts.append(self.other(batch.sparse_features).values())
+        x = torch.cat([*parts, torch.relu(self.dense(batch.dense_features))], dim=1)
         logits = self.over(x).squeeze(-1)
         loss = self.loss_fn(logits, batch.labels)
         return loss, (loss.detach(), logits.detach(), batch.labels)
@@ -88,7 +102,13 @@ def build_model(kind: str, seed: int, meta: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     tables, weighted = tables_for(kind)
     device = torch.device("meta") if meta else None
+    if kind == "mixed":
+        first = EmbeddingBagCollection(tables=tables[:1], is_weighted=weighted, device=device)
+        second = EmbeddingBagCollection(tables=tables[1:], is_weighted=weighted, device=device)
+        torch.manual_seed(seed + 1)  # dense layers: the same whether the tables are meta
+        return TwoTower(first, second)
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=device)
+    torch.manual_seed(seed + 1)
     if kind == "dlrm":
         return DLRMTrain(
             DLRM(
@@ -190,22 +210,38 @@ class Case:
     planner: str = "planner"  # planner | hand
     meta: bool = False
 
+    @property
+    def shuffle_keys(self) -> bool:
+        # TorchRec's stock sharded EBC (in the mixed model) needs one fixed key order.
+        return self.kind != "mixed"
+
     def label(self) -> str:
         return f"{self.kind}/{self.loop}/{self.config}"
 
 
 def make_dmp(case: Case, model: nn.Module, world: int) -> tuple[DistributedModelParallel, Any]:
     config = BagPipeConfig(**case.config)
-    sharder = BagPipeEmbeddingBagCollectionSharder(config, fused_params={"learning_rate": EMB_LR})
-    if case.planner == "hand":
+    initial = None if case.meta else {k: v.clone() for k, v in model.state_dict().items()}
+    sharder = BagPipeEmbeddingBagCollectionSharder(
+        config, fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": EMB_LR}
+    )
+    constraints = None
+    if case.kind == "mixed":
+        constraints = {"local": ParameterConstraints(sharding_types=["table_wise"],
+                                                     compute_kernels=["fused"])}
+    if case.planner == "hand" and constraints is None:
         plan = bagpipe_plan(model, world)
     else:
         planner = BagPipeShardingPlanner(
-            topology=Topology(world_size=world, compute_device="cpu"), batch_size=case.batch
+            topology=Topology(world_size=world, compute_device="cpu"), batch_size=case.batch,
+            constraints=constraints,
         )
         plan = planner.collective_plan(model, [sharder])
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
                                    sharders=[sharder])
+    if case.kind == "mixed":
+        # TorchRec's stock kernels do not keep the module's weights; BagPipe tables do.
+        dmp.load_state_dict(initial)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.SGD(params, lr=DENSE_LR),
@@ -217,7 +253,7 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
     model = build_model(case.kind, case.seed, meta=case.meta)
     dmp, opt = make_dmp(case, model, world)
     samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
-    batches = batches_for(case.kind, samples, rank, case.seed)
+    batches = batches_for(case.kind, samples, rank, case.seed, case.shuffle_keys)
     prescan = bool(case.config.get("optimization_prescan"))
     losses: list[float] = []
     if case.loop == "plain":
@@ -239,18 +275,35 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
             except StopIteration:
                 break
             losses.append(float(output[0]))
-    state = {k: v.detach().clone() for k, v in dmp.state_dict().items()}
+    state = full_state(dmp, rank)
     close_model(dmp)
     return state, losses
 
 
-def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None,
-                    shuffle_keys: bool = True) -> dict[str, torch.Tensor]:
+def full_state(dmp: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """The DMP's state dict with stock ShardedTensors gathered on rank 0."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for k, v in dmp.state_dict().items():
+        if isinstance(v, ShardedTensor):
+            full = torch.empty(v.size()) if rank == 0 else None
+            v.gather(0, full)
+            v = full
+        if v is not None:
+            out[k] = v.detach().clone()
+    return out
+
+
+def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
     model = build_model(case.kind, case.seed)
     if init is not None:
-        model.load_state_dict(init)
+        # The dense layers start from the same seed; the tables from `init`.
+        model.load_state_dict({**model.state_dict(),
+                               **{k: v for k, v in init.items() if "embedding_bags" in k}})
     samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
-    batches = batches_for(case.kind, samples, None, case.seed, shuffle_keys)
+    batches = batches_for(case.kind, samples, None, case.seed, case.shuffle_keys)
     emb = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
     opt = torch.optim.SGD([{"params": emb, "lr": EMB_LR}, {"params": dense, "lr": DENSE_LR}])
