@@ -21,6 +21,7 @@ from torchrec_bagpipe.distributed import ps_runtime
 @dataclass
 class Step:
     step: int
+    keys: torch.Tensor
     unique_keys: torch.Tensor
     inverse: torch.Tensor
     rows: torch.Tensor
@@ -33,7 +34,7 @@ class SharedTable:
         if job.rank == 0:
             t = torch.from_file(path, shared=True, size=num_keys * dim, dtype=torch.float32)
             t.copy_(init(num_keys, dim).reshape(-1))
-        job.collectives.barrier()
+        job.control.barrier()
         if job.rank != 0:
             t = torch.from_file(path, shared=True, size=num_keys * dim, dtype=torch.float32)
         self.table = t.view(num_keys, dim)
@@ -83,21 +84,21 @@ class ReferenceController:
         t, keys = self.queue.popleft()
         unique, inverse = torch.unique(keys, return_inverse=True)
         rows = self.table.lookup(unique).requires_grad_(True)
-        return Step(t, unique, inverse, rows)
+        return Step(t, keys, unique, inverse, rows)
 
     def finish_step(self, step: Step, grad: torch.Tensor) -> None:
         assert step.step == self.finished, (step.step, self.finished)
         dense = torch.zeros(self.spec.num_keys, self.spec.dim)
         dense.index_add_(0, step.unique_keys, grad.to(torch.float32))
-        self.job.collectives.all_reduce_sum_(dense)
+        self.job.control.all_reduce_sum_(dense)
         if self.division:
             dense = dense / float(self.job.world_size)
         touched = torch.nonzero(dense.abs().sum(1) > 0).flatten()
-        self.job.collectives.barrier()
+        self.job.control.barrier()
         if self.job.rank == 0:
             u = dense[touched] * float(self.spec.lr)
             self.table.table[touched] = self.table.table[touched] - u
-        self.job.collectives.barrier()
+        self.job.control.barrier()
         self.finished += 1
 
     def flush(self) -> None:

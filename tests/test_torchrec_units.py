@@ -314,10 +314,10 @@ def test_dlrm_example_maps_bagpipe_flags_onto_the_config():
 
 def test_metrics_summary_and_table():
     per_rank = [
-        {"ebc/t": {"hits": 60, "prefetch_served": 20, "demand_fetches": 20,
-                   "prefetched_rows": 25, "commit_wait_s": 0.5}},
-        {"ebc/t": {"hits": 30, "prefetch_served": 10, "demand_fetches": 10,
-                   "prefetched_rows": 5, "commit_wait_s": 1.5}},
+        {"ebc/t": {"accesses": 100, "hits": 60, "prefetch_served": 20, "demand_fetched": 20,
+                   "prefetched": 25, "commit_wait_s": 0.5}},
+        {"ebc/t": {"accesses": 50, "hits": 30, "prefetch_served": 10, "demand_fetched": 10,
+                   "prefetched": 5, "commit_wait_s": 1.5}},
     ]
     s = summarize(per_rank, steps=10)
     assert s["hit_rate"] == pytest.approx(120 / 150)

@@ -16,11 +16,12 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "accesses": ("accesses", "lookups"),
     "hits": ("hits", "cache_hits"),
     "prefetch_served": ("prefetch_served", "prefetch_hits"),
-    "demand_rows": ("demand_fetches", "demand_rows", "demand_ids"),
-    "prefetch_rows": ("prefetched_rows", "prefetch_rows", "prefetch_ids"),
+    "demand_rows": ("demand_fetched", "demand_fetches", "demand_rows"),
+    "prefetch_rows": ("prefetched", "prefetched_rows", "prefetch_rows"),
     "commit_wait_s": ("commit_wait_s", "commit_wait_seconds"),
     "fetched_bytes": ("fetched_bytes", "get_bytes", "bytes_fetched"),
-    "gradient_bytes": ("gradient_bytes", "gradient_payload_bytes", "commit_bytes"),
+    "gradient_bytes": ("gradient_payload_bytes", "gradient_bytes"),
+    "allreduce_bytes": ("allreduce_payload_bytes",),
     "evictions": ("evictions",),
     "invalidations": ("invalidations",),
 }
@@ -71,7 +72,8 @@ def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
     if wait is not None:
         out["commit_wait_s_per_rank"] = wait / len(ranks)
         out["commit_wait_ms_per_step"] = 1000.0 * wait / len(ranks) / max(1, steps)
-    for name in ("fetched_bytes", "gradient_bytes", "evictions", "invalidations"):
+    for name in ("fetched_bytes", "gradient_bytes", "allreduce_bytes", "evictions",
+                 "invalidations"):
         v = _pick(totals, name)
         if v is not None:
             out[name] = v
@@ -94,6 +96,8 @@ def format_table(results: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
         rows.append(("PS bytes fetched", f"{summary['fetched_bytes']:.0f}"))
     if "gradient_bytes" in summary:
         rows.append(("gradient bytes sent", f"{summary['gradient_bytes']:.0f}"))
+    if summary.get("allreduce_bytes"):
+        rows.append(("gradient bytes all-reduced", f"{summary['allreduce_bytes']:.0f}"))
     if results.get("prescan_seconds"):
         rows.append(("prescan", f"{results['prescan_seconds']:.3f} s"))
     rows.append(("train steps", f"{results.get('steps', 0)}"))

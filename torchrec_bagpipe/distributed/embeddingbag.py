@@ -442,7 +442,7 @@ class ShardedBagPipeEmbeddingBagCollection(
         if not getattr(self, "_loaded", False):
             return
         self._loaded = False
-        self._job.collectives.barrier()
+        self._job.control.barrier()
         for rt in self._runtimes:
             rt.controller.invalidate_all()
 
@@ -473,7 +473,7 @@ class ShardedBagPipeEmbeddingBagCollection(
                 self._assign_rows(g, spec.offsets[t.name], weight)
         # Every rank waits until rank 0's writes are in the PS before any step reads them.
         if wrote:
-            self._job.collectives.barrier()
+            self._job.control.barrier()
 
     def _assign_rows(self, g: int, start: int, weight: torch.Tensor) -> None:
         client = self._runtimes[g].client
@@ -561,10 +561,11 @@ class ShardedBagPipeEmbeddingBagCollection(
             self._finish_pending()
         step = self._runtimes[g].controller.next_step()
         inverse = step.inverse
-        unique = step.unique_keys
+        step_keys = getattr(step, "keys", None)
+        if step_keys is None and inverse.device.type == "cpu":
+            step_keys = step.unique_keys[inverse]
         if inverse.numel() != keys.numel() or (
-            unique.device.type == "cpu" and inverse.device.type == "cpu"
-            and not torch.equal(unique[inverse], keys)
+            step_keys is not None and not torch.equal(step_keys, keys)
         ):
             raise RuntimeError(
                 f"BagPipe fused table {self._fused[g].name!r}: the runtime's next step is not "

@@ -52,8 +52,11 @@ class BagPipeJob:
         self.rank = env.rank
         self.world_size = env.world_size
         self.device = device
-        self.group = new_runtime_group(config.ps_timeout)
-        self.collectives = TorchDistCollectives(self.group)
+        # Two groups: the controllers run their collectives on a worker thread of their own
+        # (runtime/controller.py), so the TorchRec layer's barriers and broadcasts use a
+        # second group and never interleave with them.
+        self.collectives = TorchDistCollectives(new_runtime_group(config.ps_timeout))
+        self.control = TorchDistCollectives(new_runtime_group(config.ps_timeout))
         if self.collectives.world_size != self.world_size:
             raise ValueError(
                 f"BagPipe needs the sharding env to span the default process group "
