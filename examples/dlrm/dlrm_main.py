@@ -296,6 +296,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     dist.barrier()
     train_time = 0.0
     samples = 0
+    step_times: list[float] = []
     for epoch in range(args.epochs):
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         it = epoch_batches()
@@ -303,11 +304,13 @@ def main(argv: list[str]) -> dict[str, Any]:
         for step in itertools.count(1):
             try:
                 before = getattr(train_pipeline, "prescan_seconds", 0.0)
+                t0 = time.perf_counter()
                 train_pipeline.progress(it)
                 # The first progress call may hand the whole trace to the planner.
                 spent = getattr(train_pipeline, "prescan_seconds", 0.0) - before
                 prescan_s += spent
                 start += spent
+                step_times.append(time.perf_counter() - t0 - spent)
             except StopIteration:
                 break
             samples += args.batch_size * world
@@ -332,6 +335,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     results["train_seconds"] = train_time
     results["samples_per_s"] = samples / train_time if train_time > 0 else 0.0
     results["prescan_seconds"] = prescan_s
+    results["step_times"] = step_times
     results["world_size"] = world
     raw = bagpipe_metrics(model) if args.sharder == "bagpipe" else {}
     gathered: list[Any] = [None] * world
