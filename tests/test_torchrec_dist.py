@@ -21,14 +21,12 @@ WORLD = 2
 
 
 def _setup(rank: int, world: int) -> None:
-    """Selects the runtime the TorchRec layer drives in this process."""
-    import _reference_runtime
-
-    _reference_runtime.install(os.environ["BAGPIPE_TEST_SHARED"])
+    """Per-rank set-up: the tests run the real runtime and PS (nothing to replace)."""
+    torch.manual_seed(rank)
 
 
 def _env(tmp: str) -> dict[str, str]:
-    return {"BAGPIPE_TEST_SHARED": tmp}
+    return {"BAGPIPE_TEST_TMP": tmp}
 
 
 CONFIGS = [

@@ -32,7 +32,9 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -215,7 +217,7 @@ class ShardedBagPipeEmbeddingBagCollection(
                 offsets[t.name] = total
                 total += t.num_embeddings
             spec = FusedTableSpec(
-                name=f"s{session}:{self._module_fqn or 'ebc'}/fused{i}_d{dim}",
+                name=_session_table_name(session, self._module_fqn, i, dim),
                 dim=dim, lr=lr, tables=tables, offsets=offsets, num_keys=total,
             )
             spec.slots = [s for s in self._slots if self._table_by_name[s.table] in tables]
@@ -356,8 +358,11 @@ class ShardedBagPipeEmbeddingBagCollection(
         for keys in held or []:
             self._submit(keys)
 
-    def prescan(self, features: Iterable[KeyedJaggedTensor]) -> None:
-        """Hands the whole trace (every step's local batch, in order) to each controller.
+    def prescan(self, features: Iterable[KeyedJaggedTensor],
+                progress: bool | None = None) -> None:
+        """Hands the whole trace (every step's local batch, in order) to each controller
+        (a collective: every rank calls it). `progress`: show the planner's bar (default:
+        on rank 0).
 
         REQUIRES: no batch submitted yet; `optimization_prescan` set in the config.
         """
@@ -372,8 +377,9 @@ class ShardedBagPipeEmbeddingBagCollection(
             _, keys = self._split_features(kjt)
             for g, k in enumerate(keys):
                 traces[g].append(k)
+        show = self._job.rank == 0 if progress is None else progress
         for g, rt in enumerate(self._runtimes):
-            rt.controller.prescan(traces[g])
+            rt.controller.prescan(traces[g], progress=show)
 
     def bagpipe_metrics(self) -> dict[str, dict[str, Any]]:
         """Runtime metrics per fused table (the controllers' plain dicts)."""
@@ -640,6 +646,18 @@ class ShardedBagPipeEmbeddingBagCollection(
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
     assert isinstance(module, ShardedBagPipeEmbeddingBagCollection)
     module._after_load()
+
+
+def _session_table_name(session: int, fqn: str, index: int, dim: int) -> str:
+    """The PS table name of a fused table: unique per job, 1-128 chars of [A-Za-z0-9_.:-]."""
+    safe = re.sub(r"[^A-Za-z0-9_.:-]", "_", fqn or "ebc")
+    tail = f"-f{index}-d{dim}"
+    head = f"s{session}:"
+    room = 128 - len(head) - len(tail)
+    if len(safe) > room:
+        digest = hashlib.blake2b(safe.encode(), digest_size=6).hexdigest()
+        safe = safe[: room - len(digest) - 1] + "_" + digest
+    return head + safe + tail
 
 
 def _default_uniform(init_fn: Any, table: TableSpec) -> bool:
