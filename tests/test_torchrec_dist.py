@@ -6,7 +6,6 @@ Each test spawns one process group and runs many configurations inside it.
 from __future__ import annotations
 
 import itertools
-import os
 import tempfile
 from typing import Any
 
