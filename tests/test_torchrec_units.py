@@ -320,11 +320,12 @@ def test_metrics_summary_and_table():
                    "prefetched": 5, "commit_wait_s": 1.5}},
     ]
     s = summarize(per_rank, steps=10)
-    assert s["hit_rate"] == pytest.approx(120 / 150)
+    assert s["hit_rate"] == pytest.approx(90 / 150)
+    assert s["served_rate"] == pytest.approx(120 / 150)
     assert s["fetched_rows"] == 60 and s["fetched_rows_per_step"] == 6
     assert s["commit_wait_s_per_rank"] == pytest.approx(1.0)
     text = format_table({"steps": 10, "samples_per_s": 123.4}, s)
-    assert "80.0 %" in text and "123.4" in text and "commit wait" in text
+    assert "60.0 %" in text and "80.0 %" in text and "123.4" in text and "commit wait" in text
     assert summarize([{}, {}], 3) == {}
 
 

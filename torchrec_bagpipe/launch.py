@@ -29,10 +29,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["main", "parse_args", "rewrite_ps_type"]
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:")
+_TRAILING_PREFIX = re.compile(r"\[default\d+\]:$")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -134,19 +136,48 @@ class Launcher:
         self._print_lock = threading.Lock()
 
     def _pump(self, stream, prefix: str, trainer: bool) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            if trainer:
-                m = _PREFIX.match(line)
-                if m:
-                    line = f"[trainer {m.group(1)}] " + line[m.end():]
-                else:
-                    line = f"{prefix} {line}"
-            else:
-                line = f"{prefix} {line}"
-            with self._print_lock:
-                print(line, flush=True)
+        """Copies a child's output line by line with a prefix; a segment ending in a
+        carriage return (a progress bar redrawing itself) keeps its carriage return."""
+        buf = b""
+        state = {"rank": None, "after_cr": False}
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(4096)
+            if not chunk:
+                break
+            buf += chunk
+            while True:
+                cut = min((i for i in (buf.find(b"\n"), buf.find(b"\r")) if i >= 0),
+                          default=-1)
+                if cut < 0:
+                    break
+                self._emit(buf[:cut], buf[cut:cut + 1], prefix, trainer, state)
+                buf = buf[cut + 1:]
+        if buf:
+            self._emit(buf, b"\n", prefix, trainer, state)
         stream.close()
+
+    def _emit(self, raw: bytes, end: bytes, prefix: str, trainer: bool,
+              state: dict[str, Any]) -> None:
+        line = raw.decode("utf-8", "replace")
+        continued = state["after_cr"]
+        state["after_cr"] = end == b"\r"
+        if trainer:
+            line = _TRAILING_PREFIX.sub("", line)  # torchrun's prefix of a redrawn bar
+            m = _PREFIX.match(line)
+            if m:
+                state["rank"] = m.group(1)
+                line = line[m.end():]
+                if not line and end == b"\r":
+                    return  # torchrun's prefix right before a progress bar's redraw
+            elif not continued:
+                state["rank"] = None
+            who = f"[trainer {state['rank']}]" if state["rank"] is not None else prefix
+            line = f"{who} {line}"
+        else:
+            line = f"{prefix} {line}"
+        with self._print_lock:
+            sys.stdout.write(line + ("\r" if end == b"\r" else "\n"))
+            sys.stdout.flush()
 
     def start(self, name: str, cmd: list[str], env: dict[str, str], prefix: str,
               trainer: bool = False) -> _Proc:

@@ -60,7 +60,8 @@ def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
     if accesses is None and demand is not None:
         accesses = hits + served + demand
     if accesses:
-        out["hit_rate"] = (hits + served) / accesses
+        out["hit_rate"] = hits / accesses
+        out["served_rate"] = (hits + served) / accesses
         out["accesses"] = accesses
     fetched = (demand or 0.0) + (prefetch or 0.0)
     if demand is not None or prefetch is not None:
@@ -83,7 +84,9 @@ def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
 def format_table(results: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     if "hit_rate" in summary:
-        rows.append(("cache hit rate", f"{100.0 * summary['hit_rate']:.1f} %"))
+        rows.append(("cache hit rate", f"{100.0 * summary['hit_rate']:.1f} % of row accesses "
+                                       f"({100.0 * summary['served_rate']:.1f} % with "
+                                       "prefetched rows)"))
     if "fetched_rows" in summary:
         rows.append(("fetched rows (all ranks)",
                      f"{summary['fetched_rows']:.0f} (demand {summary['demand_rows']:.0f}, "
