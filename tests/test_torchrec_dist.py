@@ -5,7 +5,9 @@ Each test spawns one process group and runs many configurations inside it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import tempfile
 from typing import Any
 
@@ -301,4 +303,79 @@ def test_clear_errors():
     with tempfile.TemporaryDirectory() as tmp:
         results = run_world(_errors, WORLD, env=_env(tmp), timeout=300)
     problems = [f"rank {r}: {p}" for r, ps in enumerate(results) for p in ps]
+    assert not problems, "\n".join(problems)
+
+
+# ---- TCP transport with PS server processes, and a dead PS -------------------------------------
+def _tcp_world(rank: int, world: int, server_pid: int) -> list[str]:
+    import signal as _signal
+
+    from torchrec_bagpipe.distributed import close_model
+
+    _setup(rank, world)
+    problems: list[str] = []
+    tcp = {"ps_type": "tcp", "ps_timeout": 20.0}
+    cases = [
+        S.Case(kind="dlrm", loop="plain", config=dict(tcp), seed=21),
+        S.Case(kind="dlrm", loop="pipeline", config={**tcp, "optimization_cache_capacity": 1},
+               seed=22),
+        S.Case(kind="weighted", loop="pipeline",
+               config={**tcp, "optimization_prescan": True, "bagpipe_aggregation": "collective"},
+               seed=23),
+        S.Case(kind="mean", loop="plain",
+               config={**tcp, "optimization_prescan": True, "optimization_cache_capacity": 1},
+               seed=24),
+    ]
+    for case in cases:
+        state, _ = S.train_dmp(case, rank, world)
+        if rank == 0:
+            problems += S.compare(state, S.train_reference(case, world), "tcp " + case.label())
+
+    # A PS server dies mid-training: every rank gets a clear error, nothing hangs.
+    case = S.Case(kind="dlrm", steps=30, config=dict(tcp), seed=25)
+    dmp, opt = S.make_dmp(case, S.build_model("dlrm", 25), world)
+    batches = S.batches_for("dlrm", S.make_samples("dlrm", 30, world, 8, 25), rank, 25)
+    error: BaseException | None = None
+    try:
+        for i, b in enumerate(batches):
+            if i == 5:
+                torch.distributed.barrier()
+                if rank == 0:
+                    os.kill(server_pid, _signal.SIGKILL)
+            opt.zero_grad()
+            loss, _ = dmp(b)
+            loss.backward()
+            opt.step()
+        dmp.module.model.sparse_arch.embedding_bag_collection.flush()
+    except BaseException as e:  # the failure under test
+        error = e
+    names = {"TransportError", "ControllerError", "SessionError", "TimeoutError"}
+    if error is None:
+        problems.append(f"rank {rank}: training went on although a PS server died")
+    elif type(error).__name__ not in names:
+        problems.append(f"rank {rank}: unexpected {type(error).__name__}: {error}")
+    try:
+        close_model(dmp)
+    except Exception as e:
+        if type(e).__name__ not in names:
+            problems.append(f"rank {rank}: close after the failure raised {e!r}")
+    return problems
+
+
+def test_tcp_transport_with_two_ps_server_processes_and_a_dead_ps():
+    import secrets
+
+    from torchrec_bagpipe.ps.shard import spawn_server
+
+    token = secrets.token_hex(8)
+    servers = [spawn_server(s, 2, job_token=token, args=["--quiet"]) for s in range(2)]
+    try:
+        env = {"BAGPIPE_PS_ADDRESSES": ",".join(s.address for s in servers),
+               "BAGPIPE_JOB_TOKEN": token}
+        results = run_world(_tcp_world, WORLD, args=(servers[1].pid,), env=env, timeout=300)
+    finally:
+        for s in servers:
+            with contextlib.suppress(Exception):
+                s.kill()
+    problems = [p for r in results for p in r]
     assert not problems, "\n".join(problems)
