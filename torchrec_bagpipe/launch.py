@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ __all__ = ["main", "parse_args", "rewrite_ps_type"]
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:")
 _TRAILING_PREFIX = re.compile(r"\[default\d+\]:$")
+_LISTENING = re.compile(r"^listening (\S+):(\d+) shard \d+/\d+")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -107,24 +109,13 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_port(host: str, port: int, deadline: float, proc: subprocess.Popen) -> None:
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"PS server on port {port} exited with status {proc.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"PS server {host}:{port} did not start in time") from None
-            time.sleep(0.1)
-
-
 @dataclass
 class _Proc:
     name: str
     popen: subprocess.Popen
     threads: list[threading.Thread] = field(default_factory=list)
+    address: str | None = None  # a PS server's "host:port", from its listening line
+    listening: threading.Event = field(default_factory=threading.Event)
 
 
 class Launcher:
@@ -135,7 +126,7 @@ class Launcher:
         self.procs: list[_Proc] = []
         self._print_lock = threading.Lock()
 
-    def _pump(self, stream, prefix: str, trainer: bool) -> None:
+    def _pump(self, stream, prefix: str, trainer: bool, proc: _Proc) -> None:
         """Copies a child's output line by line with a prefix; a segment ending in a
         carriage return (a progress bar redrawing itself) keeps its carriage return."""
         buf = b""
@@ -150,15 +141,21 @@ class Launcher:
                           default=-1)
                 if cut < 0:
                     break
-                self._emit(buf[:cut], buf[cut:cut + 1], prefix, trainer, state)
+                self._emit(buf[:cut], buf[cut:cut + 1], prefix, trainer, state, proc)
                 buf = buf[cut + 1:]
         if buf:
-            self._emit(buf, b"\n", prefix, trainer, state)
+            self._emit(buf, b"\n", prefix, trainer, state, proc)
         stream.close()
+        proc.listening.set()  # EOF: the process is gone (a server that never listened)
 
     def _emit(self, raw: bytes, end: bytes, prefix: str, trainer: bool,
-              state: dict[str, Any]) -> None:
+              state: dict[str, Any], proc: _Proc) -> None:
         line = raw.decode("utf-8", "replace")
+        if not trainer and proc.address is None:
+            m = _LISTENING.match(line)
+            if m:
+                proc.address = f"{m.group(1)}:{m.group(2)}"
+                proc.listening.set()
         continued = state["after_cr"]
         state["after_cr"] = end == b"\r"
         if trainer:
@@ -186,7 +183,7 @@ class Launcher:
             start_new_session=True,
         )
         proc = _Proc(name, popen)
-        t = threading.Thread(target=self._pump, args=(popen.stdout, prefix, trainer),
+        t = threading.Thread(target=self._pump, args=(popen.stdout, prefix, trainer, proc),
                              daemon=True)
         t.start()
         proc.threads.append(t)
@@ -243,15 +240,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{args.ps_type}", flush=True)
         addresses = []
         servers = []
+        if args.ps_servers:
+            # One secret per job: the servers refuse every client that lacks it.
+            env.setdefault("BAGPIPE_JOB_TOKEN", secrets.token_hex(16))
         for s in range(args.ps_servers):
-            port = _free_port(args.ps_host)
-            cmd = [sys.executable, "-m", "torchrec_bagpipe.ps.server", "--host", args.ps_host,
-                   "--port", str(port), *args.ps_server_args.split()]
-            servers.append((launcher.start(f"ps{s}", cmd, env, f"[ps {s}]"), port))
-            addresses.append(f"{args.ps_host}:{port}")
+            cmd = [sys.executable, "-m", "torchrec_bagpipe.ps.server", "--shard-id", str(s),
+                   "--num-shards", str(args.ps_servers), "--host", args.ps_host, "--port", "0",
+                   *args.ps_server_args.split()]
+            servers.append(launcher.start(f"ps{s}", cmd, env, f"[ps {s}]"))
         deadline = time.monotonic() + args.startup_timeout
-        for proc, port in servers:
-            _wait_port(args.ps_host, port, deadline, proc.popen)
+        for proc in servers:
+            proc.listening.wait(max(0.0, deadline - time.monotonic()))
+            if proc.address is None:
+                raise RuntimeError(
+                    f"PS server {proc.name} did not start listening within "
+                    f"{args.startup_timeout}s (status {proc.popen.poll()})"
+                )
+            addresses.append(proc.address)
         if addresses:
             env["BAGPIPE_PS_ADDRESSES"] = ",".join(addresses)
             print(f"[launch] PS servers: {env['BAGPIPE_PS_ADDRESSES']}", flush=True)
@@ -277,9 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if rc is not None:
                 status = rc
                 break
-            dead = [(p, port) for p, port in servers if p.popen.poll() is not None]
+            dead = [p for p in servers if p.popen.poll() is not None]
             if dead:
-                p = dead[0][0]
+                p = dead[0]
                 print(f"[launch] PS server {p.name} exited with status {p.popen.returncode}; "
                       "stopping the trainers", flush=True)
                 status = 1
