@@ -112,8 +112,9 @@ def run_config(argv: list[str], world: int, timeout: float) -> dict[str, Any]:
 
 
 def model_step(compute_s: float, counters: dict[str, float], steps: int, world: int,
-               link: Link, cached: bool) -> float:
-    """Modelled step time of one rank: compute plus the network time left exposed.
+               link: Link, cached: bool) -> tuple[float, float]:
+    """(exposed network time, modelled step time) of one rank: compute plus the network
+    time left exposed.
 
     Per rank and step, from the runtime's counters: demand gets (blocking: one round trip
     per window of requests plus their bytes), prefetch traffic (overlaps the step's compute;
@@ -142,7 +143,15 @@ def model_step(compute_s: float, counters: dict[str, float], steps: int, world: 
         commit_exposed = waits * commit_time
     else:
         commit_exposed = commit_time
-    return compute_s + demand_time + max(0.0, prefetch_time - compute_s) + commit_exposed
+    exposed = demand_time + max(0.0, prefetch_time - compute_s) + commit_exposed
+    return exposed, compute_s + exposed
+
+
+def _bytes_per_step(r: dict[str, Any], world: int) -> float:
+    c = r["bagpipe"].get("counters", {})
+    total = (c.get("fetched_bytes", 0.0) + c.get("gradient_payload_bytes", 0.0)
+             + c.get("allreduce_payload_bytes", 0.0))
+    return total / max(1, r["steps"] * world)
 
 
 def emit(metric: str, value: float, unit: str, baseline: float | None, **extra: Any) -> None:
@@ -158,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training batches per rank")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--num-embeddings", type=int, default=None, help="rows per table (26)")
-    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--dim", type=int, default=64, help="embedding dim (TorchRec's default)")
     p.add_argument("--zipf", type=float, default=1.05)
-    p.add_argument("--cache-fraction", type=float, default=0.02,
+    p.add_argument("--cache-fraction", type=float, default=0.05,
                    help="cache rows as a fraction of all table rows")
     p.add_argument("--lookahead", type=int, default=8)
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration")
@@ -214,55 +223,81 @@ def main(argv: list[str] | None = None) -> int:
         }
     base = results.get("stock")
     compute_s = base["step_s"] if base else None
-    nocache_model: dict[str, float] = {}
+    nocache = results.get("ps_nocache")
+    nocache_bytes = None
+    exposed_nocache: dict[str, float] = {}
+    model_nocache: dict[str, float] = {}
+    if nocache and nocache["bagpipe"]:
+        nocache_bytes = _bytes_per_step(nocache, world)
+        if compute_s:
+            for link in PRESETS:
+                e, t = model_step(compute_s, nocache["bagpipe"]["counters"], nocache["steps"],
+                                  world, link, cached=False)
+                exposed_nocache[link.name] = e
+                model_nocache[link.name] = world * batch / t
+    modelled_25g: dict[str, float] = {}
     for name, r in results.items():
+        if name == "stock" and compute_s:
+            modelled_25g[name] = world * batch / compute_s
         extra = {"config": name, "dim": args.dim, "transport": "local", "world_size": world,
                  "batch_size": batch, "rows_per_table": rows, "cache_units": cache_units}
         emit("samples_per_s", r["samples_per_s"], "samples/s",
-             base["samples_per_s"] if base else None, **extra)
+             base["samples_per_s"] if base else None, baseline_config="stock", **extra)
         s = r["bagpipe"]
-        counters = s.get("counters", {}) if s else {}
-        if s:
-            emit("hit_rate", s.get("hit_rate", 0.0), "fraction", None, **extra)
-            per_step = max(1, r["steps"] * world)
-            emit("ps_rows_per_step", s.get("fetched_rows", 0.0) / per_step, "rows/rank/step",
-                 None, **extra)
-            emit("ps_bytes_per_step",
-                 (counters.get("fetched_bytes", 0.0) + counters.get("gradient_payload_bytes", 0.0)
-                  + counters.get("allreduce_payload_bytes", 0.0)) / per_step,
-                 "bytes/rank/step", None, **extra)
-        if compute_s:
-            for link in PRESETS:
-                t = compute_s if name == "stock" else model_step(
-                    compute_s, counters, r["steps"], world, link, cached=name != "ps_nocache")
-                sps = world * batch / t
-                if name == "ps_nocache":
-                    nocache_model[link.name] = sps
-                emit("modelled_step_s", t, "s", compute_s, link=link.name, **extra)
-                emit("modelled_samples_per_s", sps, "samples/s",
-                     nocache_model.get(link.name) if name != "ps_nocache" else None,
-                     link=link.name, baseline_config="ps_nocache", **extra)
+        if not s:
+            continue
+        counters = s.get("counters", {})
+        emit("hit_rate", s.get("hit_rate", 0.0), "fraction", None, **extra)
+        emit("served_from_cache_rate", s.get("served_rate", 0.0), "fraction", None, **extra)
+        per_step = max(1, r["steps"] * world)
+        emit("ps_rows_per_step", s.get("fetched_rows", 0.0) / per_step, "rows/rank/step",
+             None, **extra)
+        emit("ps_bytes_per_step", _bytes_per_step(r, world), "bytes/rank/step", nocache_bytes,
+             baseline_config="ps_nocache", **extra)
+        if not compute_s:
+            continue
+        for link in PRESETS:
+            exposed, t = model_step(compute_s, counters, r["steps"], world, link,
+                                    cached=name != "ps_nocache")
+            emit("exposed_network_ms", 1e3 * exposed, "ms/step",
+                 1e3 * exposed_nocache[link.name] if link.name in exposed_nocache else None,
+                 link=link.name, baseline_config="ps_nocache", **extra)
+            emit("modelled_step_s", t, "s", compute_s, link=link.name, baseline_config="stock",
+                 **extra)
+            if link is PRESETS[0]:
+                modelled_25g[name] = world * batch / t
+            emit("modelled_samples_per_s", world * batch / t, "samples/s",
+                 model_nocache.get(link.name), link=link.name, baseline_config="ps_nocache",
+                 **extra)
     emit("wall_s", time.perf_counter() - started, "s", None, config="all")
-    _plot(results, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
+    _plot(results, modelled_25g, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
     return 0
 
 
-def _plot(results: dict[str, dict[str, Any]], path: str) -> None:
+def _plot(results: dict[str, dict[str, Any]], modelled: dict[str, float], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     names = list(results)
+    x = np.arange(len(names))
     sps = [results[n]["samples_per_s"] for n in names]
+    mod = [modelled.get(n, float("nan")) for n in names]
     hit = [100.0 * (results[n]["bagpipe"] or {}).get("hit_rate", 0.0) for n in names]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax[0].bar(names, sps, color="tab:blue")
-    ax[0].set_ylabel("samples/s (measured, 2 ranks)")
-    ax[1].bar(names, hit, color="tab:green")
-    ax[1].set_ylabel("cache hit rate (%)")
+    served = [100.0 * (results[n]["bagpipe"] or {}).get("served_rate", 0.0) for n in names]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].bar(x - 0.2, sps, 0.4, label="measured (this machine)")
+    ax[0].bar(x + 0.2, mod, 0.4, label=f"modelled, {PRESETS[0].name}")
+    ax[0].set_ylabel("samples/s (2 ranks)")
+    ax[0].legend(fontsize=8)
+    ax[1].bar(x - 0.2, hit, 0.4, label="hits")
+    ax[1].bar(x + 0.2, served, 0.4, label="hits + prefetch-served")
+    ax[1].set_ylabel("unique row accesses (%)")
+    ax[1].legend(fontsize=8)
     for a in ax:
-        a.tick_params(axis="x", rotation=30)
+        a.set_xticks(x, names, rotation=25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(json.dumps({"bench": BENCH, "metric": "plot", "value": path, "unit": "path",
