@@ -306,7 +306,10 @@ def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None
     batches = batches_for(case.kind, samples, None, case.seed, case.shuffle_keys)
     emb = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    opt = torch.optim.SGD([{"params": emb, "lr": EMB_LR}, {"params": dense, "lr": DENSE_LR}])
+    # Without TorchRec's gradient division the PS sums the ranks' gradients: W times the
+    # gradient of the global mean loss.
+    emb_lr = EMB_LR * (world if case.config.get("gradient_division") is False else 1)
+    opt = torch.optim.SGD([{"params": emb, "lr": emb_lr}, {"params": dense, "lr": DENSE_LR}])
     for b in batches:
         opt.zero_grad()
         loss, _ = model(b)

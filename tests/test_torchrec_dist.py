@@ -60,6 +60,12 @@ def _equivalence(rank: int, world: int, kinds: list[str]) -> list[str]:
             state, _ = S.train_dmp(case, rank, world)
             if rank == 0:
                 problems.extend(S.compare(state, S.train_reference(case, world), case.label()))
+    # TorchRec's gradient division off: the PS sums the ranks' gradients.
+    for loop in ("plain", "pipeline"):
+        case = S.Case(kind="weighted", config={"gradient_division": False}, loop=loop, seed=31)
+        state, _ = S.train_dmp(case, rank, world)
+        if rank == 0:
+            problems.extend(S.compare(state, S.train_reference(case, world), case.label()))
     problems.extend(_meta_lazy_init(rank, world))
     return problems
 

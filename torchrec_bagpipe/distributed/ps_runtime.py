@@ -77,7 +77,6 @@ class BagPipeJob:
             )
         self._modules: weakref.WeakSet[Any] = weakref.WeakSet()
         self._next_session = 0
-        self.gradient_division = config.resolved_gradient_division()
         self.closed = False
         self.shard: Any = None
         self.server: Any = None
@@ -238,7 +237,7 @@ def build_fused_table(
         lr=spec.lr,
         rank=job.rank,
         world_size=job.world_size,
-        gradient_division=job.gradient_division,
+        gradient_division=config.resolved_gradient_division(),
         partitioner=config.partitioner,
         job_token=job.job_token,
         max_packet_rows=config.max_packet_rows,
