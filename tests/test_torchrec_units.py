@@ -130,6 +130,10 @@ def test_sharder_is_picklable_and_offers_the_bagpipe_kernel():
     assert set(usage) == {"hbm"} and usage["hbm"] < 10_000 * 16 * 4
     with pytest.raises(TypeError, match="BagPipeConfig"):
         BagPipeEmbeddingBagCollectionSharder(config={"lookahead": 2})  # type: ignore[arg-type]
+    import torchrec_bagpipe
+
+    assert torchrec_bagpipe.BagPipeEmbeddingBagCollectionSharder is type(sharder)
+    assert torchrec_bagpipe.BagPipeShardingPlanner is BagPipeShardingPlanner
 
 
 # ---- optimizer checks -----------------------------------------------------------------------
