@@ -2,8 +2,8 @@
 
 Random tables (dims, sizes, features shared by several tables, sum and mean pooling,
 weighted or not) and random KJTs (extra keys in any order, multi-hot and empty bags): the
-sharded forward equals the unsharded forward, and one backward + fused SGD step equals SGD
-on the unsharded weights. Runs in one spawned rank (world size 1: the PS shard is hosted in
+sharded forward equals the unsharded forward, one backward + fused SGD step equals SGD on
+the unsharded weights, and an eval forward afterwards sees the updated rows. Runs in one spawned rank (world size 1: the PS shard is hosted in
 that process), many examples per process.
 """
 
@@ -107,6 +107,12 @@ def _property_worker(rank: int, world: int, max_examples: int) -> str:
             after = dmp.state_dict()
             for k, v in ebc.state_dict().items():
                 torch.testing.assert_close(after[k], v, rtol=1e-6, atol=1e-6, msg=k)
+            # Eval forwards read the updated rows straight from the PS.
+            dmp.eval()
+            with torch.no_grad():
+                evaluated = dmp(kjt).wait()
+                torch.testing.assert_close(evaluated.values(), ebc(kjt).values(),
+                                           rtol=1e-6, atol=1e-6)
         finally:
             close_model(dmp)
 

@@ -95,7 +95,8 @@ class _PSTableView(nn.Module):
     def __init__(self, owner: ShardedBagPipeEmbeddingBagCollection, table: str, dim: int,
                  device: torch.device) -> None:
         super().__init__()
-        # A weak back-reference: registering the owner as a submodule would make a cycle.
+        # A plain attribute, not a submodule: registering the owner would make the module
+        # tree cyclic (named_modules, state_dict and .to() would loop).
         object.__setattr__(self, "_owner", owner)
         self._table = table
         weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
