@@ -3,8 +3,9 @@
 Random tables (dims, sizes, features shared by several tables, sum and mean pooling,
 weighted or not) and random KJTs (extra keys in any order, multi-hot and empty bags): the
 sharded forward equals the unsharded forward, one backward + fused SGD step equals SGD on
-the unsharded weights, and an eval forward afterwards sees the updated rows. Runs in one spawned rank (world size 1: the PS shard is hosted in
-that process), many examples per process.
+the unsharded weights, and an eval forward afterwards sees the updated rows. Runs in one
+spawned rank (world size 1: the PS shard is hosted in that process), many examples per
+process.
 """
 
 from __future__ import annotations
@@ -117,6 +118,30 @@ def _property_worker(rank: int, world: int, max_examples: int) -> str:
             close_model(dmp)
 
     prop()
+
+    # A batch that is not the one the pipeline submitted ahead is refused.
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=10,
+                                 feature_names=["f0"])]
+    model = EmbeddingBagCollection(tables=tables)
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=bagpipe_plan(model, world),
+        sharders=[BagPipeEmbeddingBagCollectionSharder(fused_params={"learning_rate": lr})],
+    )
+    module = dmp.module
+    a = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([1, 2]), torch.tensor([1, 1]))
+    b = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([1, 3]), torch.tensor([1, 1]))
+    same_as_a = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([1, 2]),
+                                                    torch.tensor([1, 1]))
+    module.presubmit(a)
+    module.presubmit(a)
+    dmp(same_as_a).wait().values().sum().backward()  # equal contents: accepted
+    try:
+        dmp(b)
+    except RuntimeError as e:
+        assert "submitted ahead" in str(e), e
+    else:
+        raise AssertionError("a batch other than the presubmitted one was accepted")
+    close_model(dmp)
     return "ok"
 
 

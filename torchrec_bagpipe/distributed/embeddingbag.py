@@ -37,6 +37,7 @@ import math
 import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -274,7 +275,7 @@ class ShardedBagPipeEmbeddingBagCollection(
 
         # ---- step bookkeeping ------------------------------------------------------------
         self._loaded = False
-        self._presubmitted: deque[list[torch.Tensor]] = deque()
+        self._presubmitted: deque[_Ahead] = deque()
         self._held: list[list[torch.Tensor]] | None = None
         self._pending: list[deque[Any]] = [deque() for _ in self._fused]
         self._closed = False
@@ -297,7 +298,12 @@ class ShardedBagPipeEmbeddingBagCollection(
         self, ctx: BagPipeEBCContext, features: KeyedJaggedTensor
     ) -> Awaitable[Awaitable[KJTList]]:
         self._check_open()
-        per_group, keys = self._split_features(features)
+        ahead = self._presubmitted[0] if self.training and self._presubmitted else None
+        if ahead is not None and _same_data(ahead.signature, _signature(features)):
+            # The very tensors submitted ahead (not modified since): reuse their split.
+            per_group, keys = ahead.per_group, ahead.keys
+        else:
+            per_group, keys = self._split_features(features)
         ctx.training = self.training
         ctx.batch_size = features.stride()
         ctx.keys = keys
@@ -345,9 +351,9 @@ class ShardedBagPipeEmbeddingBagCollection(
         `input_dist` of the same batch, later, then only checks it matches.
         """
         self._check_open()
-        _, keys = self._split_features(features)
+        per_group, keys = self._split_features(features)
         self._submit(keys)
-        self._presubmitted.append(keys)
+        self._presubmitted.append(_Ahead(_signature(features), per_group, keys))
 
     def hold_submissions(self) -> None:
         """Queues the batches `input_dist` would submit until `release_submissions`."""
@@ -550,8 +556,8 @@ class ShardedBagPipeEmbeddingBagCollection(
 
     def _enter_window(self, keys: list[torch.Tensor]) -> None:
         if self._presubmitted:
-            expected = self._presubmitted.popleft()
-            if any(not torch.equal(a, b) for a, b in zip(expected, keys)):
+            expected = self._presubmitted.popleft().keys
+            if any(a is not b and not torch.equal(a, b) for a, b in zip(expected, keys)):
                 raise RuntimeError(
                     "the batch entering input_dist is not the batch BagPipeTrainPipeline "
                     "submitted ahead for this step; feed the pipeline and the model the "
@@ -642,6 +648,32 @@ class ShardedBagPipeEmbeddingBagCollection(
                     self._optim.finish(g, step, zeros)
                 else:
                     self._finish(g, step, zeros)
+
+
+@dataclass
+class _Ahead:
+    """A batch submitted ahead by the pipeline, with the split `input_dist` can reuse."""
+
+    signature: tuple[Any, ...]
+    per_group: list[KeyedJaggedTensor]
+    keys: list[torch.Tensor]
+
+
+def _signature(features: KeyedJaggedTensor) -> tuple[Any, ...]:
+    """A KJT's keys, stride and data tensors with their in-place versions (the tensors are
+    held, so their identity cannot be reused while the signature lives)."""
+    tensors = (features.values(), features.lengths_or_none(), features.offsets_or_none(),
+               features.weights_or_none())
+    return (tuple(features.keys()), features.stride(),
+            *((t, t._version) if t is not None else (None, 0) for t in tensors))
+
+
+def _same_data(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two signatures name the same, unmodified tensors (TorchRec's CPU device copy
+    of a batch keeps them), so the split computed ahead can be reused without a compare."""
+    if a[:2] != b[:2]:
+        return False
+    return all(x[0] is y[0] and x[1] == y[1] for x, y in zip(a[2:], b[2:]))
 
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
