@@ -235,7 +235,8 @@ def _errors(rank: int, world: int) -> list[str]:
     batches = S.batches_for("dlrm", samples, rank, 5)
 
     # Out-of-range ids: ValueError naming the feature, the table and the value.
-    case = S.Case(kind="dlrm", steps=4, seed=5)
+    # This world reaches its hosted PS shards over loopback TCP, its own shard included.
+    case = S.Case(kind="dlrm", steps=4, seed=5, config={"ps_type": "tcp"})
     dmp, opt = S.make_dmp(case, S.build_model("dlrm", 5), world)
     bad = S.batches_for("dlrm", samples, rank, 5)[0]
     kjt = bad.sparse_features
@@ -288,7 +289,8 @@ def _errors(rank: int, world: int) -> list[str]:
     ))
 
     # Prescan mismatch: the pipeline is fed other batches than the prescanned ones.
-    case = S.Case(kind="dlrm", steps=4, seed=5, config={"optimization_prescan": True})
+    case = S.Case(kind="dlrm", steps=4, seed=5,
+                  config={"optimization_prescan": True, "ps_type": "tcp"})
     dmp, opt = S.make_dmp(case, S.build_model("dlrm", 5), world)
     pipe = BagPipeTrainPipeline(dmp, opt, torch.device("cpu"), prescan_batches=batches)
     swapped = [batches[0], batches[2], batches[1], batches[3]]
@@ -302,6 +304,12 @@ def _errors(rank: int, world: int) -> list[str]:
                 break
 
     problems.append(_expect(run_mismatched, ValueError, "step 1"))
+    close_model(dmp)
+
+    # Every module of a process shares one PS deployment.
+    case = S.Case(kind="dlrm", steps=4, seed=5, config={"ps_type": "local"})
+    problems.append(_expect(lambda: S.make_dmp(case, S.build_model("dlrm", 5), world),
+                            ValueError, "ps_type"))
     return [p for p in problems if p]
 
 

@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -244,17 +245,22 @@ class ShardedBagPipeEmbeddingBagCollection(
         # ---- runtime: PS sessions and controllers ----------------------------------------
         meta = {t.name: module.embedding_bags[t.name].weight.is_meta for t in self._tables}
         init_fns = {cfg.name: cfg.init_fn for cfg in configs}
-        self._runtimes = [
-            ps_runtime.build_fused_table(
-                spec,
-                job=self._job,
-                config=self._config,
-                lazy_init=all(meta[t.name] and _default_uniform(init_fns[t.name], t)
-                              for t in spec.tables),
-            )
-            for spec in self._fused
-        ]
-        self._load_initial_weights(module, meta, init_fns)
+        self._runtimes: list[ps_runtime.FusedTableRuntime] = []
+        try:
+            for spec in self._fused:
+                self._runtimes.append(ps_runtime.build_fused_table(
+                    spec,
+                    job=self._job,
+                    config=self._config,
+                    lazy_init=all(meta[t.name] and _default_uniform(init_fns[t.name], t)
+                                  for t in spec.tables),
+                ))
+            self._load_initial_weights(module, meta, init_fns)
+        except BaseException:
+            for rt in self._runtimes:
+                with contextlib.suppress(Exception):
+                    rt.close()
+            raise
 
         # ---- torch state: placeholders, fused optimizer ------------------------------------
         self.embedding_bags = nn.ModuleDict(

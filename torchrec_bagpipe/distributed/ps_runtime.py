@@ -201,16 +201,34 @@ class BagPipeJob:
 _JOB: BagPipeJob | None = None
 
 
+# Fields fixed by the first module a process shards: where the PS is and how it is reached.
+_DEPLOYMENT_FIELDS = ("ps_type", "ps_addresses", "ps_shards", "job_token", "memory_budget",
+                      "spill_dir", "store_threads", "ps_timeout", "connect_timeout")
+
+
 def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> BagPipeJob:
-    """The process's job, created on first use (a collective: every rank calls it)."""
+    """The process's job, created on first use (a collective: every rank calls it).
+
+    Every BagPipe module of a process shares the job, so they must agree on the deployment
+    fields (ValueError naming the first that differs).
+    """
     global _JOB
     if _JOB is None or _JOB.closed:
         _JOB = BagPipeJob(config, env, device)
-    elif (_JOB.rank, _JOB.world_size) != (env.rank, env.world_size):
+        return _JOB
+    if (_JOB.rank, _JOB.world_size) != (env.rank, env.world_size):
         raise ValueError(
             "every BagPipe module of a process must use the same sharding env "
             f"(rank {env.rank}/{env.world_size} vs {_JOB.rank}/{_JOB.world_size})"
         )
+    for name in _DEPLOYMENT_FIELDS:
+        mine, theirs = getattr(config, name), getattr(_JOB.config, name)
+        if mine != theirs:
+            raise ValueError(
+                f"BagPipeConfig.{name}={mine!r} differs from {theirs!r}, which the first "
+                "BagPipe module of this process fixed; every module of a process shares one "
+                "PS deployment"
+            )
     return _JOB
 
 
