@@ -112,15 +112,14 @@ def run_config(argv: list[str], world: int, timeout: float) -> dict[str, Any]:
 
 
 def model_step(compute_s: float, counters: dict[str, float], steps: int, world: int,
-               link: Link, cached: bool) -> tuple[float, float]:
+               link: Link) -> tuple[float, float]:
     """(exposed network time, modelled step time) of one rank: compute plus the network
     time left exposed.
 
-    Per rank and step, from the runtime's counters: demand gets (blocking: one round trip
-    per window of requests plus their bytes), prefetch traffic (overlaps the step's compute;
-    only its excess is exposed) and the gradient commit (on the critical path when the next
-    step's reads depend on it: every step without a cache, the measured fraction of steps
-    with a dependency wait with one).
+    Per rank and step, from the runtime's counters: demand gets (blocking: a round trip per
+    get plus their bytes), prefetch traffic (overlaps the step's compute; only its excess is
+    exposed) and the gradient commit (on the critical path in the measured fraction of steps
+    whose reads waited for the previous commit: `dependency_waits / steps`).
     """
     per = 1.0 / max(1, steps * world)
     row_bytes = counters.get("fetched_bytes", 0.0) * per
@@ -138,11 +137,8 @@ def model_step(compute_s: float, counters: dict[str, float], steps: int, world: 
     prefetch_time = (prefetch_gets * link.rtt_s / link.window
                      + (prefetch_bytes + 8 * prefetched) / link.bytes_per_s)
     commit_time = link.rtt_s + grad_bytes / link.bytes_per_s
-    if cached:
-        waits = counters.get("dependency_waits", 0.0) / max(1, counters.get("steps", 1.0))
-        commit_exposed = waits * commit_time
-    else:
-        commit_exposed = commit_time
+    waits = counters.get("dependency_waits", 0.0) / max(1.0, counters.get("steps", 1.0))
+    commit_exposed = waits * commit_time
     exposed = demand_time + max(0.0, prefetch_time - compute_s) + commit_exposed
     return exposed, compute_s + exposed
 
@@ -177,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="stock,ps_nocache,lru,bagpipe_prescan,bagpipe_online")
     p.add_argument("--png", default=None, help="plot path (default: benchmarks/e2e_dlrm.png)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--compute-ms", type=float, default=None,
+                   help="compute time per step for the link model (default: the stock run's "
+                        "measured median step); set it to model a faster device (an "
+                        "assumption, reported as such)")
     args = p.parse_args(argv)
     steps = args.steps or (40 if args.quick else 200)
     batch = args.batch_size or (256 if args.quick else 1024)
@@ -207,22 +207,28 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown configuration {c!r}")
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
-    for name in chosen:
-        runs = []
-        for _ in range(repeats):
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    # Round-robin over repeats, so machine noise and warm-up spread over every configuration.
+    for _ in range(repeats):
+        for name in chosen:
             with tempfile.TemporaryDirectory() as tmp:
-                runs.append(run_config([*common, *configs[name],
-                                        "--metrics_json", os.path.join(tmp, "m.json")],
-                                       world, args.timeout))
-        step_medians = [statistics.median(r["step_times"]) for r in runs if r["step_times"]]
+                runs[name].append(run_config([*common, *configs[name],
+                                              "--metrics_json", os.path.join(tmp, "m.json")],
+                                             world, args.timeout))
+    for name in chosen:
+        step_medians = [statistics.median(r["step_times"]) for r in runs[name]
+                        if r["step_times"]]
         results[name] = {
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in runs[name]),
             "step_s": statistics.median(step_medians) if step_medians else float("nan"),
-            "bagpipe": runs[-1].get("bagpipe", {}),
-            "steps": runs[-1]["steps"],
+            "bagpipe": runs[name][-1].get("bagpipe", {}),
+            "steps": runs[name][-1]["steps"],
         }
     base = results.get("stock")
     compute_s = base["step_s"] if base else None
+    if args.compute_ms is not None:
+        compute_s = args.compute_ms / 1e3
+        emit("assumed_compute_ms", args.compute_ms, "ms/step", None, config="all")
     nocache = results.get("ps_nocache")
     nocache_bytes = None
     exposed_nocache: dict[str, float] = {}
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if compute_s:
             for link in PRESETS:
                 e, t = model_step(compute_s, nocache["bagpipe"]["counters"], nocache["steps"],
-                                  world, link, cached=False)
+                                  world, link)
                 exposed_nocache[link.name] = e
                 model_nocache[link.name] = world * batch / t
     modelled_25g: dict[str, float] = {}
@@ -257,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if not compute_s:
             continue
         for link in PRESETS:
-            exposed, t = model_step(compute_s, counters, r["steps"], world, link,
-                                    cached=name != "ps_nocache")
+            exposed, t = model_step(compute_s, counters, r["steps"], world, link)
             emit("exposed_network_ms", 1e3 * exposed, "ms/step",
                  1e3 * exposed_nocache[link.name] if link.name in exposed_nocache else None,
                  link=link.name, baseline_config="ps_nocache", **extra)
