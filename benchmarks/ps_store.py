@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fbgemm_gpu  # noqa: E402,F401  (registers torch.ops.fbgemm)
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
-from torchrec_bagpipe.ps import EmbeddingStore  # noqa: E402
+from torchrec_bagpipe.ps import EmbeddingStore
 
 BATCH = 4096
 ZIPF_S = 1.05
@@ -56,15 +56,18 @@ def zipf_batches(num_keys: int, num_batches: int, seed: int) -> list[torch.Tenso
     return [torch.from_numpy(keys[i * BATCH : (i + 1) * BATCH].copy()) for i in range(num_batches)]
 
 
-def timed(fn: Callable[[], None], repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs after one warm-up."""
-    fn()
-    times = []
+def timed_pair(fa: Callable[[], None], fb: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median seconds of fa() and of fb(), run alternately (one warm-up each), so that load
+    changes on a shared machine hit both sides alike."""
+    fa()
+    fb()
+    ta, tb = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, acc in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def emit(**fields: object) -> None:
@@ -93,6 +96,17 @@ def run_workload(
     baseline_bytes = (table.numel() * 8 + weights.numel() * 4) / num_keys
 
     common = {"dim": dim, "keys": num_keys, "batch": BATCH, "zipf": ZIPF_S, "transport": "none"}
+
+    def base_lookup() -> None:
+        for b in batches:
+            ids = torch.ops.fbgemm.pruned_hashmap_lookup(b, bag, table, table_offsets)
+            torch.index_select(weights, 0, ids, out=out)
+
+    def base_sgd() -> None:
+        for b in batches:
+            ids = torch.ops.fbgemm.pruned_hashmap_lookup(b, bag, table, table_offsets)
+            weights.index_add_(0, ids, grads, alpha=-0.01)
+
     for threads in threads_list:
         store = EmbeddingStore(dim, num_threads=threads, init="uniform", init_bound=0.01)
         store.reserve(num_keys)
@@ -102,26 +116,15 @@ def run_workload(
             store.lookup(k, out=torch.empty((k.numel(), dim)))  # inserts every key
         torch.set_num_threads(threads)
 
-        def store_lookup() -> None:
+        def store_lookup(store: EmbeddingStore = store) -> None:
             for b in batches:
                 store.lookup(b, out=out)
 
-        def base_lookup() -> None:
-            for b in batches:
-                ids = torch.ops.fbgemm.pruned_hashmap_lookup(b, bag, table, table_offsets)
-                torch.index_select(weights, 0, ids, out=out)
-
-        def store_sgd() -> None:
+        def store_sgd(store: EmbeddingStore = store) -> None:
             for b in batches:
                 store.apply_sgd(b, grads, 0.01)
 
-        def base_sgd() -> None:
-            for b in batches:
-                ids = torch.ops.fbgemm.pruned_hashmap_lookup(b, bag, table, table_offsets)
-                weights.index_add_(0, ids, grads, alpha=-0.01)
-
-        reps = args.repeats
-        t_store, t_base = timed(store_lookup, reps), timed(base_lookup, reps)
+        t_store, t_base = timed_pair(store_lookup, base_lookup, args.repeats)
         ours, base = total / t_store / 1e6, total / t_base / 1e6
         emit(
             bench="ps_store",
@@ -133,7 +136,7 @@ def run_workload(
             threads=threads,
             **common,
         )
-        t_store, t_base = timed(store_sgd, reps), timed(base_sgd, reps)
+        t_store, t_base = timed_pair(store_sgd, base_sgd, args.repeats)
         ours, base = total / t_store / 1e6, total / t_base / 1e6
         emit(
             bench="ps_store",
@@ -159,7 +162,7 @@ def run_workload(
             target=dim * 4 + 32,
             **common,
         )
-        del store
+        del store, store_lookup, store_sgd
         gc.collect()
 
 
