@@ -232,11 +232,17 @@ void EmbeddingStore::Impl::Route(const int64_t* keys, size_t n) {
   for (size_t i = 0; i < n; ++i) order_[pos[ShardOf(hashes_[i])]++] = static_cast<uint32_t>(i);
 }
 
+// One task per thread, each over a contiguous range of shards: two threads meet once per
+// call, not once per shard.
 void EmbeddingStore::Impl::RunShards(
     const std::function<void(Shard&, uint32_t, uint32_t)>& fn) {
-  pool_.Run(num_shards_, [&](size_t s) {
-    const uint32_t b = shard_begin_[s], e = shard_begin_[s + 1];
-    if (b != e) fn(*shards_[s], b, e);
+  const size_t tasks = std::min<size_t>(static_cast<size_t>(pool_.num_threads()), num_shards_);
+  pool_.Run(tasks, [&](size_t t) {
+    const size_t first = num_shards_ * t / tasks, last = num_shards_ * (t + 1) / tasks;
+    for (size_t s = first; s < last; ++s) {
+      const uint32_t b = shard_begin_[s], e = shard_begin_[s + 1];
+      if (b != e) fn(*shards_[s], b, e);
+    }
   });
 }
 
