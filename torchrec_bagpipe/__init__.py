@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "BagPipeConfig": "torchrec_bagpipe.config",
+    "BagPipeController": "torchrec_bagpipe.runtime.controller",
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
     "SessionError": "torchrec_bagpipe._native",
     "TransportError": "torchrec_bagpipe._native",
