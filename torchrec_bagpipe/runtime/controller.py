@@ -445,6 +445,11 @@ class BagPipeController:
         finally:
             self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
 
+    def _index(self, positions: np.ndarray) -> torch.Tensor:
+        """int64 positions as an index tensor on the device."""
+        t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
     def _committed(self) -> int:
         if self._closed:
             return self._last_committed
@@ -670,7 +675,7 @@ class BagPipeController:
         hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
         rows = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
         if hit_pos.size:
-            rows[torch.from_numpy(hit_pos).to(self.device)] = dev.gather(hit_slots)
+            rows.index_copy_(0, self._index(hit_pos), dev.gather(hit_slots))
 
         # Prefetches of this step still queued (dependency not committed) become demand.
         if self._pend:
@@ -714,16 +719,16 @@ class BagPipeController:
         self._issue_ready()
         miss_rows = torch.empty(miss_pos.size, self.dim, dtype=torch.float32, device=self.device)
         if queue_rows is not None and queue_rows.shape[0]:
-            miss_rows[torch.from_numpy(np.nonzero(from_queue)[0]).to(self.device)] = queue_rows
+            miss_rows.index_copy_(0, self._index(np.nonzero(from_queue)[0]), queue_rows)
         if handle is not None:
             t0 = time.perf_counter()
             fetched = self._wait_rows(handle, d_keys.size).to(self.device, non_blocking=True)
             self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
-            miss_rows[torch.from_numpy(np.nonzero(~from_queue)[0]).to(self.device)] = fetched
+            miss_rows.index_copy_(0, self._index(np.nonzero(~from_queue)[0]), fetched)
         if miss_pos.size:
-            rows[torch.from_numpy(miss_pos).to(self.device)] = miss_rows
+            rows.index_copy_(0, self._index(miss_pos), miss_rows)
             if a_slots.size:
-                dev.fill(a_slots, miss_rows[torch.from_numpy(a_pos).to(self.device)])
+                dev.fill(a_slots, miss_rows.index_select(0, self._index(a_pos)))
         for fid in [fid for fid, f in self._fetches.items() if f.max_use <= t and f.done]:
             del self._fetches[fid]
         self._materialize_ready(t)
@@ -783,7 +788,7 @@ class BagPipeController:
             src = np.nonzero(mine)[0]
             if src.size:
                 dst = torch.from_numpy(row_of[plan.union_pos[src]]).to(dev)
-                buf[dst] = grad.index_select(0, torch.from_numpy(src).to(dev))
+                buf.index_copy_(0, dst, grad.index_select(0, torch.from_numpy(src).to(dev)))
             return buf
 
         g_now = dense(now_idx, mine_now)
