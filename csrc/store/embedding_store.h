@@ -1,5 +1,9 @@
 // EmbeddingStore: fp32 rows of one dimension keyed by int64, the storage engine of a PS shard.
 //
+// Layout: N hash shards (top bits of KeyHash(key)); each shard is a KeyMap (key -> slot)
+// plus a page table into one PageArena of cache-line-aligned rows. A SpillTier keeps the
+// arena under a DRAM budget (spilling cold pages to disk, or refusing in memory-only mode).
+//
 // Thread safety:
 //   Every public method may be called from any thread. Batch operations are serialized by
 //   an internal mutex (one batch op at a time) and run in parallel inside, on the store's
@@ -8,11 +12,11 @@
 // Invariants:
 //   1. Logically every key in the key domain has a row. A row never written reads as its
 //      deterministic initial value, a pure function of (InitSpec, key, column): independent
-//      of shard count, thread count, insertion order and history.
+//      of shard count, thread count, insertion order and history (init.h).
 //   2. Results are bitwise independent of the thread count and the shard count: duplicate
 //      keys of one ApplySgd call are summed in input order before the single update.
 //   3. A call that throws has changed nothing (arguments are validated and capacity is
-//      secured before the first row is written).
+//      secured before the first row is written; spilling moves bytes, never values).
 //   4. Resident arena bytes never exceed the memory budget after a call returns (spill mode),
 //      or a call that would exceed it throws MemoryBudgetError (memory-only mode).
 //   5. A row's slot is stable until it is erased; spilling moves pages to disk without
@@ -26,23 +30,15 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <vector>
+
+#include "store/init.h"
+#include "store/spill.h"
 
 namespace bagpipe::store {
-
-enum class InitKind : uint8_t { kUniform = 0, kZeros = 1, kConstant = 2 };
-
-struct InitSpec {
-  InitKind kind = InitKind::kUniform;
-  float bound = 0.0f;  // kUniform: values in [-bound, bound)
-  float value = 0.0f;  // kConstant
-  uint64_t seed = 0;
-};
 
 struct StoreOptions {
   int dim = 0;                  // REQUIRES: > 0
@@ -50,7 +46,7 @@ struct StoreOptions {
   int num_threads = 1;          // batch-op parallelism; REQUIRES: >= 1
   InitSpec init;
   int64_t key_bound = -1;       // >= 0: keys must lie in [0, key_bound); < 0: any int64
-  uint32_t page_rows = 0;       // rows per arena page; 0: automatic (about 2 MiB pages)
+  uint32_t page_rows = 0;       // rows per arena page, a power of two; 0: about 2 MiB pages
   int64_t memory_budget = 0;    // arena DRAM budget in bytes; 0: unlimited; -1: automatic
   std::string spill_dir;        // where pages above the budget go; empty: memory-only
   double high_watermark = 0.8;  // fraction of the budget that starts spilling
@@ -60,10 +56,12 @@ struct StoreOptions {
 struct StoreStats {
   int64_t rows = 0;
   int64_t bytes_resident = 0;  // arena pages in DRAM + key maps
+  int64_t bytes_maps = 0;      // key maps (part of bytes_resident; never spilled)
   int64_t bytes_spilled = 0;   // arena pages backed by spill files
   int64_t pages = 0;
   int64_t pages_spilled = 0;
-  int64_t spill_count = 0;     // pages ever written to disk (incl. reused file extents)
+  int64_t page_bytes = 0;
+  int64_t spill_count = 0;     // spill passes (each moves one or more cold pages to disk)
   int64_t swap_outs = 0;       // RAM -> file page moves
   int64_t swap_ins = 0;        // file -> RAM page moves
   int64_t lookups = 0;         // keys looked up
@@ -71,8 +69,23 @@ struct StoreStats {
   int64_t memory_budget = 0;   // effective budget in bytes (0: unlimited)
 };
 
-// Called once, on the first page that goes to disk (the Python layer raises a warning).
-using SpillCallback = std::function<void(const std::string& message)>;
+// Options of EmbeddingStore::Load. Unset fields come from the checkpoint (shards, page
+// rows, key bound) or the StoreOptions defaults (threads, budget, spill).
+struct LoadOverrides {
+  std::optional<int> num_shards;
+  std::optional<int> num_threads;
+  std::optional<int64_t> key_bound;
+  std::optional<uint32_t> page_rows;
+  std::optional<int64_t> memory_budget;
+  std::optional<std::string> spill_dir;
+  std::optional<double> high_watermark;
+  std::optional<double> low_watermark;
+  // Expectations: a checkpoint that disagrees is refused (ValueError naming the field).
+  std::optional<int> dim;
+  std::optional<InitSpec> init;
+  // Load weights only, ignoring any optimizer state (inference).
+  bool weights_only = false;
+};
 
 class EmbeddingStore {
  public:
@@ -82,6 +95,7 @@ class EmbeddingStore {
   EmbeddingStore(const EmbeddingStore&) = delete;
   EmbeddingStore& operator=(const EmbeddingStore&) = delete;
 
+  // Options as resolved at construction (memory_budget -1 becomes the detected bytes).
   const StoreOptions& options() const;
   int dim() const;
 
@@ -95,7 +109,7 @@ class EmbeddingStore {
 
   // One SGD update per distinct key (see the header comment for the arithmetic).
   // Absent keys are materialised from their initial value first.
-  // REQUIRES: grad_divisor >= 1.
+  // REQUIRES: grad_divisor >= 1, lr finite.
   void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int grad_divisor);
 
   // Writes 1 to present[i] if keys[i] is stored, else 0.
@@ -104,34 +118,39 @@ class EmbeddingStore {
   // Removes the keys that are present; returns how many distinct keys were removed.
   size_t Erase(const int64_t* keys, size_t n);
 
-  // Prepares capacity for `total_rows` rows (maps and arena) outside the hot path.
+  // Prepares key-map capacity for `total_rows` rows outside the hot path.
   void Reserve(size_t total_rows);
 
   size_t Size();
 
-  // Chunked export in a deterministic order (by shard, then slot). Returns the number of
-  // rows written into keys/rows (at most max_rows), starting at `cursor`; *cursor advances
-  // and becomes -1 when the export is complete. Invalidated by any mutation in between
-  // (ValueError on the next call).
+  // Chunked export in a deterministic order (by shard, then key-map position). Returns the
+  // number of rows written into keys/rows (at most max_rows), starting at `*cursor` (0 for
+  // the first chunk); *cursor advances and becomes -1 when the export is complete. A
+  // mutation between chunks invalidates the export (ValueError on the next call).
   size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows);
 
   StoreStats Stats();
 
   void SetSpillCallback(SpillCallback cb);
 
-  // Crash-safe checkpoint into `dir` (see checkpoint.h). `meta` is stored verbatim in the
-  // manifest (the commit layer records its committed step there).
+  // Crash-safe checkpoint into `dir` (format and guarantees: checkpoint.h, manifest.h).
+  // `meta` is stored verbatim in the manifest (the commit layer records its committed step
+  // there). weights_only: an inference export without optimizer state.
+  // REQUIRES: dir absent, empty or a previous checkpoint (ValueError otherwise).
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
             bool weights_only);
 
-  // Opens a checkpoint written by Save. Options other than the data's dim/init may be
-  // overridden by `overrides` (threads, budget, spill dir, shard count).
-  // Throws ValueError for a torn, mismatched or unknown-version checkpoint.
+  // Opens a checkpoint written by Save; fills *meta (if not null) with its meta strings.
+  // Throws ValueError for a torn, corrupt, mismatched or unknown-version checkpoint.
   static std::unique_ptr<EmbeddingStore> Load(const std::string& dir,
-                                              const std::optional<StoreOptions>& overrides,
+                                              const LoadOverrides& overrides,
                                               std::map<std::string, std::string>* meta);
 
+  // The meta strings of a checkpoint, after verifying its manifest (not its data files).
+  static std::map<std::string, std::string> ReadCheckpointMeta(const std::string& dir);
+
   // Initial value of key's row (n x dim), without touching the store.
+  // REQUIRES: ValidateInitSpec(init) passes (ValueError otherwise), dim > 0.
   static void InitialRows(const InitSpec& init, int dim, const int64_t* keys, size_t n,
                           float* out);
 

@@ -7,6 +7,15 @@ from typing import Any
 
 _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
+    "PSClient": "torchrec_bagpipe.ps.client",
+    "PSHandle": "torchrec_bagpipe.ps.client",
+    "PSShard": "torchrec_bagpipe.ps.shard",
+    "Partitioner": "torchrec_bagpipe.ps.partitioner",
+    "ServerProcess": "torchrec_bagpipe.ps.shard",
+    "ShardServer": "torchrec_bagpipe.ps.shard",
+    "spawn_server": "torchrec_bagpipe.ps.shard",
+    "start_local_shards": "torchrec_bagpipe.ps.shard",
+    "start_tcp_shard": "torchrec_bagpipe.ps.shard",
 }
 
 

@@ -1,0 +1,338 @@
+// Python binding of the storage engine: torchrec_bagpipe._C.StoreCore, wrapped by
+// torchrec_bagpipe.ps.store.EmbeddingStore (which owns argument conversion from tensors).
+//
+// Thread safety: the GIL is released around every native batch op; the store serializes
+// ops itself. The spill callback runs without the GIL and only records a message; the
+// binding turns it into a Python warning after the op, with the GIL held.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "bindings/buffers.h"
+#include "bindings/registry.h"
+#include "common/errors.h"
+#include "store/checkpoint.h"
+#include "store/embedding_store.h"
+
+namespace bagpipe::bindings {
+namespace {
+
+using store::EmbeddingStore;
+using store::InitKind;
+using store::InitSpec;
+using store::StoreOptions;
+
+py::object& SpillWarningType() {
+  static py::object type;
+  return type;
+}
+
+InitSpec MakeInit(const std::string& kind, float bound, float value, uint64_t seed,
+                  std::vector<int64_t> starts, std::vector<float> bounds) {
+  InitSpec init;
+  if (kind == "uniform") {
+    init.kind = InitKind::kUniform;
+  } else if (kind == "zeros") {
+    init.kind = InitKind::kZeros;
+  } else if (kind == "constant") {
+    init.kind = InitKind::kConstant;
+  } else {
+    throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
+  }
+  init.bound = bound;
+  init.value = value;
+  init.seed = seed;
+  init.bound_starts = std::move(starts);
+  init.bound_values = std::move(bounds);
+  return init;
+}
+
+const char* KindName(InitKind k) {
+  switch (k) {
+    case InitKind::kUniform:
+      return "uniform";
+    case InitKind::kZeros:
+      return "zeros";
+    case InitKind::kConstant:
+      return "constant";
+  }
+  return "unknown";
+}
+
+py::dict InitDict(const InitSpec& init) {
+  py::dict d;
+  d["init"] = KindName(init.kind);
+  d["init_bound"] = init.bound;
+  d["init_value"] = init.value;
+  d["seed"] = init.seed;
+  d["bound_starts"] = init.bound_starts;
+  d["bound_values"] = init.bound_values;
+  return d;
+}
+
+// Owns one store plus the warning its spill callback left for the Python side.
+class StoreHandle {
+ public:
+  explicit StoreHandle(std::unique_ptr<EmbeddingStore> s) : store_(std::move(s)) {
+    store_->SetSpillCallback([this](const std::string& msg) {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_warning_ = msg;
+    });
+  }
+  EmbeddingStore& store() { return *store_; }
+
+  // REQUIRES: GIL held. Raises the recorded spill warning, once.
+  void FlushWarning() {
+    std::optional<std::string> msg;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      msg.swap(pending_warning_);
+    }
+    if (msg && PyErr_WarnEx(SpillWarningType().ptr(), msg->c_str(), 2) != 0) {
+      throw py::error_already_set();
+    }
+  }
+
+ private:
+  std::unique_ptr<EmbeddingStore> store_;
+  std::mutex mu_;
+  std::optional<std::string> pending_warning_;
+};
+
+py::dict OptionsDict(const StoreOptions& o) {
+  py::dict d = InitDict(o.init);
+  d["dim"] = o.dim;
+  d["num_shards"] = o.num_shards;
+  d["num_threads"] = o.num_threads;
+  d["key_bound"] = o.key_bound;
+  d["page_rows"] = o.page_rows;
+  d["memory_budget"] = o.memory_budget;
+  d["spill_dir"] = o.spill_dir;
+  d["high_watermark"] = o.high_watermark;
+  d["low_watermark"] = o.low_watermark;
+  return d;
+}
+
+}  // namespace
+}  // namespace bagpipe::bindings
+
+BAGPIPE_BINDING(store) {
+  using namespace bagpipe;
+  using namespace bagpipe::bindings;
+  namespace py = pybind11;
+
+  SpillWarningType() = py::reinterpret_steal<py::object>(
+      PyErr_NewExceptionWithDoc("torchrec_bagpipe._C.SpillWarning",
+                                "Rows of an EmbeddingStore started to spill to disk.",
+                                PyExc_UserWarning, nullptr));
+  m.attr("SpillWarning") = SpillWarningType();
+
+  py::class_<StoreHandle>(m, "StoreCore")
+      .def(py::init([](int dim, int num_shards, int num_threads, const std::string& init,
+                       float init_bound, float init_value, uint64_t seed,
+                       std::vector<int64_t> bound_starts, std::vector<float> bound_values,
+                       int64_t key_bound, uint32_t page_rows, int64_t memory_budget,
+                       const std::string& spill_dir, double high_watermark,
+                       double low_watermark) {
+             StoreOptions o;
+             o.dim = dim;
+             o.num_shards = num_shards;
+             o.num_threads = num_threads;
+             o.init = MakeInit(init, init_bound, init_value, seed, std::move(bound_starts),
+                               std::move(bound_values));
+             o.key_bound = key_bound;
+             o.page_rows = page_rows;
+             o.memory_budget = memory_budget;
+             o.spill_dir = spill_dir;
+             o.high_watermark = high_watermark;
+             o.low_watermark = low_watermark;
+             return std::make_unique<StoreHandle>(std::make_unique<store::EmbeddingStore>(o));
+           }),
+           py::arg("dim"), py::arg("num_shards"), py::arg("num_threads"), py::arg("init"),
+           py::arg("init_bound"), py::arg("init_value"), py::arg("seed"),
+           py::arg("bound_starts"), py::arg("bound_values"), py::arg("key_bound"),
+           py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
+           py::arg("high_watermark"), py::arg("low_watermark"))
+      .def("options", [](StoreHandle& h) { return OptionsDict(h.store().options()); })
+      .def("lookup",
+           [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing) {
+             auto k = Vec<int64_t>(keys, "keys");
+             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size),
+                                    h.store().dim());
+             {
+               py::gil_scoped_release nogil;
+               h.store().Lookup(k.data, k.size, o.data, insert_missing);
+             }
+             h.FlushWarning();
+           },
+           py::arg("keys"), py::arg("out"), py::arg("insert_missing"))
+      .def("assign",
+           [](StoreHandle& h, const py::array& keys, const py::array& rows) {
+             auto k = Vec<int64_t>(keys, "keys");
+             auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), h.store().dim());
+             {
+               py::gil_scoped_release nogil;
+               h.store().Assign(k.data, k.size, r.data);
+             }
+             h.FlushWarning();
+           },
+           py::arg("keys"), py::arg("rows"))
+      .def("apply_sgd",
+           [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
+              int grad_divisor) {
+             auto k = Vec<int64_t>(keys, "keys");
+             auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
+             {
+               py::gil_scoped_release nogil;
+               h.store().ApplySgd(k.data, k.size, g.data, lr, grad_divisor);
+             }
+             h.FlushWarning();
+           },
+           py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"))
+      .def("contains",
+           [](StoreHandle& h, const py::array& keys, const py::array& out) {
+             auto k = Vec<int64_t>(keys, "keys");
+             auto info = CheckedBuffer<uint8_t>(out, "out", 1, true);
+             if (static_cast<size_t>(info.shape[0]) != k.size) {
+               throw ValueError("out must have " + std::to_string(k.size) + " elements");
+             }
+             py::gil_scoped_release nogil;
+             h.store().Contains(k.data, k.size, static_cast<uint8_t*>(info.ptr));
+           },
+           py::arg("keys"), py::arg("out"))
+      .def("erase",
+           [](StoreHandle& h, const py::array& keys) {
+             auto k = Vec<int64_t>(keys, "keys");
+             py::gil_scoped_release nogil;
+             return h.store().Erase(k.data, k.size);
+           },
+           py::arg("keys"))
+      .def("reserve",
+           [](StoreHandle& h, int64_t n) {
+             if (n < 0) throw ValueError("n must be >= 0, got " + std::to_string(n));
+             py::gil_scoped_release nogil;
+             h.store().Reserve(static_cast<size_t>(n));
+           },
+           py::arg("n"))
+      .def("size", [](StoreHandle& h) { return h.store().Size(); })
+      .def("export_chunk",
+           [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows) {
+             auto k = CheckedBuffer<int64_t>(keys, "keys", 1, true);
+             auto r = MutMat<float>(rows, "rows", k.shape[0], h.store().dim());
+             size_t n;
+             {
+               py::gil_scoped_release nogil;
+               n = h.store().Export(&cursor, static_cast<size_t>(k.shape[0]),
+                                    static_cast<int64_t*>(k.ptr), r.data);
+             }
+             return py::make_tuple(n, cursor);
+           },
+           py::arg("cursor"), py::arg("keys"), py::arg("rows"))
+      .def("save",
+           [](StoreHandle& h, const std::string& path, const std::map<std::string, std::string>& meta,
+              bool weights_only) {
+             py::gil_scoped_release nogil;
+             h.store().Save(path, meta, weights_only);
+           },
+           py::arg("path"), py::arg("meta"), py::arg("weights_only"))
+      .def("stats",
+           [](StoreHandle& h) {
+             store::StoreStats s = h.store().Stats();
+             py::dict d;
+             d["rows"] = s.rows;
+             d["bytes_resident"] = s.bytes_resident;
+             d["bytes_maps"] = s.bytes_maps;
+             d["bytes_spilled"] = s.bytes_spilled;
+             d["pages"] = s.pages;
+             d["pages_spilled"] = s.pages_spilled;
+             d["page_bytes"] = s.page_bytes;
+             d["spill_count"] = s.spill_count;
+             d["swap_outs"] = s.swap_outs;
+             d["swap_ins"] = s.swap_ins;
+             d["lookups"] = s.lookups;
+             d["updates"] = s.updates;
+             d["memory_budget"] = s.memory_budget;
+             return d;
+           });
+
+  m.def(
+      "store_load",
+      [](const std::string& path, std::optional<int> num_shards, std::optional<int> num_threads,
+         std::optional<int64_t> key_bound, std::optional<uint32_t> page_rows,
+         std::optional<int64_t> memory_budget, std::optional<std::string> spill_dir,
+         std::optional<double> high_watermark, std::optional<double> low_watermark,
+         std::optional<int> dim, bool weights_only) {
+        store::LoadOverrides ov;
+        ov.num_shards = num_shards;
+        ov.num_threads = num_threads;
+        ov.key_bound = key_bound;
+        ov.page_rows = page_rows;
+        ov.memory_budget = memory_budget;
+        ov.spill_dir = std::move(spill_dir);
+        ov.high_watermark = high_watermark;
+        ov.low_watermark = low_watermark;
+        ov.dim = dim;
+        ov.weights_only = weights_only;
+        std::map<std::string, std::string> meta;
+        std::unique_ptr<store::EmbeddingStore> s;
+        {
+          py::gil_scoped_release nogil;
+          s = store::EmbeddingStore::Load(path, ov, &meta);
+        }
+        auto handle = std::make_unique<StoreHandle>(std::move(s));
+        handle->FlushWarning();
+        return py::make_tuple(std::move(handle), meta);
+      },
+      py::arg("path"), py::arg("num_shards"), py::arg("num_threads"), py::arg("key_bound"),
+      py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
+      py::arg("high_watermark"), py::arg("low_watermark"), py::arg("dim"),
+      py::arg("weights_only"));
+
+  m.def(
+      "store_checkpoint_info",
+      [](const std::string& path) {
+        store::Manifest mf;
+        {
+          py::gil_scoped_release nogil;
+          mf = store::CheckpointReader(path).manifest();
+        }
+        py::dict d = InitDict(mf.init);
+        d["version"] = mf.version;
+        d["contents"] = mf.weights_only ? "weights" : "full";
+        d["dim"] = mf.dim;
+        d["key_bound"] = mf.key_bound;
+        d["num_shards"] = mf.num_shards;
+        d["page_rows"] = mf.page_rows;
+        d["optimizer"] = mf.optimizer;
+        d["state_dim"] = mf.state_dim;
+        d["rows"] = mf.rows;
+        d["meta"] = mf.meta;
+        return d;
+      },
+      py::arg("path"));
+
+  m.def(
+      "store_initial_rows",
+      [](const py::array& keys, const py::array& out, const std::string& init, float init_bound,
+         float init_value, uint64_t seed, std::vector<int64_t> bound_starts,
+         std::vector<float> bound_values) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto info = CheckedBuffer<float>(out, "out", 2, true);
+        if (static_cast<size_t>(info.shape[0]) != k.size) {
+          throw ValueError("out must have " + std::to_string(k.size) + " rows");
+        }
+        InitSpec spec = MakeInit(init, init_bound, init_value, seed, std::move(bound_starts),
+                                 std::move(bound_values));
+        const int dim = static_cast<int>(info.shape[1]);
+        py::gil_scoped_release nogil;
+        store::EmbeddingStore::InitialRows(spec, dim, k.data, k.size,
+                                           static_cast<float*>(info.ptr));
+      },
+      py::arg("keys"), py::arg("out"), py::arg("init"), py::arg("init_bound"),
+      py::arg("init_value"), py::arg("seed"), py::arg("bound_starts"), py::arg("bound_values"));
+}

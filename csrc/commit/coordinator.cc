@@ -1,0 +1,582 @@
+#include "commit/coordinator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include "common/errors.h"
+
+namespace bagpipe::commit {
+
+using transport::ServerLink;
+using wire::MsgType;
+using wire::Status;
+
+namespace {
+
+constexpr size_t kMaxWaiters = 1 << 16;
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+std::string FloatText(float v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(v));
+  return buf;
+}
+
+const char* InitKindName(store::InitKind k) {
+  switch (k) {
+    case store::InitKind::kUniform: return "uniform";
+    case store::InitKind::kZeros: return "zeros";
+    case store::InitKind::kConstant: return "constant";
+  }
+  return "unknown";
+}
+
+}  // namespace
+
+std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b) {
+  if (a.kind != b.kind) {
+    return std::string("init '") + InitKindName(a.kind) + "' differs from the table's init '" +
+           InitKindName(b.kind) + "'";
+  }
+  if (a.kind == store::InitKind::kUniform) {
+    if (!SameBits(a.bound, b.bound)) {
+      return "init_bound " + FloatText(a.bound) + " differs from the table's " + FloatText(b.bound);
+    }
+    bool same_ranges = a.bound_starts == b.bound_starts && a.bound_values.size() == b.bound_values.size();
+    for (size_t i = 0; same_ranges && i < a.bound_values.size(); ++i) {
+      same_ranges = SameBits(a.bound_values[i], b.bound_values[i]);
+    }
+    if (!same_ranges) return "init_bound ranges differ from the table's";
+  }
+  if (a.kind == store::InitKind::kConstant && !SameBits(a.value, b.value)) {
+    return "init_value " + FloatText(a.value) + " differs from the table's " + FloatText(b.value);
+  }
+  if (a.kind == store::InitKind::kUniform && a.seed != b.seed) {
+    return "seed " + std::to_string(a.seed) + " differs from the table's seed " + std::to_string(b.seed);
+  }
+  return {};
+}
+
+CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableStore> store,
+                                     int64_t committed_step, CoordinatorOptions options)
+    : table_(std::move(table)),
+      store_(std::move(store)),
+      spec_(store_->spec()),
+      options_(std::move(options)),
+      committed_(committed_step) {
+  stats_.committed_step = committed_step;
+}
+
+CommitCoordinator::~CommitCoordinator() = default;
+
+int CommitCoordinator::AttachedLocked() const {
+  int n = 0;
+  for (const auto& l : attached_) n += l != nullptr;
+  return n;
+}
+
+bool CommitCoordinator::PendingHasChunksLocked() const {
+  for (const auto& rp : pending_) {
+    if (rp.received > 0) return true;
+  }
+  return false;
+}
+
+std::string CommitCoordinator::CheckKeysLocked(const int64_t* keys, size_t n) const {
+  if (spec_.key_bound < 0) return {};
+  for (size_t i = 0; i < n; ++i) {
+    int64_t k;
+    std::memcpy(&k, keys + i, sizeof(k));
+    if (k < 0 || k >= spec_.key_bound) {
+      return "key " + std::to_string(k) + " at position " + std::to_string(i) +
+             " is outside [0, " + std::to_string(spec_.key_bound) + ") of table '" + table_ + "'";
+    }
+  }
+  return {};
+}
+
+int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
+                                const TableSpec& table_spec,
+                                const std::shared_ptr<ServerLink>& link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string where = "table '" + table_ + "': ";
+  if (shutting_down_) throw TransportError(where + "the shard is shutting down");
+  if (params.dim != spec_.dim || table_spec.dim != spec_.dim) {
+    throw ValueError(where + "dim " + std::to_string(params.dim) + " differs from the table's dim " +
+                     std::to_string(spec_.dim));
+  }
+  if (const std::string d = InitDifference(table_spec.init, spec_.init); !d.empty()) {
+    throw ValueError(where + d);
+  }
+  if (table_spec.key_bound != spec_.key_bound) {
+    throw ValueError(where + "key_bound " + std::to_string(table_spec.key_bound) +
+                     " differs from the table's " + std::to_string(spec_.key_bound));
+  }
+  if (params.world_size == 0 || rank >= params.world_size) {
+    throw ValueError(where + "rank " + std::to_string(rank) + " is not below world_size " +
+                     std::to_string(params.world_size));
+  }
+  if (has_session_) {
+    if (failed_) throw SessionError(failure_);
+    if (params.session != params_.session) {
+      throw ValueError(where + "session " + std::to_string(params.session) +
+                       " differs from the open session " + std::to_string(params_.session) +
+                       " (another job holds this table)");
+    }
+    if (params.world_size != params_.world_size) {
+      throw ValueError(where + "world_size " + std::to_string(params.world_size) +
+                       " differs from the session's world_size " +
+                       std::to_string(params_.world_size));
+    }
+    if (!SameBits(params.lr, params_.lr)) {
+      throw ValueError(where + "lr " + FloatText(params.lr) + " differs from the session's lr " +
+                       FloatText(params_.lr));
+    }
+    if (params.grad_division != params_.grad_division) {
+      throw ValueError(where + "gradient_division " + (params.grad_division ? "on" : "off") +
+                       " differs from the session's (" + (params_.grad_division ? "on" : "off") +
+                       ")");
+    }
+    if (attached_[rank] && attached_[rank].get() != link.get()) {
+      throw ValueError(where + "rank " + std::to_string(rank) +
+                       " already has the session open on another connection (" +
+                       attached_[rank]->Describe() + ")");
+    }
+  } else {
+    params_ = params;
+    has_session_ = true;
+    failed_ = false;
+    failure_.clear();
+    attached_.assign(params.world_size, nullptr);
+    pending_.resize(params.world_size);
+    for (auto& rp : pending_) {
+      rp.chunk_count = 0;
+      rp.received = 0;
+    }
+    ranks_complete_ = 0;
+  }
+  attached_[rank] = link;
+  if (log_) {
+    log_(where + "session " + std::to_string(params.session) + " rank " + std::to_string(rank) +
+         "/" + std::to_string(params.world_size) + " opened by " + link->Describe() +
+         " at committed step " + std::to_string(committed_));
+  }
+  return committed_;
+}
+
+void CommitCoordinator::LeaveLocked(uint32_t rank, const char* how) {
+  attached_[rank] = nullptr;
+  const auto& rp = pending_[rank];
+  const bool incomplete = rp.chunk_count == 0 || rp.received < rp.chunk_count;
+  if (log_) {
+    log_("table '" + table_ + "': session " + std::to_string(params_.session) + " rank " +
+         std::to_string(rank) + " " + how + " at committed step " + std::to_string(committed_));
+  }
+  if (!failed_ && incomplete && PendingHasChunksLocked()) {
+    FailLocked("rank " + std::to_string(rank) + " " + how + " while step " +
+               std::to_string(committed_ + 1) + " was pending without all of its chunks");
+  }
+}
+
+void CommitCoordinator::ResetIfEmptyLocked() {
+  if (!has_session_ || AttachedLocked() > 0) return;
+  if (log_) {
+    log_("table '" + table_ + "': session " + std::to_string(params_.session) +
+         " ended at committed step " + std::to_string(committed_) +
+         (failed_ ? " (it had failed: " + failure_ + ")" : std::string()));
+  }
+  has_session_ = false;
+  failed_ = false;
+  failure_.clear();
+  for (auto& rp : pending_) {
+    rp.chunk_count = 0;
+    rp.received = 0;
+  }
+  ranks_complete_ = 0;
+}
+
+int64_t CommitCoordinator::Close(uint32_t rank, ServerLink* link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!has_session_ || rank >= attached_.size() || attached_[rank].get() != link) return committed_;
+  // Drop this link's deferred reads (its client drains before closing; any left are stale).
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    it = it->link.get() == link ? waiters_.erase(it) : std::next(it);
+  }
+  LeaveLocked(rank, "closed");
+  ResetIfEmptyLocked();
+  return committed_;
+}
+
+void CommitCoordinator::Detach(ServerLink* link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    it = it->link.get() == link ? waiters_.erase(it) : std::next(it);
+  }
+  if (!has_session_) return;
+  for (uint32_t r = 0; r < attached_.size(); ++r) {
+    if (attached_[r].get() == link) LeaveLocked(r, "disconnected without closing");
+  }
+  ResetIfEmptyLocked();
+}
+
+void CommitCoordinator::FailLocked(const std::string& why) {
+  if (failed_) return;
+  failed_ = true;
+  failure_ = "table '" + table_ + "' session " + std::to_string(params_.session) +
+             " failed: " + why;
+  if (log_) log_(failure_);
+  for (const auto& w : waiters_) {
+    w.link->SendError(w.tag, w.slot, Status::kSessionFailed, params_.session, failure_);
+  }
+  waiters_.clear();
+  wire::MessageBody body{};
+  body.session = params_.session;
+  const size_t n = std::min(failure_.size(), wire::kMaxMessageBytes);
+  body.text_len = static_cast<uint32_t>(n);
+  for (const auto& l : attached_) {
+    if (!l) continue;
+    l->Send(MsgType::kNotifyFailed, Status::kSessionFailed, 0, wire::kNoSlot, &body, sizeof(body),
+            n, [&](uint8_t* dst) { std::memcpy(dst, failure_.data(), n); });
+  }
+  committed_cv_.notify_all();
+}
+
+void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
+                                    const std::shared_ptr<ServerLink>& link, uint64_t tag,
+                                    uint32_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& b = chunk.body;
+  auto reply_error = [&](Status st, const std::string& text) {
+    link->SendError(tag, slot, st, b.session, text);
+  };
+  auto ack = [&](wire::Disposition d) {
+    wire::AckBody a{};
+    a.step = b.step;
+    a.committed_step = committed_;
+    a.rank = b.rank;
+    a.chunk_index = b.chunk_index;
+    a.disposition = static_cast<uint32_t>(d);
+    link->Send(MsgType::kAck, Status::kOk, tag, slot, &a, sizeof(a), 0, nullptr);
+  };
+  const std::string what = "commit of step " + std::to_string(b.step) + " rank " +
+                           std::to_string(b.rank) + " chunk " + std::to_string(b.chunk_index) +
+                           "/" + std::to_string(b.chunk_count);
+  if (failed_) return reply_error(Status::kSessionFailed, failure_);
+  if (shutting_down_) return reply_error(Status::kShuttingDown, "the shard is shutting down");
+  if (!has_session_ || b.rank >= attached_.size() || attached_[b.rank].get() != link.get()) {
+    return reply_error(Status::kNotOpen, what + ": this connection has not opened table '" +
+                                             table_ + "' as rank " + std::to_string(b.rank));
+  }
+  if (b.session != params_.session) {
+    return reply_error(Status::kInvalidArgument,
+                       what + ": session " + std::to_string(b.session) +
+                           " differs from the open session " + std::to_string(params_.session));
+  }
+  if (b.world_size != params_.world_size) {
+    return reply_error(Status::kInvalidArgument,
+                       what + ": world_size " + std::to_string(b.world_size) +
+                           " differs from the session's " + std::to_string(params_.world_size));
+  }
+  if (b.dim != spec_.dim) {
+    return reply_error(Status::kInvalidArgument, what + ": dim " + std::to_string(b.dim) +
+                                                     " differs from the table's " +
+                                                     std::to_string(spec_.dim));
+  }
+  if (!SameBits(b.lr, params_.lr)) {
+    return reply_error(Status::kInvalidArgument, what + ": lr " + FloatText(b.lr) +
+                                                     " differs from the session's " +
+                                                     FloatText(params_.lr));
+  }
+  if (b.step <= committed_) {
+    ++stats_.committed_retries;
+    return ack(wire::Disposition::kAlreadyCommitted);
+  }
+  if (b.step != committed_ + 1) {
+    FailLocked("out-of-order step: " + what + " arrived while the shard's committed step is " +
+               std::to_string(committed_) + " (it expects step " + std::to_string(committed_ + 1) +
+               ")");
+    return reply_error(Status::kSessionFailed, failure_);
+  }
+  RankPending& rp = pending_[b.rank];
+  if (rp.chunk_count != 0 && rp.chunk_count != b.chunk_count) {
+    FailLocked("conflicting retry: " + what + " announces chunk_count " +
+               std::to_string(b.chunk_count) + " but this rank's earlier chunks of the step said " +
+               std::to_string(rp.chunk_count));
+    return reply_error(Status::kSessionFailed, failure_);
+  }
+  if (rp.chunk_count != 0 && rp.chunks[b.chunk_index].present) {
+    const Chunk& c = rp.chunks[b.chunk_index];
+    if (c.nrows == b.nrows && c.payload.size() == chunk.payload_len &&
+        std::memcmp(c.payload.data(), chunk.payload, chunk.payload_len) == 0) {
+      ++stats_.duplicate_chunks;
+      return ack(wire::Disposition::kDuplicate);
+    }
+    FailLocked("conflicting retry: " + what +
+               " carries a different payload than the copy received first");
+    return reply_error(Status::kSessionFailed, failure_);
+  }
+  const std::string bad = CheckKeysLocked(chunk.keys, b.nrows);
+  if (!bad.empty()) return reply_error(Status::kInvalidArgument, what + ": " + bad);
+
+  if (rp.chunk_count == 0) {
+    rp.chunk_count = b.chunk_count;
+    rp.received = 0;
+    rp.chunks.resize(b.chunk_count);
+    for (auto& c : rp.chunks) c.present = false;
+  }
+  Chunk& c = rp.chunks[b.chunk_index];
+  c.payload.assign(chunk.payload, chunk.payload + chunk.payload_len);
+  c.nrows = b.nrows;
+  c.present = true;
+  ++rp.received;
+  ++stats_.chunks_received;
+  if (rp.received == rp.chunk_count) ++ranks_complete_;
+  ack(wire::Disposition::kStored);  // before any SGD work: "acknowledged at once"
+  if (ranks_complete_ == params_.world_size) ApplyLocked();
+}
+
+void CommitCoordinator::ApplyLocked() {
+  const int64_t step = committed_ + 1;
+  const size_t dim = spec_.dim;
+  size_t total = 0;
+  const Chunk* only = nullptr;
+  size_t nonempty = 0;
+  for (const auto& rp : pending_) {
+    for (uint32_t i = 0; i < rp.chunk_count; ++i) {
+      const Chunk& c = rp.chunks[i];
+      total += c.nrows;
+      if (c.nrows > 0) {
+        ++nonempty;
+        only = &c;
+      }
+    }
+  }
+  const int divisor = params_.grad_division ? static_cast<int>(params_.world_size) : 1;
+  if (total > 0) {
+    const int64_t* keys;
+    const float* grads;
+    if (nonempty == 1) {
+      // One chunk carries every row: its payload is already keys then grads.
+      keys = reinterpret_cast<const int64_t*>(only->payload.data());
+      grads = reinterpret_cast<const float*>(only->payload.data() + total * 8);
+    } else {
+      apply_keys_.resize(total);
+      apply_grads_.resize(total * dim);
+      size_t at = 0;
+      for (const auto& rp : pending_) {  // rank order, then chunk order
+        for (uint32_t i = 0; i < rp.chunk_count; ++i) {
+          const Chunk& c = rp.chunks[i];
+          if (c.nrows == 0) continue;
+          std::memcpy(apply_keys_.data() + at, c.payload.data(), size_t{c.nrows} * 8);
+          std::memcpy(apply_grads_.data() + at * dim, c.payload.data() + size_t{c.nrows} * 8,
+                      size_t{c.nrows} * dim * 4);
+          at += c.nrows;
+        }
+      }
+      keys = apply_keys_.data();
+      grads = apply_grads_.data();
+    }
+    try {
+      store_->ApplySgd(keys, total, grads, params_.lr, divisor);
+    } catch (const std::exception& e) {
+      // The store changed nothing (its invariant 3): the table stays at the committed step.
+      FailLocked("applying step " + std::to_string(step) + " failed: " + e.what());
+      return;
+    }
+  }
+  committed_ = step;
+  ++stats_.steps_applied;
+  stats_.rows_applied += static_cast<int64_t>(total);
+  stats_.committed_step = committed_;
+  for (auto& rp : pending_) {
+    rp.chunk_count = 0;
+    rp.received = 0;
+  }
+  ranks_complete_ = 0;
+  committed_cv_.notify_all();
+  ServeReadyWaitersLocked();
+  wire::StepBody body{params_.session, committed_};
+  for (const auto& l : attached_) {
+    if (l) l->Send(MsgType::kNotifyCommitted, Status::kOk, 0, wire::kNoSlot, &body, sizeof(body), 0, nullptr);
+  }
+  if (options_.checkpoint_every > 0 && !options_.checkpoint_dir.empty() &&
+      (committed_ + 1) % options_.checkpoint_every == 0) {
+    try {
+      CheckpointLocked(options_.checkpoint_dir);
+    } catch (const std::exception& e) {
+      // The update itself is applied; a failed checkpoint only loses a restore point.
+      if (log_) log_("table '" + table_ + "': checkpoint of step " + std::to_string(committed_) +
+                     " failed: " + e.what());
+    }
+  }
+}
+
+void CommitCoordinator::ServeLocked(const Waiter& w) {
+  const size_t n = w.keys.size();
+  wire::GetOkBody body{};
+  body.served_step = committed_;
+  body.nrows = static_cast<uint32_t>(n);
+  body.dim = spec_.dim;
+  try {
+    w.link->Send(MsgType::kGetOk, Status::kOk, w.tag, w.slot, &body, sizeof(body),
+                 n * spec_.dim * sizeof(float), [&](uint8_t* dst) {
+                   store_->Read(w.keys.data(), n, reinterpret_cast<float*>(dst));
+                 });
+  } catch (const std::exception& e) {
+    w.link->SendError(w.tag, w.slot, Status::kInternal, params_.session,
+                      "read of " + std::to_string(n) + " rows from table '" + table_ +
+                          "' failed: " + e.what());
+    return;
+  }
+  ++stats_.reads;
+  stats_.rows_read += static_cast<int64_t>(n);
+}
+
+void CommitCoordinator::ServeReadyWaitersLocked() {
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    if (it->at_step <= committed_) {
+      ServeLocked(*it);
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint32_t dim,
+                            const std::shared_ptr<ServerLink>& link, uint64_t tag, uint32_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t session = has_session_ ? params_.session : 0;
+  if (failed_) {
+    link->SendError(tag, slot, Status::kSessionFailed, session, failure_);
+    return;
+  }
+  if (shutting_down_) {
+    link->SendError(tag, slot, Status::kShuttingDown, session, "the shard is shutting down");
+    return;
+  }
+  if (dim != spec_.dim) {
+    link->SendError(tag, slot, Status::kInvalidArgument, session,
+                    "get: dim " + std::to_string(dim) + " differs from table '" + table_ +
+                        "' dim " + std::to_string(spec_.dim));
+    return;
+  }
+  const std::string bad = CheckKeysLocked(keys, n);
+  if (!bad.empty()) {
+    link->SendError(tag, slot, Status::kInvalidArgument, session, "get: " + bad);
+    return;
+  }
+  Waiter w{at_step, std::vector<int64_t>(n), dim, link, tag, slot};
+  if (n > 0) std::memcpy(w.keys.data(), keys, n * sizeof(int64_t));
+  if (at_step <= committed_) {
+    ServeLocked(w);
+    return;
+  }
+  if (waiters_.size() >= kMaxWaiters) {
+    link->SendError(tag, slot, Status::kUnavailable, session,
+                    "too many deferred reads on table '" + table_ + "'");
+    return;
+  }
+  ++stats_.deferred_reads;
+  waiters_.push_back(std::move(w));
+}
+
+void CommitCoordinator::Assign(const int64_t* keys, size_t n, const float* rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string bad = CheckKeysLocked(keys, n);
+  if (!bad.empty()) throw ValueError("assign: " + bad);
+  if (n > 0) store_->Assign(keys, n, rows);
+}
+
+int64_t CommitCoordinator::Read(const int64_t* keys, size_t n, float* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string bad = CheckKeysLocked(keys, n);
+  if (!bad.empty()) throw ValueError("keys: " + bad);
+  if (n > 0) store_->Read(keys, n, out);
+  ++stats_.reads;
+  stats_.rows_read += static_cast<int64_t>(n);
+  return committed_;
+}
+
+int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n, float* out,
+                                  transport::Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::string bad = CheckKeysLocked(keys, n);
+  if (!bad.empty()) throw ValueError("keys: " + bad);
+  while (committed_ < at_step && !failed_ && !shutting_down_) {
+    if (committed_cv_.wait_until(lock, deadline) == std::cv_status::timeout &&
+        committed_ < at_step && !failed_ && !shutting_down_) {
+      throw TimeoutError("table '" + table_ + "': step " + std::to_string(at_step) +
+                         " was not committed within the timeout (committed step " +
+                         std::to_string(committed_) + ")");
+    }
+  }
+  if (committed_ < at_step) {
+    throw SessionError(failed_ ? failure_ : "table '" + table_ + "': the shard is shutting down");
+  }
+  if (n > 0) store_->Read(keys, n, out);
+  ++stats_.reads;
+  stats_.rows_read += static_cast<int64_t>(n);
+  return committed_;
+}
+
+int64_t CommitCoordinator::Checkpoint(const std::string& dir) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckpointLocked(dir);
+  return committed_;
+}
+
+void CommitCoordinator::CheckpointLocked(const std::string& dir) {
+  auto meta = options_.checkpoint_meta;
+  meta["committed_step"] = std::to_string(committed_);
+  meta["table"] = table_;
+  store_->Save(dir, meta);
+  if (log_) {
+    log_("table '" + table_ + "': checkpoint at committed step " + std::to_string(committed_) +
+         " written to " + dir);
+  }
+}
+
+void CommitCoordinator::Shutdown(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  shutting_down_ = true;
+  for (const auto& w : waiters_) {
+    w.link->SendError(w.tag, w.slot, Status::kShuttingDown, params_.session, why);
+  }
+  waiters_.clear();
+  committed_cv_.notify_all();
+}
+
+int64_t CommitCoordinator::committed_step() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return committed_;
+}
+
+bool CommitCoordinator::failed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_;
+}
+
+std::string CommitCoordinator::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+int CommitCoordinator::attached_ranks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return AttachedLocked();
+}
+
+CoordinatorStats CommitCoordinator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+std::map<std::string, int64_t> CommitCoordinator::store_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return store_->Stats();
+}
+
+}  // namespace bagpipe::commit

@@ -1,0 +1,201 @@
+// CommitCoordinator: the PS side of the sparse-gradient commit protocol for one table of
+// one shard ("Sparse gradient commits" in the PS-owned BagPipe design).
+//
+// A session is one job on this table: session id, world size W, dim, lr and the
+// gradient-division flag, fixed by the first Open and checked on every later Open. Each
+// step t, every rank sends this shard its chunks (chunk_index / chunk_count; a rank with no
+// rows sends one empty chunk, the marker). Each chunk is acknowledged at once (the ACK is
+// sent before any SGD work). When every rank's chunks of the pending step are in, the
+// gradients are concatenated rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, and applied with
+// ONE TableStore::ApplySgd(keys, grads, lr, grad_division ? W : 1); then committed_step
+// becomes t, deferred reads waiting for t are served and every attached rank is notified.
+//
+// Thread safety: every public method is thread-safe; one internal mutex serializes them,
+// including the store calls, so a read never observes a half-applied step. Link::Send is
+// called with that mutex held (links must not call back into the coordinator).
+//
+// Invariants:
+//   1. Exactly once: the update of step t is applied at most once; a chunk of a step
+//      <= committed_step is acknowledged (kAlreadyCommitted) without SGD.
+//   2. Order: only step committed_step + 1 is accepted as new work; any later step fails the
+//      session ("out-of-order step").
+//   3. Conflicts: a second copy of a pending (step, rank, chunk) must be byte-identical,
+//      and a rank's chunk_count must not change within a step; otherwise the session fails
+//      ("conflicting retry").
+//   4. A failed session stays failed (every request answers kSessionFailed with the first
+//      error) until every rank has left; the next Open starts a fresh session at the same
+//      committed step. Pending chunks are dropped when the last rank leaves.
+//   5. Determinism: the applied gradient depends only on the chunk payloads, never on
+//      arrival order or interleaving.
+//   6. Reads: Get(at_step) is served once committed_step >= at_step, with the rows of the
+//      committed step current when it is served; deferred reads are served under the same
+//      lock hold that advanced the step, before any later step can be applied.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "commit/table_store.h"
+#include "commit/wire.h"
+#include "transport/transport.h"
+
+namespace bagpipe::commit {
+
+using LogFn = std::function<void(const std::string&)>;
+
+// Empty if the two init specs define the same rows; otherwise which field differs.
+std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b);
+
+struct CoordinatorOptions {
+  LogFn log;                    // one line per session event; may be empty
+  std::string checkpoint_dir;   // where the periodic checkpoint goes (empty: none)
+  int64_t checkpoint_every = 0; // > 0: checkpoint after every step s with (s + 1) % N == 0
+  std::map<std::string, std::string> checkpoint_meta;  // extra meta of every checkpoint
+};
+
+struct SessionParams {
+  uint64_t session = 0;
+  uint32_t world_size = 1;
+  uint32_t dim = 0;
+  float lr = 0.0f;
+  bool grad_division = true;
+};
+
+struct CoordinatorStats {
+  int64_t committed_step = -1;
+  int64_t steps_applied = 0;
+  int64_t rows_applied = 0;
+  int64_t chunks_received = 0;
+  int64_t duplicate_chunks = 0;
+  int64_t committed_retries = 0;
+  int64_t reads = 0;
+  int64_t rows_read = 0;
+  int64_t deferred_reads = 0;
+};
+
+class CommitCoordinator {
+ public:
+  // `committed_step`: -1 for a new table, the checkpoint's step for a restored one.
+  CommitCoordinator(std::string table, std::unique_ptr<TableStore> store, int64_t committed_step,
+                    CoordinatorOptions options);
+  ~CommitCoordinator();
+  CommitCoordinator(const CommitCoordinator&) = delete;
+  CommitCoordinator& operator=(const CommitCoordinator&) = delete;
+
+  const std::string& table() const { return table_; }
+  const TableSpec& spec() const { return spec_; }
+
+  // Attaches `link` as `rank` of the session described by params. The first Open (no rank
+  // attached) fixes the parameters; later ones must agree. Throws ValueError naming the
+  // disagreeing field (dim, lr, world_size, grad_division, session, init, key_bound), or
+  // SessionError if the session is failed. Returns the committed step.
+  int64_t Open(const SessionParams& params, uint32_t rank, const TableSpec& table_spec,
+               const std::shared_ptr<transport::ServerLink>& link);
+
+  // Rank `rank` (attached through `link`) leaves cleanly. If the pending step already has
+  // chunks but not all of this rank's, the session fails (the step could never complete).
+  // Returns the committed step.
+  int64_t Close(uint32_t rank, transport::ServerLink* link);
+
+  // The connection `link` went away without a Close: its rank leaves as in Close, and its
+  // deferred reads are dropped.
+  void Detach(transport::ServerLink* link);
+
+  // Takes one commit chunk from the rank attached through `link` and replies (ACK or error)
+  // through it; then applies the step if it is complete. Never throws: errors become
+  // replies, and protocol violations fail the session (invariants 2, 3).
+  void SubmitChunk(const wire::CommitView& chunk, const std::shared_ptr<transport::ServerLink>& link,
+                   uint64_t tag, uint32_t slot);
+
+  // Serves a read of n keys now or once committed_step >= at_step, replying through `link`
+  // (kGetOk with the rows, or an error). Never throws.
+  void Get(int64_t at_step, const int64_t* keys, size_t n, uint32_t dim,
+           const std::shared_ptr<transport::ServerLink>& link, uint64_t tag, uint32_t slot);
+
+  // Bulk load (outside the step protocol). Throws ValueError for a key out of range.
+  void Assign(const int64_t* keys, size_t n, const float* rows);
+
+  // Reads rows at the current committed step (in-process use). Throws ValueError.
+  int64_t Read(const int64_t* keys, size_t n, float* out);
+
+  // Waits until committed_step >= at_step or the deadline, then reads. Throws TimeoutError /
+  // SessionError / ValueError.
+  int64_t ReadAt(int64_t at_step, const int64_t* keys, size_t n, float* out,
+                 transport::Deadline deadline);
+
+  // Saves the table at its committed step into dir (meta: options' checkpoint_meta plus
+  // committed_step and table). Returns the step saved. Throws IOError / ValueError.
+  int64_t Checkpoint(const std::string& dir);
+
+  // Fails every deferred read and the session with kShuttingDown semantics (drain).
+  void Shutdown(const std::string& why);
+
+  int64_t committed_step() const;
+  bool failed() const;
+  std::string failure() const;
+  int attached_ranks() const;
+  CoordinatorStats stats() const;
+  std::map<std::string, int64_t> store_stats();
+
+ private:
+  struct Chunk {
+    bool present = false;
+    std::vector<uint8_t> payload;  // keys (nrows x int64) then grads (nrows x dim x fp32)
+    uint32_t nrows = 0;
+  };
+  struct RankPending {
+    uint32_t chunk_count = 0;  // 0: no chunk of this rank yet
+    uint32_t received = 0;
+    std::vector<Chunk> chunks;
+  };
+  struct Waiter {
+    int64_t at_step;
+    std::vector<int64_t> keys;
+    uint32_t dim;
+    std::shared_ptr<transport::ServerLink> link;
+    uint64_t tag;
+    uint32_t slot;
+  };
+
+  void FailLocked(const std::string& why);
+  void CheckpointLocked(const std::string& dir);
+  void ApplyLocked();
+  void ServeLocked(const Waiter& w);
+  void ServeReadyWaitersLocked();
+  void LeaveLocked(uint32_t rank, const char* how);
+  void ResetIfEmptyLocked();
+  bool PendingHasChunksLocked() const;
+  std::string CheckKeysLocked(const int64_t* keys, size_t n) const;
+  int AttachedLocked() const;
+
+  const std::string table_;
+  const std::unique_ptr<TableStore> store_;
+  const TableSpec spec_;
+  const CoordinatorOptions options_;
+  const LogFn& log_ = options_.log;
+
+  mutable std::mutex mu_;  // guards everything below and every store_ call
+  int64_t committed_ = -1;
+  bool has_session_ = false;  // parameters fixed by the first Open
+  SessionParams params_;
+  bool failed_ = false;
+  std::string failure_;
+  bool shutting_down_ = false;
+  std::vector<std::shared_ptr<transport::ServerLink>> attached_;  // by rank; null: absent
+  std::vector<RankPending> pending_;  // by rank, for step committed_ + 1
+  uint32_t ranks_complete_ = 0;
+  std::deque<Waiter> waiters_;
+  std::vector<int64_t> apply_keys_;  // concatenation buffers, reused across steps
+  std::vector<float> apply_grads_;
+  std::condition_variable committed_cv_;
+  CoordinatorStats stats_;
+};
+
+}  // namespace bagpipe::commit

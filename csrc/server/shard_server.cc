@@ -1,0 +1,301 @@
+#include "server/shard_server.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+
+#include "common/errors.h"
+#include "transport/socket_io.h"
+
+namespace bagpipe::server {
+
+using commit::wire::FrameHeader;
+using commit::wire::kHeaderBytes;
+using commit::wire::MsgType;
+using commit::wire::Status;
+
+namespace {
+
+// A growable byte buffer that does not zero-fill on growth (replies of many MB).
+struct Buffer {
+  std::unique_ptr<uint8_t[]> data;
+  size_t cap = 0;
+  size_t len = 0;
+  void Reserve(size_t n) {
+    if (n <= cap) return;
+    data.reset(new uint8_t[n]);
+    cap = n;
+  }
+};
+
+}  // namespace
+
+class ShardServer::Connection : public transport::ServerLink,
+                                public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(int fd, ShardServer* server)
+      : fd_(fd), peer_(transport::PeerName(fd)), server_(server) {
+    expected_token = server->options_.job_token;
+  }
+
+  void Start() {
+    auto self = shared_from_this();
+    writer_ = std::thread([self] { self->WriteLoop(); });
+    reader_ = std::thread([self] { self->ReadLoop(); });
+  }
+
+  bool Send(MsgType type, Status status, uint64_t tag, uint32_t slot, const void* fixed,
+            size_t fixed_len, size_t payload_len, const transport::PayloadFill& fill) override {
+    Buffer buf = TakeBuffer();
+    const size_t total = kHeaderBytes + fixed_len + payload_len;
+    buf.Reserve(total);
+    buf.len = total;
+    commit::wire::StoreHeader(buf.data.get(), commit::wire::MakeHeader(type, job_digest,
+                                                                       fixed_len + payload_len,
+                                                                       status, tag, slot));
+    if (fixed_len) std::memcpy(buf.data.get() + kHeaderBytes, fixed, fixed_len);
+    if (payload_len) {
+      try {
+        fill(buf.data.get() + kHeaderBytes + fixed_len);
+      } catch (...) {
+        Recycle(std::move(buf));
+        throw;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return false;
+    if (queued_bytes_ + total > server_->options_.max_queued_reply_bytes) {
+      // The client does not read its replies: give up on it rather than buffer forever.
+      closed_ = true;
+      ::shutdown(fd_, SHUT_RDWR);
+      return false;
+    }
+    queued_bytes_ += total;
+    queue_.push_back(std::move(buf));
+    cv_.notify_all();
+    return true;
+  }
+
+  std::string Describe() const override { return "tcp " + peer_; }
+
+  bool finished() const { return reader_done_.load() && writer_done_.load(); }
+
+  void ShutdownSocket() { ::shutdown(fd_, SHUT_RDWR); }
+
+  // REQUIRES: called once, by the server, after ShutdownSocket() or finished().
+  void Join() {
+    if (reader_.joinable()) reader_.join();
+    if (writer_.joinable()) writer_.join();
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  Buffer TakeBuffer() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pool_.empty()) return Buffer{};
+    Buffer b = std::move(pool_.back());
+    pool_.pop_back();
+    return b;
+  }
+
+  void Recycle(Buffer b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pool_.size() < 4) pool_.push_back(std::move(b));
+  }
+
+  void WriteLoop() {
+    for (;;) {
+      Buffer b;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !queue_.empty() || writer_stop_; });
+        if (queue_.empty()) break;
+        b = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      try {
+        transport::WriteAll(fd_, b.data.get(), b.len, peer_);
+      } catch (const std::exception&) {
+        std::lock_guard<std::mutex> lock(mu_);
+        closed_ = true;
+        queue_.clear();
+        ::shutdown(fd_, SHUT_RDWR);
+        break;
+      }
+      server_->bytes_out_.fetch_add(b.len);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queued_bytes_ -= b.len;
+        if (pool_.size() < 4) pool_.push_back(std::move(b));
+      }
+    }
+    writer_done_.store(true);
+  }
+
+  void ReadLoop() {
+    auto self = shared_from_this();
+    auto& shard = *server_->shard_;
+    const size_t max_frame = shard.options().max_frame_bytes;
+    Buffer body;
+    bool violation = false;
+    try {
+      transport::SetRecvTimeout(fd_, server_->options_.handshake_timeout);
+      for (;;) {
+        uint8_t hb[kHeaderBytes];
+        if (!transport::ReadFull(fd_, hb, kHeaderBytes, true, peer_)) break;
+        const FrameHeader h = commit::wire::LoadHeader(hb);
+        const size_t limit = authenticated ? max_frame - kHeaderBytes
+                                           : sizeof(commit::wire::HelloBody) +
+                                                 commit::wire::kMaxTokenBytes;
+        std::string why;
+        if (!commit::wire::CheckHeader(h, limit, &why)) {
+          SendError(h.tag, h.slot, Status::kProtocolError, 0, "malformed frame header: " + why);
+          violation = true;
+          break;
+        }
+        body.Reserve(h.body_len);
+        transport::ReadFull(fd_, body.data.get(), h.body_len, false, peer_);
+        server_->frames_.fetch_add(1);
+        server_->bytes_in_.fetch_add(kHeaderBytes + h.body_len);
+        const bool was_authenticated = authenticated;
+        if (!shard.HandleFrame(self, h, body.data.get(), h.body_len)) {
+          violation = true;
+          break;
+        }
+        if (!was_authenticated && authenticated) transport::SetRecvTimeout(fd_, 0);
+      }
+    } catch (const std::exception&) {
+      // EOF inside a frame, a reset, or a handshake that timed out: the connection ends.
+    }
+    shard.LinkClosed(this);
+    if (violation) server_->NoteViolation(peer_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;  // replies queued so far still go out (e.g. the error explaining a refusal)
+      writer_stop_ = true;
+      cv_.notify_all();
+    }
+    // Give the writer a moment to flush, then make sure the peer sees the end.
+    for (int i = 0; i < 100 && !writer_done_.load(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ::shutdown(fd_, SHUT_RDWR);
+    reader_done_.store(true);
+  }
+
+  int fd_;
+  const std::string peer_;
+  ShardServer* const server_;
+  std::thread reader_;
+  std::thread writer_;
+  std::atomic<bool> reader_done_{false};
+  std::atomic<bool> writer_done_{false};
+
+  std::mutex mu_;  // guards the queue, the pool and the flags below
+  std::condition_variable cv_;
+  std::deque<Buffer> queue_;
+  std::vector<Buffer> pool_;
+  size_t queued_bytes_ = 0;
+  bool closed_ = false;       // no more replies accepted
+  bool writer_stop_ = false;  // the writer exits once the queue is empty
+};
+
+ShardServer::ShardServer(std::shared_ptr<commit::PSShard> shard, ServerOptions options)
+    : shard_(std::move(shard)), options_(std::move(options)) {
+  if (!shard_) throw ValueError("ShardServer needs a shard");
+  if (options_.job_token.size() > commit::wire::kMaxTokenBytes) {
+    throw ValueError("job_token is longer than " + std::to_string(commit::wire::kMaxTokenBytes) +
+                     " bytes");
+  }
+  listen_fd_ = transport::ListenTcp(options_.host, options_.port, 128, &port_);
+  acceptor_ = std::thread([this] { AcceptLoop(); });
+}
+
+ShardServer::~ShardServer() { Stop(0); }
+
+void ShardServer::NoteViolation(const std::string& peer) {
+  const uint64_t n = closed_by_server_.fetch_add(1) + 1;
+  const auto& log = shard_->options().log;
+  if (log && (n <= 10 || n % 10000 == 0)) {
+    log("closed connection from " + peer + ": protocol or authentication violation (" +
+        std::to_string(n) + " so far)");
+  }
+}
+
+void ShardServer::AcceptLoop() {
+  while (!stop_accepting_.load()) {
+    pollfd pfd{listen_fd_, POLLIN, 0};
+    const int pr = ::poll(&pfd, 1, 100);
+    std::lock_guard<std::mutex> lock(mu_);
+    ReapLocked(false);
+    if (pr <= 0 || stop_accepting_.load()) continue;
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    if (conns_.size() >= options_.max_connections) {
+      ::close(fd);
+      refused_.fetch_add(1);
+      continue;
+    }
+    transport::SetNoDelay(fd);
+    auto conn = std::make_shared<Connection>(fd, this);
+    conns_.push_back(conn);
+    accepted_.fetch_add(1);
+    conn->Start();
+  }
+}
+
+void ShardServer::ReapLocked(bool all) {
+  for (auto it = conns_.begin(); it != conns_.end();) {
+    if (all || (*it)->finished()) {
+      if (all) (*it)->ShutdownSocket();
+      (*it)->Join();
+      it = conns_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ShardServer::Stop(double drain_timeout) {
+  std::lock_guard<std::mutex> stop_lock(stop_mu_);
+  if (stopped_.load()) return;
+  stop_accepting_.store(true);
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+  const auto deadline = transport::DeadlineAfter(drain_timeout > 0 ? drain_timeout : 1e-6);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ReapLocked(false);
+      if (conns_.empty()) break;
+    }
+    if (transport::Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ReapLocked(true);
+  }
+  stopped_.store(true);
+}
+
+ServerStats ShardServer::stats() {
+  ServerStats s;
+  s.accepted = accepted_.load();
+  s.refused = refused_.load();
+  s.frames = frames_.load();
+  s.bytes_in = bytes_in_.load();
+  s.bytes_out = bytes_out_.load();
+  s.closed_by_server = closed_by_server_.load();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& c : conns_) s.active += !c->finished();
+  return s;
+}
+
+}  // namespace bagpipe::server

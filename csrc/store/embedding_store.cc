@@ -1,0 +1,836 @@
+#include "store/embedding_store.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/thread_pool.h"
+#include "store/checkpoint.h"
+#include "store/hash.h"
+#include "store/key_map.h"
+#include "store/os_memory.h"
+#include "store/page_arena.h"
+
+namespace bagpipe::store {
+
+namespace {
+
+constexpr size_t kRowAlign = 64;                 // rows start on cache lines
+constexpr size_t kTargetPageBytes = size_t{2} << 20;
+constexpr size_t kPrefetchDistance = 16;         // keys between pipeline stages
+constexpr size_t kMinKeysPerTask = 256;          // below this, one thread reads alone
+constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
+
+size_t RowStride(int dim) { return RoundUp(static_cast<size_t>(dim) * sizeof(float), kRowAlign); }
+
+bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+int Log2(uint64_t v) { return 63 - __builtin_clzll(v); }
+
+StoreOptions Resolve(StoreOptions o) {
+  if (o.dim <= 0 || o.dim > (1 << 20)) {
+    throw ValueError("dim must be in [1, 1048576], got " + std::to_string(o.dim));
+  }
+  if (o.num_shards < 1 || o.num_shards > 4096 || !IsPowerOfTwo(o.num_shards)) {
+    throw ValueError("num_shards must be a power of two in [1, 4096], got " +
+                     std::to_string(o.num_shards));
+  }
+  if (o.num_threads < 1 || o.num_threads > 1024) {
+    throw ValueError("num_threads must be in [1, 1024], got " + std::to_string(o.num_threads));
+  }
+  if (o.page_rows != 0 && (!IsPowerOfTwo(o.page_rows) || o.page_rows > (1u << 24))) {
+    throw ValueError("page_rows must be a power of two in [1, 16777216], got " +
+                     std::to_string(o.page_rows));
+  }
+  if (o.memory_budget < -1) {
+    throw ValueError("memory_budget must be >= 0 bytes, or -1 for automatic");
+  }
+  if (!(o.low_watermark > 0.0 && o.low_watermark <= o.high_watermark &&
+        o.high_watermark <= 1.0)) {
+    throw ValueError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, got " +
+                     std::to_string(o.low_watermark) + " and " +
+                     std::to_string(o.high_watermark));
+  }
+  ValidateInitSpec(o.init);
+  if (o.page_rows == 0) {
+    size_t rows = std::max<size_t>(1, kTargetPageBytes / RowStride(o.dim));
+    o.page_rows = uint32_t{1} << Log2(rows);
+  }
+  if (o.memory_budget == -1) o.memory_budget = static_cast<int64_t>(DetectMemoryLimit() / 2);
+  return o;
+}
+
+// One hash shard: its key map and the per-op scratch of the thread that runs it.
+// Owner: the thread that runs the shard's task of the current batch op.
+struct Shard {
+  explicit Shard(int shard_bits) : map(shard_bits) {}
+
+  KeyMap map;
+
+  // Keys inserted (with KeyMap::kPendingSlot) by the current op, in order, and the slots
+  // the op then gives them.
+  struct Fresh {
+    int64_t key;
+    uint64_t hash;
+    uint32_t slot;
+  };
+  std::vector<Fresh> fresh;
+
+  // ApplySgd scratch: per-op dedupe of slots into groups (first-occurrence order).
+  std::vector<uint32_t> dedupe;              // open addressing, slot group ids
+  std::vector<uint32_t> group_slot, group_count, group_seen, group_acc, item_group;
+  std::vector<float> acc;
+  size_t groups = 0;                         // distinct keys of the last ApplySgd
+  std::vector<uint32_t> freed;               // slots the current Erase released
+};
+
+}  // namespace
+
+class EmbeddingStore::Impl {
+ public:
+  explicit Impl(const StoreOptions& options)
+      : opt_(Resolve(options)),
+        dim_(opt_.dim),
+        row_bytes_(static_cast<size_t>(opt_.dim) * sizeof(float)),
+        stride_(RowStride(opt_.dim)),
+        page_shift_(Log2(opt_.page_rows)),
+        page_mask_(opt_.page_rows - 1),
+        num_shards_(static_cast<uint32_t>(opt_.num_shards)),
+        arena_(stride_, opt_.page_rows),
+        spill_(&arena_, SpillTier::Options{opt_.memory_budget, opt_.spill_dir,
+                                           opt_.high_watermark, opt_.low_watermark}),
+        pool_(opt_.num_threads) {
+    const int shard_bits = Log2(num_shards_);
+    for (uint32_t s = 0; s < num_shards_; ++s) {
+      shards_.push_back(std::make_unique<Shard>(shard_bits));
+      shard_ptrs_.push_back(shards_.back().get());
+    }
+  }
+
+  const StoreOptions& options() const { return opt_; }
+
+  void Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing);
+  void Assign(const int64_t* keys, size_t n, const float* rows);
+  void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int divisor);
+  void Contains(const int64_t* keys, size_t n, uint8_t* present);
+  size_t Erase(const int64_t* keys, size_t n);
+  void Reserve(size_t total_rows);
+  size_t Size();
+  size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows);
+  StoreStats Stats();
+  void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
+            bool weights_only);
+  void SetSpillCallback(SpillCallback cb) {
+    std::lock_guard<std::mutex> lock(mu_);
+    spill_.set_callback(std::move(cb));
+  }
+
+ private:
+  uint32_t ShardOf(uint64_t hash) const {
+    return static_cast<uint32_t>(((hash >> 32) * num_shards_) >> 32);
+  }
+  char* Row(uint32_t slot) const {
+    return page_addr_[slot >> page_shift_] + static_cast<size_t>(slot & page_mask_) * stride_;
+  }
+  void Touch(uint32_t slot, uint32_t epoch) const { pages_[slot >> page_shift_]->Touch(epoch); }
+  void CheckKeys(const int64_t* keys, size_t n) const;
+  void Route(const int64_t* keys, size_t n);
+  void RunShards(const std::function<void(Shard&, uint32_t begin, uint32_t end)>& fn);
+  void Materialize(const int64_t* keys);
+  void Rollback();
+  void InitFresh(Shard& sh, uint32_t epoch);
+  void ResolvePending(Shard& sh, const int64_t* keys, uint32_t begin, uint32_t end);
+  template <bool kTrack>
+  void ReadRange(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
+                 std::vector<uint32_t>* misses);
+  void SgdShard(Shard& sh, uint32_t begin, uint32_t end, const float* grads, float lr,
+                int divisor);
+  void Finish() { spill_.AfterOp(epoch_); }
+
+  const StoreOptions opt_;
+  const int dim_;
+  const size_t row_bytes_;
+  const size_t stride_;
+  const int page_shift_;
+  const uint32_t page_mask_;
+  const uint32_t num_shards_;
+
+  std::mutex mu_;  // serializes batch ops; guards every field below
+  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<Shard*> shard_ptrs_;  // shards_[s].get(), for the read path
+  // Slots are global to the store: slot -> page slot >> page_shift_, row slot & page_mask_.
+  std::vector<char*> page_addr_;             // page -> first row address
+  std::vector<PageArena::Page*> pages_;      // page -> arena page (for Touch)
+  uint32_t next_slot_ = 0;                   // slots [0, next_slot_) have been handed out
+  std::vector<uint32_t> free_slots_;         // erased slots, reused last-in first-out
+  PageArena arena_;
+  SpillTier spill_;
+  ThreadPool pool_;
+  uint32_t epoch_ = 0;            // bumped by every op; pages Touch() it
+  uint64_t mutations_ = 0;        // bumped by every op that may move map entries
+  uint64_t export_mutations_ = 0; // mutations_ when the current export started
+  int64_t lookups_ = 0;
+  int64_t updates_ = 0;
+
+  // Per-op scratch, reused so hot paths do not allocate.
+  std::vector<uint64_t> hashes_;               // KeyHash of each routed key
+  std::vector<uint32_t> order_;                // routed key indices grouped by shard
+  std::vector<uint32_t> shard_begin_;          // shard s owns order_[begin[s], begin[s+1])
+  std::vector<uint32_t> slots_;                // slot of each routed key after Materialize
+  std::vector<std::vector<uint32_t>> task_misses_;
+  std::vector<int64_t> miss_keys_;
+  std::vector<uint32_t> miss_rows_;
+  std::vector<uint32_t> route_pos_;
+};
+
+void EmbeddingStore::Impl::CheckKeys(const int64_t* keys, size_t n) const {
+  if (n > kMaxKeysPerCall) {
+    throw ValueError("keys: at most " + std::to_string(kMaxKeysPerCall) + " keys per call, got " +
+                     std::to_string(n));
+  }
+  if (opt_.key_bound < 0) return;
+  const uint64_t bound = static_cast<uint64_t>(opt_.key_bound);
+  bool bad = false;
+  for (size_t i = 0; i < n; ++i) bad |= static_cast<uint64_t>(keys[i]) >= bound;
+  if (!bad) return;
+  for (size_t i = 0; i < n; ++i) {
+    if (static_cast<uint64_t>(keys[i]) >= bound) {
+      throw ValueError("keys: key " + std::to_string(keys[i]) + " at index " + std::to_string(i) +
+                       " is outside [0, key_bound=" + std::to_string(opt_.key_bound) + ")");
+    }
+  }
+}
+
+void EmbeddingStore::Impl::Route(const int64_t* keys, size_t n) {
+  hashes_.resize(n);
+  order_.resize(n);
+  shard_begin_.assign(num_shards_ + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t h = KeyHash(keys[i]);
+    hashes_[i] = h;
+    ++shard_begin_[ShardOf(h) + 1];
+  }
+  for (uint32_t s = 0; s < num_shards_; ++s) shard_begin_[s + 1] += shard_begin_[s];
+  // Stable counting sort: within a shard, keys keep their input order.
+  std::vector<uint32_t>& pos = route_pos_;
+  pos.assign(shard_begin_.begin(), shard_begin_.end() - 1);
+  for (size_t i = 0; i < n; ++i) order_[pos[ShardOf(hashes_[i])]++] = static_cast<uint32_t>(i);
+}
+
+void EmbeddingStore::Impl::RunShards(
+    const std::function<void(Shard&, uint32_t, uint32_t)>& fn) {
+  pool_.Run(num_shards_, [&](size_t s) {
+    const uint32_t b = shard_begin_[s], e = shard_begin_[s + 1];
+    if (b != e) fn(*shards_[s], b, e);
+  });
+}
+
+// Finds or inserts every routed key: fills slots_ (KeyMap::kPendingSlot for keys new to
+// this op, resolved by ResolvePending), gives new keys slots and secures their pages.
+// On any exception the maps and allocators are as before the call.
+void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
+  slots_.resize(order_.size());
+  for (auto& sh : shards_) sh->fresh.clear();
+  const size_t free_before = free_slots_.size();
+  const uint32_t next_before = next_slot_;
+  try {
+    RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
+      for (uint32_t p = b; p < e; ++p) {
+        const uint32_t i = order_[p];
+        const int64_t key = keys[i];
+        const uint64_t h = hashes_[i];
+        if (p + kPrefetchDistance < e) {
+          const uint64_t h2 = hashes_[order_[p + kPrefetchDistance]];
+          if (sh.map.capacity() != 0) __builtin_prefetch(sh.map.bucket(sh.map.Home(h2)));
+        }
+        uint32_t slot = sh.map.Find(key, h);
+        if (slot == KeyMap::kNotFound) {
+          if (sh.fresh.size() == sh.fresh.capacity()) {  // so push_back below cannot throw
+            sh.fresh.reserve(std::max<size_t>(16, 2 * sh.fresh.capacity()));
+          }
+          sh.map.Insert(key, h, KeyMap::kPendingSlot);  // strong guarantee on bad_alloc
+          sh.fresh.push_back({key, h, KeyMap::kPendingSlot});
+          slot = KeyMap::kPendingSlot;
+        }
+        slots_[i] = slot;
+      }
+    });
+    // Slots for new keys in shard order, then first-occurrence order: deterministic.
+    size_t fresh = 0;
+    for (auto& sh : shards_) fresh += sh->fresh.size();
+    if (fresh == 0) return;
+    const size_t reused = std::min(fresh, free_before);
+    if (static_cast<uint64_t>(next_slot_) + (fresh - reused) > uint64_t{KeyMap::kMaxSlot} + 1) {
+      throw ValueError("keys: the store would pass its maximum of 2^32-3 rows");
+    }
+    // The free list shrinks only once everything is secured (below).
+    size_t taken = 0;
+    for (auto& sh : shards_) {
+      for (auto& f : sh->fresh) {
+        f.slot = taken < reused ? free_slots_[free_before - 1 - taken++] : next_slot_++;
+      }
+    }
+    const size_t want = (static_cast<size_t>(next_slot_) + page_mask_) >> page_shift_;
+    if (want > page_addr_.size()) {
+      spill_.MakeRoom(want - page_addr_.size());
+      page_addr_.reserve(want);
+      pages_.reserve(want);
+      while (page_addr_.size() < want) {
+        PageArena::Page* page = arena_.Allocate(epoch_);
+        page_addr_.push_back(page->addr);
+        pages_.push_back(page);
+      }
+    }
+    free_slots_.resize(free_before - reused);
+  } catch (...) {
+    // Undo in reverse: pending keys leave the maps, slots return to the allocator. Pages
+    // mapped already stay (empty pages are harmless and will be used).
+    for (auto& sh : shards_) {
+      for (auto it = sh->fresh.rbegin(); it != sh->fresh.rend(); ++it) sh->map.Erase(it->key, it->hash);
+      sh->fresh.clear();
+    }
+    next_slot_ = next_before;
+    throw;
+  }
+  ++mutations_;
+}
+
+// Publishes the slots of this op's new keys in the map and, when `init`, writes their
+// initial rows. Cannot fail: the pages were secured by Materialize.
+void EmbeddingStore::Impl::InitFresh(Shard& sh, uint32_t epoch) {
+  const bool track = spill_.tracking();
+  for (const auto& f : sh.fresh) {
+    sh.map.SetSlot(f.key, f.hash, f.slot);
+    InitRow(opt_.init, dim_, f.key, f.hash, reinterpret_cast<float*>(Row(f.slot)));
+    if (track) Touch(f.slot, epoch);
+  }
+}
+
+// Replaces the kPendingSlot entries of slots_ for this shard's routed keys by their slots.
+// REQUIRES: the shard's fresh keys were published (InitFresh or SetSlot).
+void EmbeddingStore::Impl::ResolvePending(Shard& sh, const int64_t* keys, uint32_t b,
+                                          uint32_t e) {
+  if (sh.fresh.empty()) return;
+  for (uint32_t p = b; p < e; ++p) {
+    const uint32_t i = order_[p];
+    if (slots_[i] == KeyMap::kPendingSlot) slots_[i] = sh.map.Find(keys[i], hashes_[i]);
+  }
+}
+
+// Three-stage software pipeline over keys[begin, end): hash and prefetch the home bucket,
+// probe and prefetch the row kPrefetchDistance keys later, copy kPrefetchDistance later
+// still. Keeps ~2 * kPrefetchDistance independent cache misses in flight per thread.
+template <bool kTrack>
+void EmbeddingStore::Impl::ReadRange(const int64_t* keys, size_t begin, size_t end, float* out,
+                                     bool record_misses, std::vector<uint32_t>* misses) {
+  constexpr size_t D = kPrefetchDistance;
+  constexpr size_t R = 4 * D;  // ring size (power of two > 2 * D)
+  uint64_t hash[R];
+  const char* rows[R];
+  Shard* const* shards = shard_ptrs_.data();
+  const uint32_t epoch = epoch_;
+  const size_t n = end - begin;
+  const size_t lines = std::min<size_t>(stride_ / 64, 4);
+  for (size_t j = 0; j < n + 2 * D; ++j) {
+    if (j < n) {
+      const uint64_t h = KeyHash(keys[begin + j]);
+      hash[j % R] = h;
+      const KeyMap& m = shards[ShardOf(h)]->map;
+      if (m.capacity() != 0) __builtin_prefetch(m.bucket(m.Home(h)));
+    }
+    if (j >= D && j - D < n) {
+      const size_t k = j - D;
+      const uint64_t h = hash[k % R];
+      const Shard& sh = *shards[ShardOf(h)];
+      const uint32_t slot = sh.map.Find(keys[begin + k], h);
+      if (slot != KeyMap::kNotFound) {
+        const char* r = Row(slot);
+        for (size_t l = 0; l < lines; ++l) __builtin_prefetch(r + 64 * l);
+        if constexpr (kTrack) Touch(slot, epoch);
+        rows[k % R] = r;
+      } else {
+        rows[k % R] = nullptr;
+      }
+    }
+    if (j >= 2 * D) {
+      const size_t k = j - 2 * D;
+      const char* r = rows[k % R];
+      float* dst = out + (begin + k) * static_cast<size_t>(dim_);
+      if (r != nullptr) {
+        std::memcpy(dst, r, row_bytes_);
+      } else if (record_misses) {
+        misses->push_back(static_cast<uint32_t>(begin + k));
+      } else {
+        InitRow(opt_.init, dim_, keys[begin + k], hash[k % R], dst);
+      }
+    }
+  }
+}
+
+void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckKeys(keys, n);
+  if (n == 0) return;
+  ++epoch_;
+  const size_t threads = static_cast<size_t>(pool_.num_threads());
+  const size_t tasks = std::max<size_t>(1, std::min(threads, n / kMinKeysPerTask));
+  if (task_misses_.size() < tasks) task_misses_.resize(tasks);
+  for (size_t t = 0; t < tasks; ++t) task_misses_[t].clear();
+  const bool track = spill_.tracking();
+  pool_.Run(tasks, [&](size_t t) {
+    const size_t b = n * t / tasks, e = n * (t + 1) / tasks;
+    if (track) {
+      ReadRange<true>(keys, b, e, out, insert_missing, &task_misses_[t]);
+    } else {
+      ReadRange<false>(keys, b, e, out, insert_missing, &task_misses_[t]);
+    }
+  });
+  if (insert_missing) {
+    miss_keys_.clear();
+    std::vector<uint32_t>& miss_rows = miss_rows_;
+    miss_rows.clear();
+    for (size_t t = 0; t < tasks; ++t) {
+      for (uint32_t i : task_misses_[t]) {
+        miss_rows.push_back(i);
+        miss_keys_.push_back(keys[i]);
+      }
+    }
+    if (!miss_keys_.empty()) {
+      Route(miss_keys_.data(), miss_keys_.size());
+      Materialize(miss_keys_.data());
+      const uint32_t epoch = epoch_;
+      RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
+        InitFresh(sh, epoch);
+        ResolvePending(sh, miss_keys_.data(), b, e);
+      });
+      for (size_t j = 0; j < miss_rows.size(); ++j) {
+        std::memcpy(out + static_cast<size_t>(miss_rows[j]) * dim_, Row(slots_[j]), row_bytes_);
+      }
+    }
+  }
+  lookups_ += static_cast<int64_t>(n);
+  Finish();
+}
+
+void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckKeys(keys, n);
+  if (n == 0) return;
+  ++epoch_;
+  Route(keys, n);
+  Materialize(keys);
+  ++mutations_;
+  const bool track = spill_.tracking();
+  const uint32_t epoch = epoch_;
+  RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
+    // New rows are fully overwritten below: no initialisation needed. In input order, so
+    // the last duplicate wins.
+    for (const auto& f : sh.fresh) sh.map.SetSlot(f.key, f.hash, f.slot);
+    ResolvePending(sh, keys, b, e);
+    for (uint32_t p = b; p < e; ++p) {
+      const uint32_t i = order_[p];
+      const uint32_t slot = slots_[i];
+      std::memcpy(Row(slot), rows + static_cast<size_t>(i) * dim_, row_bytes_);
+      if (track) Touch(slot, epoch);
+    }
+  });
+  updates_ += static_cast<int64_t>(n);
+  Finish();
+}
+
+namespace {
+inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, float div,
+                   bool divide, int dim) {
+  if (divide) {
+    for (int c = 0; c < dim; ++c) {
+      float u = g[c] / div;
+      u = u * lr;
+      w[c] = w[c] - u;
+    }
+  } else {
+    for (int c = 0; c < dim; ++c) {
+      const float u = g[c] * lr;
+      w[c] = w[c] - u;
+    }
+  }
+}
+}  // namespace
+
+void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const float* grads,
+                                    float lr, int divisor) {
+  const uint32_t m = e - b;
+  // Dedupe slots into groups in first-occurrence order (open addressing, load <= 0.5).
+  uint32_t table_size = 16;
+  while (table_size < 2 * m) table_size <<= 1;
+  const uint32_t table_mask = table_size - 1;
+  const int table_shift = 32 - Log2(table_size);
+  constexpr uint32_t kFree = 0xFFFFFFFFu;
+  sh.dedupe.assign(table_size, kFree);
+  sh.group_slot.resize(m);
+  sh.group_count.resize(m);
+  sh.item_group.resize(m);
+  uint32_t groups = 0;
+  const bool track = spill_.tracking();
+  const uint32_t epoch = epoch_;
+  for (uint32_t k = 0; k < m; ++k) {
+    const uint32_t slot = slots_[order_[b + k]];
+    uint32_t t = (slot * 0x9E3779B1u) >> table_shift;
+    for (;;) {
+      const uint32_t g = sh.dedupe[t];
+      if (g == kFree) {
+        sh.dedupe[t] = groups;
+        sh.group_slot[groups] = slot;
+        sh.group_count[groups] = 1;
+        sh.item_group[k] = groups++;
+        const char* r = Row(slot);
+        __builtin_prefetch(r, 1);
+        if (stride_ > 64) __builtin_prefetch(r + 64, 1);
+        if (track) Touch(slot, epoch);
+        break;
+      }
+      if (sh.group_slot[g] == slot) {
+        ++sh.group_count[g];
+        sh.item_group[k] = g;
+        break;
+      }
+      t = (t + 1) & table_mask;
+    }
+  }
+  const float div = static_cast<float>(divisor);
+  const bool divide = divisor != 1;
+  sh.groups = groups;
+  sh.group_seen.assign(groups, 0);
+  sh.group_acc.resize(groups);
+  uint32_t accs = 0;
+  for (uint32_t k = 0; k < m; ++k) {
+    const uint32_t g = sh.item_group[k];
+    const float* grad = grads + static_cast<size_t>(order_[b + k]) * dim_;
+    float* w = reinterpret_cast<float*>(Row(sh.group_slot[g]));
+    const uint32_t count = sh.group_count[g];
+    if (count == 1) {
+      SgdRow(w, grad, lr, div, divide, dim_);
+      continue;
+    }
+    const uint32_t seen = sh.group_seen[g]++;
+    if (seen == 0) {
+      sh.group_acc[g] = accs++;
+      if (sh.acc.size() < static_cast<size_t>(accs) * dim_) sh.acc.resize(static_cast<size_t>(m) * dim_);
+      std::memcpy(sh.acc.data() + static_cast<size_t>(sh.group_acc[g]) * dim_, grad, row_bytes_);
+      continue;
+    }
+    float* a = sh.acc.data() + static_cast<size_t>(sh.group_acc[g]) * dim_;
+    for (int c = 0; c < dim_; ++c) a[c] = a[c] + grad[c];
+    if (seen + 1 == count) SgdRow(w, a, lr, div, divide, dim_);
+  }
+}
+
+void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr,
+                                    int divisor) {
+  if (divisor < 1) throw ValueError("grad_divisor must be >= 1, got " + std::to_string(divisor));
+  if (!std::isfinite(lr)) throw ValueError("lr must be finite");
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckKeys(keys, n);
+  if (n == 0) return;
+  ++epoch_;
+  Route(keys, n);
+  Materialize(keys);
+  ++mutations_;
+  const uint32_t epoch = epoch_;
+  RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
+    InitFresh(sh, epoch);
+    ResolvePending(sh, keys, b, e);
+    SgdShard(sh, b, e, grads, lr, divisor);
+  });
+  for (auto& sh : shards_) {
+    updates_ += static_cast<int64_t>(sh->groups);
+    sh->groups = 0;
+  }
+  Finish();
+}
+
+void EmbeddingStore::Impl::Contains(const int64_t* keys, size_t n, uint8_t* present) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckKeys(keys, n);
+  const size_t threads = static_cast<size_t>(pool_.num_threads());
+  const size_t tasks = std::max<size_t>(1, std::min(threads, n / kMinKeysPerTask));
+  pool_.Run(tasks, [&](size_t t) {
+    const size_t b = n * t / tasks, e = n * (t + 1) / tasks;
+    for (size_t i = b; i < e; ++i) {
+      if (i + kPrefetchDistance < e) {
+        const uint64_t h2 = KeyHash(keys[i + kPrefetchDistance]);
+        const KeyMap& m2 = shards_[ShardOf(h2)]->map;
+        if (m2.capacity() != 0) __builtin_prefetch(m2.bucket(m2.Home(h2)));
+      }
+      const uint64_t h = KeyHash(keys[i]);
+      present[i] = shards_[ShardOf(h)]->map.Find(keys[i], h) != KeyMap::kNotFound ? 1 : 0;
+    }
+  });
+}
+
+size_t EmbeddingStore::Impl::Erase(const int64_t* keys, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckKeys(keys, n);
+  if (n == 0) return 0;
+  Route(keys, n);
+  // Capacity first, so nothing below can fail halfway.
+  free_slots_.reserve(free_slots_.size() + n);
+  for (uint32_t s = 0; s < num_shards_; ++s) {
+    shards_[s]->freed.clear();
+    shards_[s]->freed.reserve(shard_begin_[s + 1] - shard_begin_[s]);
+  }
+  RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
+    for (uint32_t p = b; p < e; ++p) {
+      const uint32_t i = order_[p];
+      const uint32_t slot = sh.map.Erase(keys[i], hashes_[i]);
+      if (slot != KeyMap::kNotFound) sh.freed.push_back(slot);
+    }
+  });
+  size_t erased = 0;
+  for (auto& sh : shards_) {  // shard order: the free list is deterministic
+    erased += sh->freed.size();
+    free_slots_.insert(free_slots_.end(), sh->freed.begin(), sh->freed.end());
+  }
+  if (erased > 0) ++mutations_;
+  return erased;
+}
+
+void EmbeddingStore::Impl::Reserve(size_t total_rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Keys spread binomially over shards: leave four standard deviations of headroom.
+  const double per = static_cast<double>(total_rows) / num_shards_;
+  const size_t want = static_cast<size_t>(per + 4.0 * std::sqrt(per) + 16.0);
+  const size_t want_pages = (total_rows + page_mask_) >> page_shift_;
+  page_addr_.reserve(want_pages);
+  pages_.reserve(want_pages);
+  pool_.Run(num_shards_, [&](size_t s) { shards_[s]->map.Reserve(want); });
+  ++mutations_;
+}
+
+size_t EmbeddingStore::Impl::Size() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (auto& sh : shards_) n += sh->map.size();
+  return n;
+}
+
+size_t EmbeddingStore::Impl::Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  constexpr int kPosBits = 40;
+  if (*cursor < 0) throw ValueError("export: cursor is exhausted (-1)");
+  if (max_rows == 0) throw ValueError("chunk_rows must be >= 1");
+  if (*cursor == 0) {
+    export_mutations_ = mutations_;
+  } else if (export_mutations_ != mutations_) {
+    throw ValueError("export: the store changed since this export started; restart it");
+  }
+  uint64_t s = static_cast<uint64_t>(*cursor) >> kPosBits;
+  uint64_t pos = static_cast<uint64_t>(*cursor) & ((uint64_t{1} << kPosBits) - 1);
+  size_t written = 0;
+  while (s < num_shards_ && written < max_rows) {
+    const Shard& sh = *shards_[s];
+    const KeyMap::Entry* entries = sh.map.entries();
+    const size_t cap = sh.map.capacity();
+    while (pos < cap && written < max_rows) {
+      const KeyMap::Entry& e = entries[pos++];
+      if (e.tag == 0) continue;
+      keys[written] = e.key;
+      std::memcpy(rows + written * static_cast<size_t>(dim_), Row(e.tag - 1), row_bytes_);
+      ++written;
+    }
+    if (pos >= cap) {
+      ++s;
+      pos = 0;
+    }
+  }
+  // Never 0 here: at least one row was written or one shard was passed.
+  *cursor = s >= num_shards_ ? -1 : static_cast<int64_t>((s << kPosBits) | pos);
+  return written;
+}
+
+StoreStats EmbeddingStore::Impl::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  StoreStats st;
+  for (auto& sh : shards_) {
+    st.rows += static_cast<int64_t>(sh->map.size());
+    st.bytes_maps += static_cast<int64_t>(sh->map.bytes());
+  }
+  const int64_t pb = static_cast<int64_t>(arena_.page_bytes());
+  st.page_bytes = pb;
+  st.pages = static_cast<int64_t>(arena_.num_pages());
+  st.pages_spilled = static_cast<int64_t>(arena_.spilled_pages());
+  st.bytes_spilled = st.pages_spilled * pb;
+  st.bytes_resident = static_cast<int64_t>(arena_.resident_pages()) * pb + st.bytes_maps;
+  st.spill_count = spill_.spill_count();
+  st.swap_outs = spill_.swap_outs();
+  st.swap_ins = spill_.swap_ins();
+  st.lookups = lookups_;
+  st.updates = updates_;
+  st.memory_budget = spill_.budget_bytes();
+  return st;
+}
+
+void EmbeddingStore::Impl::Save(const std::string& dir,
+                               const std::map<std::string, std::string>& meta,
+                               bool weights_only) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckpointWriter writer(dir);
+  Manifest m;
+  m.weights_only = weights_only;
+  m.dim = dim_;
+  m.init = opt_.init;
+  m.key_bound = opt_.key_bound;
+  m.num_shards = opt_.num_shards;
+  m.page_rows = opt_.page_rows;
+  m.optimizer = "sgd";
+  m.state_dim = 0;
+  m.meta = meta;
+  m.segments.resize(num_shards_);
+  pool_.Run(num_shards_, [&](size_t s) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "keys-%04zu.bin", s);
+    CheckpointWriter::File keys = writer.Create(name);
+    std::snprintf(name, sizeof(name), "rows-%04zu.bin", s);
+    CheckpointWriter::File rows = writer.Create(name);
+    // Stage rows in chunks so each file write is large.
+    constexpr size_t kChunk = 4096;
+    std::vector<int64_t> kbuf;
+    std::vector<float> rbuf;
+    kbuf.reserve(kChunk);
+    rbuf.reserve(kChunk * static_cast<size_t>(dim_));
+    auto flush = [&] {
+      keys.Write(kbuf.data(), kbuf.size() * sizeof(int64_t));
+      rows.Write(rbuf.data(), rbuf.size() * sizeof(float));
+      kbuf.clear();
+      rbuf.clear();
+    };
+    const KeyMap& map = shards_[s]->map;
+    uint64_t count = 0;
+    for (size_t b = 0; b < map.capacity(); ++b) {
+      const KeyMap::Entry& e = map.entries()[b];
+      if (e.tag == 0) continue;
+      kbuf.push_back(e.key);
+      const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
+      rbuf.insert(rbuf.end(), r, r + dim_);
+      ++count;
+      if (kbuf.size() == kChunk) flush();
+    }
+    flush();
+    SegmentEntry& seg = m.segments[s];
+    seg.count = count;
+    seg.keys = keys.Finish();
+    seg.rows = rows.Finish();
+  });
+  for (const auto& seg : m.segments) m.rows += seg.count;
+  writer.Commit(m);
+}
+
+// ---- public face ------------------------------------------------------------------------
+
+EmbeddingStore::EmbeddingStore(const StoreOptions& options) : impl_(std::make_unique<Impl>(options)) {}
+EmbeddingStore::~EmbeddingStore() = default;
+const StoreOptions& EmbeddingStore::options() const { return impl_->options(); }
+int EmbeddingStore::dim() const { return impl_->options().dim; }
+void EmbeddingStore::Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing) {
+  impl_->Lookup(keys, n, out, insert_missing);
+}
+void EmbeddingStore::Assign(const int64_t* keys, size_t n, const float* rows) {
+  impl_->Assign(keys, n, rows);
+}
+void EmbeddingStore::ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr,
+                              int grad_divisor) {
+  impl_->ApplySgd(keys, n, grads, lr, grad_divisor);
+}
+void EmbeddingStore::Contains(const int64_t* keys, size_t n, uint8_t* present) {
+  impl_->Contains(keys, n, present);
+}
+size_t EmbeddingStore::Erase(const int64_t* keys, size_t n) { return impl_->Erase(keys, n); }
+void EmbeddingStore::Reserve(size_t total_rows) { impl_->Reserve(total_rows); }
+size_t EmbeddingStore::Size() { return impl_->Size(); }
+size_t EmbeddingStore::Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows) {
+  return impl_->Export(cursor, max_rows, keys, rows);
+}
+StoreStats EmbeddingStore::Stats() { return impl_->Stats(); }
+void EmbeddingStore::SetSpillCallback(SpillCallback cb) { impl_->SetSpillCallback(std::move(cb)); }
+
+void EmbeddingStore::Save(const std::string& dir, const std::map<std::string, std::string>& meta,
+                          bool weights_only) {
+  impl_->Save(dir, meta, weights_only);
+}
+
+std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir,
+                                                     const LoadOverrides& ov,
+                                                     std::map<std::string, std::string>* meta) {
+  CheckpointReader reader(dir);
+  const Manifest& m = reader.manifest();
+  if (ov.dim && *ov.dim != m.dim) {
+    throw ValueError("dim: the checkpoint in " + dir + " has dim " + std::to_string(m.dim) +
+                     ", expected " + std::to_string(*ov.dim) + " (mismatched checkpoint)");
+  }
+  if (ov.init && !(*ov.init == m.init)) {
+    throw ValueError("init: the checkpoint in " + dir +
+                     " was written with a different initialisation (kind, bound, value or "
+                     "seed); mismatched checkpoint");
+  }
+  if (m.state_dim > 0 && !m.weights_only && m.optimizer != "sgd" && !ov.weights_only) {
+    throw ValueError("path: the checkpoint in " + dir + " holds state of optimizer '" +
+                     m.optimizer + "', which this store does not run; load it weights_only");
+  }
+  StoreOptions o;
+  o.dim = m.dim;
+  o.init = m.init;
+  o.key_bound = ov.key_bound.value_or(m.key_bound);
+  o.num_shards = ov.num_shards.value_or(m.num_shards);
+  o.page_rows = ov.page_rows.value_or(m.page_rows);
+  if (ov.num_threads) o.num_threads = *ov.num_threads;
+  if (ov.memory_budget) o.memory_budget = *ov.memory_budget;
+  if (ov.spill_dir) o.spill_dir = *ov.spill_dir;
+  if (ov.high_watermark) o.high_watermark = *ov.high_watermark;
+  if (ov.low_watermark) o.low_watermark = *ov.low_watermark;
+  auto store = std::make_unique<EmbeddingStore>(o);
+  store->Reserve(m.rows);
+  constexpr size_t kChunk = 65536;
+  std::vector<int64_t> keys(kChunk);
+  std::vector<float> rows(kChunk * static_cast<size_t>(m.dim));
+  for (const SegmentEntry& seg : m.segments) {
+    CheckpointReader::File kf = reader.Open(seg.keys);
+    CheckpointReader::File rf = reader.Open(seg.rows);
+    for (uint64_t done = 0; done < seg.count;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, seg.count - done));
+      if (kf.Read(keys.data(), n * sizeof(int64_t)) != n * sizeof(int64_t) ||
+          rf.Read(rows.data(), n * m.dim * sizeof(float)) != n * m.dim * sizeof(float)) {
+        throw ValueError(reader.dir() + ": torn checkpoint (a data file ended early)");
+      }
+      store->Assign(keys.data(), n, rows.data());
+      done += n;
+    }
+    kf.Finish();
+    rf.Finish();
+    if (seg.has_state) reader.Open(seg.state).Finish();  // verified; SGD keeps no state
+  }
+  if (store->Size() != m.rows) {
+    throw ValueError(reader.dir() + ": corrupt checkpoint (duplicate keys: " +
+                     std::to_string(store->Size()) + " distinct of " + std::to_string(m.rows) +
+                     " rows)");
+  }
+  if (meta != nullptr) *meta = m.meta;
+  return store;
+}
+
+std::map<std::string, std::string> EmbeddingStore::ReadCheckpointMeta(const std::string& dir) {
+  return CheckpointReader(dir).manifest().meta;
+}
+
+void EmbeddingStore::InitialRows(const InitSpec& init, int dim, const int64_t* keys, size_t n,
+                                 float* out) {
+  ValidateInitSpec(init);
+  if (dim <= 0) throw ValueError("dim must be > 0, got " + std::to_string(dim));
+  for (size_t i = 0; i < n; ++i) {
+    InitRow(init, dim, keys[i], KeyHash(keys[i]), out + i * static_cast<size_t>(dim));
+  }
+}
+
+}  // namespace bagpipe::store

@@ -1,0 +1,28 @@
+// Anonymous memory mappings for the key maps and the arena: zero-filled, 4 KiB aligned, and
+// 2 MiB aligned with MADV_HUGEPAGE when large enough, so random row and bucket accesses
+// do not pay a TLB miss per key where the kernel grants transparent huge pages.
+//
+// Thread safety: stateless functions.
+#pragma once
+
+#include <cstddef>
+
+namespace bagpipe::store {
+
+inline constexpr size_t kOsPageBytes = 4096;
+inline constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+// Rounds n up to a multiple of `align` (a power of two).
+inline size_t RoundUp(size_t n, size_t align) { return (n + align - 1) & ~(align - 1); }
+
+// Maps `bytes` (REQUIRES: multiple of kOsPageBytes, > 0) of zeroed private memory.
+// Throws std::bad_alloc when the kernel refuses.
+void* MapAnonymous(size_t bytes);
+
+// REQUIRES: (p, bytes) is exactly a region returned by MapAnonymous or adopted by the arena.
+void UnmapMemory(void* p, size_t bytes);
+
+// Bytes of RAM the process may use: min(cgroup memory limit, physical memory).
+size_t DetectMemoryLimit();
+
+}  // namespace bagpipe::store

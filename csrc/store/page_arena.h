@@ -1,0 +1,77 @@
+// PageArena: the row memory of one EmbeddingStore, in fixed-size pages of cache-line-aligned
+// rows. A page is one mapping of page_bytes(); its address never changes while the arena
+// lives, whether its contents sit in anonymous DRAM or in a file extent (spilled): the move
+// between the two is an address-stable remap (see MoveToFile / MoveToMemory).
+//
+// Thread safety: Allocate, MoveToFile and MoveToMemory require exclusive access to the
+// arena (the store's op mutex). Reading or writing rows through page addresses and
+// Touch() may happen from many threads at once between those calls.
+//
+// Invariants:
+//   1. Every page address is valid, readable and writable until the arena is destroyed.
+//   2. resident_pages() + spilled_pages() == num_pages().
+//   3. A spilled page's bytes live in extent `extent` of the file it was moved to; the
+//      file mapping is MAP_SHARED, so writes through the address reach that extent.
+//   4. Row bytes survive every move bit for bit.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+
+namespace bagpipe::store {
+
+class PageArena {
+ public:
+  struct Page {
+    char* addr = nullptr;                 // set by Allocate; never changes
+    int64_t extent = -1;                  // spill extent when spilled; owner: the spill tier
+    bool spilled = false;                 // owner: MoveToFile / MoveToMemory
+    uint8_t score = 0;                    // aging register (1 bit per op); owner: spill tier
+    std::atomic<uint32_t> touched{0};     // last op epoch that accessed a row; any thread
+    uint32_t id = 0;                      // index in the arena
+
+    // Records an access in op epoch `epoch`: a load, and a store only once per epoch, so
+    // readers on several cores do not bounce the line.
+    void Touch(uint32_t epoch) {
+      if (touched.load(std::memory_order_relaxed) != epoch) {
+        touched.store(epoch, std::memory_order_relaxed);
+      }
+    }
+  };
+
+  // REQUIRES: row_stride a multiple of 64, page_rows >= 1.
+  PageArena(size_t row_stride, uint32_t page_rows);
+  ~PageArena();
+  PageArena(const PageArena&) = delete;
+  PageArena& operator=(const PageArena&) = delete;
+
+  size_t row_stride() const { return row_stride_; }
+  uint32_t page_rows() const { return page_rows_; }
+  size_t page_bytes() const { return page_bytes_; }  // mapping size, a multiple of 4 KiB
+
+  // Maps a new zeroed resident page. Throws std::bad_alloc; nothing changes then.
+  Page* Allocate(uint32_t epoch);
+
+  // Moves a resident page's bytes into extent `extent` of `fd` (already sized) and remaps
+  // the page address onto that extent. Throws IOError; the page is unchanged then.
+  void MoveToFile(Page* page, int fd, int64_t extent);
+  // Moves a spilled page back into anonymous memory at the same address. Throws
+  // std::bad_alloc / IOError; the page is unchanged then.
+  void MoveToMemory(Page* page);
+
+  size_t num_pages() const { return pages_.size(); }
+  size_t resident_pages() const { return pages_.size() - spilled_pages_; }
+  size_t spilled_pages() const { return spilled_pages_; }
+  Page* page(size_t i) { return &pages_[i]; }
+
+ private:
+  const size_t row_stride_;
+  const uint32_t page_rows_;
+  const size_t page_bytes_;
+  std::deque<Page> pages_;       // deque: element addresses are stable as it grows
+  size_t spilled_pages_ = 0;
+};
+
+}  // namespace bagpipe::store

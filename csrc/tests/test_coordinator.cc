@@ -1,0 +1,266 @@
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "commit/coordinator.h"
+#include "common/errors.h"
+#include "tests/ps_test_util.h"
+#include "tests/test_harness.h"
+
+using namespace bagpipe;
+using namespace bagpipe::commit;
+using bagpipe::testing::MapTable;
+using bagpipe::testing::RecordingLink;
+using wire::Disposition;
+using wire::MsgType;
+using wire::Status;
+
+namespace {
+
+constexpr uint32_t kDim = 2;
+constexpr float kLr = 0.25f;
+
+struct Fixture {
+  MapTable* table;
+  std::unique_ptr<CommitCoordinator> coord;
+  std::vector<std::shared_ptr<RecordingLink>> links;
+  TableSpec spec;
+  SessionParams params;
+
+  explicit Fixture(uint32_t world, bool division = true) {
+    spec.dim = kDim;
+    spec.init.kind = store::InitKind::kConstant;
+    spec.init.value = 1.0f;
+    spec.key_bound = 1000;
+    auto t = std::make_unique<MapTable>(spec);
+    table = t.get();
+    coord = std::make_unique<CommitCoordinator>("emb", std::move(t), -1, CoordinatorOptions{});
+    params.session = 77;
+    params.world_size = world;
+    params.dim = kDim;
+    params.lr = kLr;
+    params.grad_division = division;
+    for (uint32_t r = 0; r < world; ++r) {
+      links.push_back(std::make_shared<RecordingLink>());
+      CHECK_EQ(coord->Open(params, r, spec, links.back()), int64_t{-1});
+    }
+  }
+
+  // Submits a chunk from rank r; returns the frames its link received.
+  std::vector<RecordingLink::Frame> Send(int64_t step, uint32_t rank, uint32_t index,
+                                         uint32_t count, const std::vector<int64_t>& keys,
+                                         const std::vector<float>& grads) {
+    wire::CommitBody b{};
+    b.session = params.session;
+    b.step = step;
+    b.rank = rank;
+    b.world_size = params.world_size;
+    b.chunk_index = index;
+    b.chunk_count = count;
+    b.dim = kDim;
+    b.lr = kLr;
+    b.nrows = static_cast<uint32_t>(keys.size());
+    auto bytes = bagpipe::testing::CommitBodyBytes(b, keys, grads);
+    wire::CommitView v;
+    std::string why;
+    CHECK(wire::ParseCommit(bytes.data(), bytes.size(), &v, &why));
+    coord->SubmitChunk(v, links[rank], 1000 + index, index);
+    return links[rank]->Take();
+  }
+};
+
+Disposition AckOf(const std::vector<RecordingLink::Frame>& frames) {
+  for (const auto& f : frames) {
+    if (f.type == MsgType::kAck) return static_cast<Disposition>(wire::Load<wire::AckBody>(f.fixed.data()).disposition);
+  }
+  throw bagpipe::testing::CheckFailure("no ACK among the frames");
+}
+
+bool HasError(const std::vector<RecordingLink::Frame>& frames, Status st, const std::string& text) {
+  for (const auto& f : frames) {
+    if (f.type == MsgType::kError && f.status == st && f.Text().find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+std::vector<float> ReadRow(CommitCoordinator& c, int64_t key) {
+  std::vector<float> out(kDim);
+  c.Read(&key, 1, out.data());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(coordinator_open_refuses_mismatches_naming_the_field) {
+  Fixture fx(2);
+  auto link = std::make_shared<RecordingLink>();
+  auto refused = [&](SessionParams p, TableSpec s, const char* field) {
+    try {
+      fx.coord->Open(p, 0, s, link);
+    } catch (const ValueError& e) {
+      if (std::string(e.what()).find(field) == std::string::npos) {
+        throw bagpipe::testing::CheckFailure(std::string("message lacks ") + field + ": " + e.what());
+      }
+      return;
+    }
+    throw bagpipe::testing::CheckFailure(std::string("open with another ") + field + " was accepted");
+  };
+  auto p = fx.params;
+  p.lr = 0.5f;
+  refused(p, fx.spec, "lr");
+  p = fx.params;
+  p.world_size = 3;
+  refused(p, fx.spec, "world_size");
+  p = fx.params;
+  p.dim = 4;
+  auto s = fx.spec;
+  s.dim = 4;
+  refused(p, s, "dim");
+  p = fx.params;
+  p.grad_division = false;
+  refused(p, fx.spec, "gradient_division");
+  p = fx.params;
+  p.session = 5;
+  refused(p, fx.spec, "session");
+  s = fx.spec;
+  s.init.value = 2.0f;
+  refused(fx.params, s, "init_value");
+  s = fx.spec;
+  s.key_bound = 5;
+  refused(fx.params, s, "key_bound");
+  // Rank 0 is attached through another link.
+  refused(fx.params, fx.spec, "already has the session open");
+}
+
+TEST_CASE(coordinator_sums_in_rank_then_chunk_order_and_applies_once) {
+  Fixture fx(2);
+  // Rank 1 sends chunk 1 first, then rank 0 its single chunk, then rank 1 chunk 0.
+  CHECK(AckOf(fx.Send(0, 1, 1, 2, {5}, {0.3f, -0.7f})) == Disposition::kStored);
+  CHECK(AckOf(fx.Send(0, 0, 0, 1, {5, 9}, {0.1f, 0.2f, 1.5f, 2.5f})) == Disposition::kStored);
+  CHECK_EQ(fx.table->apply_calls, 0);
+  CHECK_EQ(fx.coord->committed_step(), int64_t{-1});
+  // Duplicate copy of a pending chunk: acknowledged, nothing changes.
+  CHECK(AckOf(fx.Send(0, 1, 1, 2, {5}, {0.3f, -0.7f})) == Disposition::kDuplicate);
+  auto frames = fx.Send(0, 1, 0, 2, {9, 5}, {0.5f, 0.5f, 0.25f, 0.125f});
+  CHECK(AckOf(frames) == Disposition::kStored);
+  CHECK_EQ(fx.table->apply_calls, 1);
+  CHECK_EQ(fx.coord->committed_step(), int64_t{0});
+  // Every rank heard about the commit.
+  bool notified = false;
+  for (const auto& f : frames) notified |= f.type == MsgType::kNotifyCommitted;
+  CHECK(notified);
+  CHECK(fx.links[0]->Take().size() == 1);
+
+  // The reference: one ApplySgd over rank 0 chunk 0, rank 1 chunk 0, rank 1 chunk 1.
+  MapTable ref(fx.spec);
+  std::vector<int64_t> keys{5, 9, 9, 5, 5};
+  std::vector<float> grads{0.1f, 0.2f, 1.5f, 2.5f, 0.5f, 0.5f, 0.25f, 0.125f, 0.3f, -0.7f};
+  ref.ApplySgd(keys.data(), keys.size(), grads.data(), kLr, 2);
+  for (int64_t k : {5, 9}) {
+    auto got = ReadRow(*fx.coord, k);
+    auto want = ref.Row(k);
+    CHECK(std::memcmp(got.data(), want.data(), kDim * 4) == 0);
+  }
+  // A retry of the committed step: acknowledged without SGD.
+  CHECK(AckOf(fx.Send(0, 0, 0, 1, {5, 9}, {9.f, 9.f, 9.f, 9.f})) == Disposition::kAlreadyCommitted);
+  CHECK_EQ(fx.table->apply_calls, 1);
+}
+
+TEST_CASE(coordinator_empty_step_advances) {
+  Fixture fx(3, false);
+  for (uint32_t r = 0; r < 3; ++r) fx.Send(0, r, 0, 1, {}, {});
+  CHECK_EQ(fx.coord->committed_step(), int64_t{0});
+  CHECK_EQ(fx.table->apply_calls, 0);  // nothing to apply, the step still commits
+}
+
+TEST_CASE(coordinator_conflicting_retry_fails_the_session) {
+  Fixture fx(2);
+  fx.Send(0, 0, 0, 1, {1}, {1.f, 1.f});
+  auto frames = fx.Send(0, 0, 0, 1, {1}, {1.f, 2.f});
+  CHECK(HasError(frames, Status::kSessionFailed, "conflicting retry"));
+  CHECK(fx.coord->failed());
+  // The other rank was told, and its next chunk is refused with the same error.
+  bool told = false;
+  for (const auto& f : fx.links[1]->Take()) told |= f.type == MsgType::kNotifyFailed;
+  CHECK(told);
+  CHECK(HasError(fx.Send(0, 1, 0, 1, {2}, {1.f, 1.f}), Status::kSessionFailed, "conflicting retry"));
+  CHECK_EQ(fx.table->apply_calls, 0);
+}
+
+TEST_CASE(coordinator_chunk_count_change_is_a_conflict) {
+  Fixture fx(1);
+  fx.Send(0, 0, 0, 2, {1}, {1.f, 1.f});
+  CHECK(HasError(fx.Send(0, 0, 1, 3, {2}, {1.f, 1.f}), Status::kSessionFailed, "chunk_count"));
+}
+
+TEST_CASE(coordinator_out_of_order_step_fails_the_session) {
+  Fixture fx(2);
+  auto frames = fx.Send(1, 0, 0, 1, {1}, {1.f, 1.f});
+  CHECK(HasError(frames, Status::kSessionFailed, "out-of-order step"));
+  CHECK(fx.coord->failed());
+  CHECK(fx.coord->failure().find("step 1") != std::string::npos);
+}
+
+TEST_CASE(coordinator_bad_chunk_is_refused_without_failing) {
+  Fixture fx(1);
+  CHECK(HasError(fx.Send(0, 0, 0, 1, {1000}, {1.f, 1.f}), Status::kInvalidArgument, "outside [0, 1000)"));
+  CHECK(!fx.coord->failed());
+  fx.Send(0, 0, 0, 1, {3}, {1.f, 1.f});
+  CHECK_EQ(fx.coord->committed_step(), int64_t{0});
+}
+
+TEST_CASE(coordinator_deferred_get_is_served_at_its_step) {
+  Fixture fx(2);
+  int64_t key = 4;
+  fx.coord->Get(0, &key, 1, kDim, fx.links[0], 55, 2);
+  CHECK(fx.links[0]->Take().empty());  // waits for step 0
+  fx.Send(0, 0, 0, 1, {4}, {1.f, 1.f});
+  fx.Send(0, 1, 0, 1, {}, {});
+  auto frames = fx.links[0]->Take();
+  bool served = false;
+  for (const auto& f : frames) {
+    if (f.type != MsgType::kGetOk) continue;
+    served = true;
+    CHECK_EQ(f.tag, uint64_t{55});
+    CHECK_EQ(wire::Load<wire::GetOkBody>(f.fixed.data()).served_step, int64_t{0});
+    auto want = ReadRow(*fx.coord, 4);
+    CHECK(std::memcmp(f.payload.data(), want.data(), kDim * 4) == 0);
+  }
+  CHECK(served);
+  // A get of a committed step is served at once; a wrong dim is refused.
+  fx.coord->Get(0, &key, 1, kDim, fx.links[1], 56, 0);
+  CHECK(fx.links[1]->Take().back().type == MsgType::kGetOk);
+  fx.coord->Get(0, &key, 1, kDim + 1, fx.links[1], 57, 0);
+  CHECK(HasError(fx.links[1]->Take(), Status::kInvalidArgument, "dim"));
+}
+
+TEST_CASE(coordinator_leaving_with_a_pending_step_fails_and_reset_follows) {
+  Fixture fx(2);
+  fx.Send(0, 0, 0, 1, {1}, {1.f, 1.f});
+  fx.coord->Detach(fx.links[1].get());  // rank 1 vanished before sending step 0
+  CHECK(fx.coord->failed());
+  CHECK(fx.coord->failure().find("rank 1 disconnected") != std::string::npos);
+  bool told = false;
+  for (const auto& f : fx.links[0]->Take()) told |= f.type == MsgType::kNotifyFailed;
+  CHECK(told);
+  // Re-opening while rank 0 is still attached: refused with the failure.
+  CHECK_THROWS(SessionError, fx.coord->Open(fx.params, 1, fx.spec, std::make_shared<RecordingLink>()));
+  fx.coord->Close(0, fx.links[0].get());
+  CHECK_EQ(fx.coord->attached_ranks(), 0);
+  // Every rank left: a new job may open the table at the same committed step.
+  auto p = fx.params;
+  p.session = 99;
+  p.world_size = 1;
+  auto l = std::make_shared<RecordingLink>();
+  CHECK_EQ(fx.coord->Open(p, 0, fx.spec, l), int64_t{-1});
+  CHECK(!fx.coord->failed());
+}
+
+TEST_CASE(coordinator_read_at_times_out) {
+  Fixture fx(1);
+  int64_t key = 1;
+  float out[kDim];
+  CHECK_THROWS(TimeoutError, fx.coord->ReadAt(3, &key, 1, out, transport::DeadlineAfter(0.05)));
+  fx.Send(0, 0, 0, 1, {1}, {1.f, 1.f});
+  CHECK_EQ(fx.coord->ReadAt(0, &key, 1, out, transport::DeadlineAfter(1)), int64_t{0});
+}

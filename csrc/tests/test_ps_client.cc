@@ -1,0 +1,296 @@
+// End-to-end tests of PSClient over the local and tcp transports against map-based tables.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "commit/client.h"
+#include "commit/ps_shard.h"
+#include "common/errors.h"
+#include "server/shard_server.h"
+#include "tests/ps_test_util.h"
+#include "tests/test_harness.h"
+#include "transport/local_transport.h"
+#include "transport/socket_io.h"
+#include "transport/tcp_transport.h"
+
+using namespace bagpipe;
+using namespace bagpipe::commit;
+using bagpipe::testing::MapTable;
+
+namespace {
+
+constexpr uint32_t kDim = 4;
+
+std::shared_ptr<PSShard> MakeShard(uint32_t id, uint32_t n) {
+  ShardOptions o;
+  o.shard_id = id;
+  o.num_shards = n;
+  return std::make_shared<PSShard>(o, bagpipe::testing::MapTableFactory(), bagpipe::testing::NoLoader());
+}
+
+ClientOptions Options(uint32_t rank, uint32_t world, uint32_t max_rows = 3, uint32_t inflight = 2) {
+  ClientOptions o;
+  o.table = "emb";
+  o.session = 7;
+  o.rank = rank;
+  o.world_size = world;
+  o.dim = kDim;
+  o.lr = 0.125f;
+  o.init.kind = store::InitKind::kConstant;
+  o.init.value = 0.5f;
+  o.max_packet_rows = max_rows;
+  o.inflight_packets = inflight;
+  o.partition = PartitionKind::kHash;
+  o.timeout = 20.0;
+  return o;
+}
+
+transport::ChannelOptions ChannelOpts(const ClientOptions& o) {
+  transport::ChannelOptions c;
+  c.num_slots = o.inflight_packets;
+  c.slot_bytes = SlotBytesFor(o);
+  return c;
+}
+
+struct Batch {
+  std::vector<int64_t> keys;
+  std::vector<float> grads;
+};
+
+// Deterministic per-(step, rank) gradients with duplicates and empty batches.
+Batch MakeBatch(int step, uint32_t rank) {
+  std::mt19937_64 rng(step * 131 + rank);
+  Batch b;
+  const int n = static_cast<int>(rng() % 9);  // 0..8 rows, sometimes none
+  for (int i = 0; i < n; ++i) {
+    b.keys.push_back(static_cast<int64_t>(rng() % 23));
+    for (uint32_t c = 0; c < kDim; ++c) {
+      b.grads.push_back(static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 97.0f);
+    }
+  }
+  return b;
+}
+
+// The reference: one ApplySgd per step over rank 0's rows then rank 1's, ...
+std::unique_ptr<MapTable> Reference(int steps, uint32_t world) {
+  TableSpec spec;
+  spec.dim = kDim;
+  spec.init.kind = store::InitKind::kConstant;
+  spec.init.value = 0.5f;
+  auto ref = std::make_unique<MapTable>(spec);
+  for (int t = 0; t < steps; ++t) {
+    std::vector<int64_t> keys;
+    std::vector<float> grads;
+    for (uint32_t r = 0; r < world; ++r) {
+      auto b = MakeBatch(t, r);
+      keys.insert(keys.end(), b.keys.begin(), b.keys.end());
+      grads.insert(grads.end(), b.grads.begin(), b.grads.end());
+    }
+    ref->ApplySgd(keys.data(), keys.size(), grads.data(), 0.125f, static_cast<int>(world));
+  }
+  return ref;
+}
+
+void RunRank(PSClient& client, int steps, uint32_t rank) {
+  for (int t = 0; t < steps; ++t) {
+    auto b = MakeBatch(t, rank);
+    auto op = client.CommitAsync(t, b.keys.data(), b.keys.size(), b.grads.data());
+    op->Wait(transport::DeadlineAfter(20));
+  }
+}
+
+void CheckEqualsReference(PSClient& client, int steps, uint32_t world) {
+  auto ref = Reference(steps, world);
+  std::vector<int64_t> keys;
+  for (int64_t k = 0; k < 23; ++k) keys.push_back(k);
+  std::vector<float> got(keys.size() * kDim);
+  client.GetAsync(keys.data(), keys.size(), steps - 1, got.data())->Wait(transport::DeadlineAfter(20));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto want = ref->Row(keys[i]);
+    CHECK(std::memcmp(got.data() + i * kDim, want.data(), kDim * 4) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE(client_local_two_ranks_two_shards_equal_reference) {
+  const int steps = 25;
+  std::vector<std::shared_ptr<PSShard>> shards{MakeShard(0, 2), MakeShard(1, 2)};
+  std::vector<std::unique_ptr<PSClient>> clients;
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto o = Options(r, 2);
+    std::vector<std::unique_ptr<transport::Channel>> chans;
+    for (auto& s : shards) chans.push_back(std::make_unique<transport::LocalChannel>(s, ChannelOpts(o)));
+    clients.push_back(std::make_unique<PSClient>(o, std::move(chans)));
+  }
+  std::thread t1([&] { RunRank(*clients[1], steps, 1); });
+  RunRank(*clients[0], steps, 0);
+  t1.join();
+  CHECK_EQ(clients[0]->CommittedStep(), int64_t{steps - 1});
+  CheckEqualsReference(*clients[0], steps, 2);
+  const auto st = clients[0]->stats();
+  CHECK(st.packets >= static_cast<uint64_t>(steps * 2));  // a marker per shard per step at least
+  CHECK_EQ(st.slot_waits, uint64_t{0});  // local replies come back inside Post
+  clients[0]->Close(5);
+  clients[1]->Close(5);
+  // Both ranks left cleanly: the session is over, the table stays.
+  CHECK_EQ(shards[0]->GetTable("emb")->attached_ranks(), 0);
+  CHECK_EQ(shards[0]->GetTable("emb")->committed_step(), int64_t{steps - 1});
+}
+
+TEST_CASE(client_get_waits_for_its_step_and_never_for_unsent_work) {
+  auto shard = MakeShard(0, 1);
+  auto o0 = Options(0, 2);
+  auto o1 = Options(1, 2);
+  std::vector<std::unique_ptr<transport::Channel>> c0, c1;
+  c0.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o0)));
+  c1.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o1)));
+  PSClient a(o0, std::move(c0));
+  PSClient b(o1, std::move(c1));
+  int64_t key = 3;
+  float grad[kDim] = {1, 2, 3, 4};
+  auto commit_a = a.CommitAsync(0, &key, 1, grad);
+  float out[kDim];
+  auto get = a.GetAsync(&key, 1, 0, out);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!get->Done());  // step 0 needs rank 1
+  CHECK(!commit_a->Done());
+  auto commit_b = b.CommitAsync(0, nullptr, 0, nullptr);
+  get->Wait(transport::DeadlineAfter(5));
+  commit_a->Wait(transport::DeadlineAfter(5));
+  commit_b->Wait(transport::DeadlineAfter(5));
+  for (uint32_t c = 0; c < kDim; ++c) {
+    float u = grad[c] / 2.0f;
+    u = u * 0.125f;
+    CHECK(out[c] == 0.5f + 3e-3f + static_cast<float>(c) * 1e-4f - u);
+  }
+  // Key bound and step checks are synchronous ValueErrors.
+  CHECK_THROWS(ValueError, a.CommitAsync(-1, nullptr, 0, nullptr));
+}
+
+TEST_CASE(client_get_of_a_step_never_submitted_times_out) {
+  auto shard = MakeShard(0, 1);
+  auto o = Options(0, 1);
+  o.timeout = 0.3;
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
+  PSClient client(o, std::move(c));
+  int64_t key = 1;
+  float out[kDim];
+  auto get = client.GetAsync(&key, 1, 5, out);
+  CHECK_THROWS(TimeoutError, get->Wait(transport::DeadlineAfter(5)));
+  try {
+    get->Wait(transport::DeadlineAfter(1));
+  } catch (const TimeoutError& e) {
+    CHECK(std::string(e.what()).find("must follow the commit") != std::string::npos);
+  }
+}
+
+TEST_CASE(client_out_of_order_step_is_a_session_error) {
+  auto shard = MakeShard(0, 1);
+  auto o = Options(0, 1);
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
+  PSClient client(o, std::move(c));
+  auto op = client.CommitAsync(3, nullptr, 0, nullptr);
+  CHECK_THROWS(SessionError, op->Wait(transport::DeadlineAfter(5)));
+  // Sticky: every later operation fails with the session's error.
+  CHECK_THROWS(SessionError, client.CommitAsync(0, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
+  client.Close(5);  // a failed client still closes without raising
+}
+
+TEST_CASE(client_open_refusal_names_the_field) {
+  auto shard = MakeShard(0, 1);
+  auto o = Options(0, 2);
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
+  PSClient first(o, std::move(c));
+  auto o2 = Options(1, 2);
+  o2.lr = 0.5f;
+  std::vector<std::unique_ptr<transport::Channel>> c2;
+  c2.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o2)));
+  try {
+    PSClient second(o2, std::move(c2));
+    throw bagpipe::testing::CheckFailure("open with another lr was accepted");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()).find("lr") != std::string::npos);
+  }
+}
+
+TEST_CASE(client_tcp_and_mixed_transports_equal_reference) {
+  const int steps = 20;
+  std::vector<std::shared_ptr<PSShard>> shards{MakeShard(0, 2), MakeShard(1, 2)};
+  server::ServerOptions so;
+  so.job_token = "job-a";
+  server::ShardServer srv0(shards[0], so), srv1(shards[1], so);
+  std::vector<std::unique_ptr<PSClient>> clients;
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto o = Options(r, 2, 2, 3);
+    std::vector<std::unique_ptr<transport::Channel>> chans;
+    // Rank 0 hosts shard 0 in-process; everything else goes over loopback TCP.
+    if (r == 0) {
+      chans.push_back(std::make_unique<transport::LocalChannel>(shards[0], ChannelOpts(o)));
+    } else {
+      chans.push_back(transport::TcpChannel::Connect("127.0.0.1", srv0.port(), "job-a", ChannelOpts(o), 5));
+    }
+    chans.push_back(transport::TcpChannel::Connect("127.0.0.1", srv1.port(), "job-a", ChannelOpts(o), 5));
+    clients.push_back(std::make_unique<PSClient>(o, std::move(chans)));
+  }
+  std::thread t1([&] { RunRank(*clients[1], steps, 1); });
+  RunRank(*clients[0], steps, 0);
+  t1.join();
+  CheckEqualsReference(*clients[1], steps, 2);
+  for (auto& c : clients) c->Close(5);
+  srv0.Stop(1);
+  srv1.Stop(1);
+  CHECK_EQ(srv1.stats().accepted, uint64_t{2});
+}
+
+TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
+  auto shard = MakeShard(0, 1);
+  server::ServerOptions so;
+  so.job_token = "secret";
+  server::ShardServer srv(shard, so);
+  auto o = Options(0, 1);
+  CHECK_THROWS(TransportError, transport::TcpChannel::Connect("127.0.0.1", srv.port(), "other", ChannelOpts(o), 5));
+  // Raw garbage, then a truncated frame, then silence are all dropped.
+  for (int i = 0; i < 3; ++i) {
+    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), transport::DeadlineAfter(5));
+    std::vector<uint8_t> junk(i == 0 ? 100 : 20, static_cast<uint8_t>(0xAB + i));
+    if (i < 2) transport::WriteAll(fd, junk.data(), junk.size(), "srv");
+    if (i == 1) ::shutdown(fd, SHUT_WR);
+    ::close(fd);
+  }
+  // A well-formed client is still served.
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", srv.port(), "secret", ChannelOpts(o), 5));
+  PSClient client(o, std::move(c));
+  client.CommitAsync(0, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5));
+  CHECK_EQ(client.CommittedStep(), int64_t{0});
+  client.Close(5);
+  srv.Stop(1);
+  CHECK(srv.stats().closed_by_server >= 2);
+}
+
+TEST_CASE(tcp_dead_shard_fails_pending_work_at_once) {
+  auto shard = MakeShard(0, 1);
+  server::ServerOptions so;
+  auto srv = std::make_unique<server::ShardServer>(shard, so);
+  auto o = Options(0, 2);
+  o.timeout = 30;
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", srv->port(), "", ChannelOpts(o), 5));
+  PSClient client(o, std::move(c));
+  auto op = client.CommitAsync(0, nullptr, 0, nullptr);  // waits for rank 1 forever
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = transport::Clock::now();
+  srv->Stop(0);  // the shard goes away
+  CHECK_THROWS(TransportError, op->Wait(transport::DeadlineAfter(10)));
+  CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));  // not the 30 s timeout
+  CHECK_THROWS(TransportError, client.CommitAsync(1, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
+  client.Close(1);
+}

@@ -1,0 +1,216 @@
+#include "transport/socket_io.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/errors.h"
+
+namespace bagpipe::transport {
+
+namespace {
+
+std::string Errno(int err) { return std::strerror(err); }
+
+}  // namespace
+
+void SetNoDelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+void SetRecvTimeout(int fd, double seconds) {
+  struct timeval tv{};
+  if (seconds > 0) {
+    tv.tv_sec = static_cast<time_t>(seconds);
+    tv.tv_usec = static_cast<suseconds_t>((seconds - static_cast<double>(tv.tv_sec)) * 1e6);
+    if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000;
+  }
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+std::string PeerName(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    port = ntohs(a->sin_port);
+  } else if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    port = ntohs(a->sin6_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
+void ParseHostPort(const std::string& address_in, std::string* host, uint16_t* port) {
+  std::string address = address_in;
+  if (address.rfind("tcp://", 0) == 0) address = address.substr(6);
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    throw ValueError("address '" + address_in + "' is not host:port");
+  }
+  std::string h = address.substr(0, colon);
+  const std::string p = address.substr(colon + 1);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  for (char c : p) {
+    if (c < '0' || c > '9') throw ValueError("address '" + address_in + "' has a bad port");
+  }
+  if (p.size() > 5 || std::stoul(p) > 65535) {
+    throw ValueError("address '" + address_in + "' has a port above 65535");
+  }
+  *host = h;
+  *port = static_cast<uint16_t>(std::stoul(p));
+}
+
+int ConnectTcp(const std::string& host, uint16_t port, Deadline deadline) {
+  const std::string where = host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const std::string port_text = std::to_string(port);
+  const int rc = ::getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res);
+  if (rc != 0) throw TransportError("cannot resolve PS shard address " + where + ": " + gai_strerror(rc));
+  std::string last_error = "no address";
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      last_error = Errno(errno);
+      continue;
+    }
+    const int flags = ::fcntl(fd, F_GETFL, 0);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    int r = ::connect(fd, ai->ai_addr, ai->ai_addrlen);
+    if (r != 0 && errno == EINPROGRESS) {
+      for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        if (left <= 0) {
+          ::close(fd);
+          ::freeaddrinfo(res);
+          throw TimeoutError("connecting to PS shard " + where + " timed out");
+        }
+        pollfd pfd{fd, POLLOUT, 0};
+        const int pr = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+        if (pr < 0 && errno == EINTR) continue;
+        if (pr == 0) continue;
+        int err = 0;
+        socklen_t len = sizeof(err);
+        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        r = err == 0 ? 0 : -1;
+        errno = err;
+        break;
+      }
+    }
+    if (r == 0) {
+      ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+      SetNoDelay(fd);
+      ::freeaddrinfo(res);
+      return fd;
+    }
+    last_error = Errno(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  throw TransportError("cannot connect to PS shard " + where + ": " + last_error);
+}
+
+int ListenTcp(const std::string& host, uint16_t port, int backlog, uint16_t* bound_port) {
+  const std::string where = host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const std::string port_text = std::to_string(port);
+  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &res);
+  if (rc != 0) throw ValueError("cannot resolve listen address " + where + ": " + gai_strerror(rc));
+  std::string last_error = "no address";
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      last_error = Errno(errno);
+      continue;
+    }
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && ::listen(fd, backlog) == 0) {
+      sockaddr_storage ss{};
+      socklen_t len = sizeof(ss);
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+      *bound_port = ss.ss_family == AF_INET6
+                        ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                        : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+      ::freeaddrinfo(res);
+      return fd;
+    }
+    last_error = Errno(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  throw IOError("cannot listen on " + where + ": " + last_error);
+}
+
+void WriteAllV(int fd, struct iovec* iov, int iovcnt, const std::string& peer) {
+  while (iovcnt > 0) {
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(iovcnt);
+    const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw TransportError("write to " + peer + " failed: " + Errno(errno));
+    }
+    size_t left = static_cast<size_t>(n);
+    while (iovcnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+}
+
+void WriteAll(int fd, const void* data, size_t len, const std::string& peer) {
+  struct iovec iov{const_cast<void*>(data), len};
+  WriteAllV(fd, &iov, 1, peer);
+}
+
+bool ReadFull(int fd, void* data, size_t len, bool eof_ok, const std::string& peer) {
+  auto* p = static_cast<char*>(data);
+  size_t got = 0;
+  while (got < len) {
+    const ssize_t n = ::recv(fd, p + got, len - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) {
+      if (got == 0 && eof_ok) return false;
+      throw TransportError(peer + " closed the connection in the middle of a frame");
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      throw TimeoutError("no data from " + peer + " within the receive timeout");
+    }
+    throw TransportError("read from " + peer + " failed: " + Errno(errno));
+  }
+  return true;
+}
+
+}  // namespace bagpipe::transport

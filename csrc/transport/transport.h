@@ -1,0 +1,273 @@
+// The one transport interface between PS clients and PS shards. Every backend (local:
+// in-process, tcp: sockets, and later ucx_*: RDMA through UCX) carries the frames of
+// commit/wire.h and differs only behind the two classes here:
+//
+//   Channel     client side of one (client, shard) connection. It OWNS SLOT OWNERSHIP AND THE
+//               IN-FLIGHT WINDOW: a request frame is staged into one of num_slots fixed-size
+//               slot buffers (registered memory for RDMA), posted, and the slot returns to the
+//               free list only after the request's reply (ACK or data) has been delivered and,
+//               for data, materialised by the request (copied out of the slot, or received
+//               straight into the request's sink). So at most num_slots requests are in
+//               flight per channel, whatever the backend. Backends implement DoPost ("put the
+//               packet of slot i"), DoFlush ("make posted packets visible / ring the
+//               doorbell") and DoClose, and feed replies back through Expect/Complete.
+//   ServerLink  shard side of one connection: how the shard sends a reply frame back. The
+//               payload of a reply is produced by a fill callback writing straight into the
+//               backend's memory (a TCP send buffer, the client's sink for the local
+//               backend, a registered reply slot for RDMA).
+//
+// Thread safety:
+//   Channel: AcquireSlot / SlotBuffer / Post / Flush / ReleaseUnposted are called by one
+//   producer thread at a time (the client's worker); the receive path (Expect, ReplyBuffer,
+//   Complete, DeliverNotification) runs on the backend's receive thread, or synchronously
+//   inside DoPost (local backend), or on a shard thread that completes a deferred request.
+//   Everything else is thread-safe. No Channel lock is held while calling a PendingRequest or
+//   the notification handler, or while calling DoPost.
+//   ServerLink: Send is thread-safe; frames sent by one thread arrive in that order.
+//
+// Invariants:
+//   1. A slot is in exactly one state: free, acquired (staging, not yet posted), or in flight
+//      (posted, owned by exactly one PendingRequest until its reply or the channel's failure).
+//   2. Each PendingRequest gets exactly one terminal callback (OnReply or OnFailure), after
+//      which its slot is free; ReplySink, if called, is called before OnReply.
+//   3. Once a channel failed, every in-flight request gets OnFailure with the channel's error
+//      and every later AcquireSlot/Post throws TransportError with that error.
+//   4. After Close() returns, the backend delivers nothing more and holds no thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "commit/wire.h"
+
+namespace bagpipe::transport {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// Deadline `seconds` from now (seconds <= 0 or huge: effectively a very long bound).
+Deadline DeadlineAfter(double seconds);
+
+// What kind of error a failed request carries; maps onto the Python exception raised.
+enum class ErrorKind : uint8_t {
+  kTransport = 0,  // TransportError (ConnectionError)
+  kSession = 1,    // SessionError
+  kValue = 2,      // ValueError
+  kTimeout = 3,    // TimeoutError
+  kInternal = 4,   // RuntimeError
+};
+
+struct Error {
+  ErrorKind kind = ErrorKind::kTransport;
+  std::string message;
+};
+
+ErrorKind KindOfStatus(commit::wire::Status status);
+// Throws the bagpipe exception (common/errors.h) matching error.kind.
+[[noreturn]] void ThrowError(const Error& error);
+
+// A reply frame as the receive path hands it to a request: the header, the fixed body of
+// its type and the bulk payload (rows, or an error text). Pointers are valid only during
+// the callback.
+struct Reply {
+  commit::wire::FrameHeader header;
+  const uint8_t* fixed = nullptr;
+  size_t fixed_len = 0;
+  const uint8_t* payload = nullptr;
+  size_t payload_len = 0;
+
+  commit::wire::MsgType type() const { return static_cast<commit::wire::MsgType>(header.type); }
+  commit::wire::Status status() const { return static_cast<commit::wire::Status>(header.status); }
+  // The error text of an kError / kNotifyFailed reply.
+  std::string Text() const;
+};
+
+// The request occupying an in-flight slot. Implemented by the protocol layer (the client).
+class PendingRequest {
+ public:
+  virtual ~PendingRequest() = default;
+  // Where the reply's payload should land (payload_len bytes), or nullptr to receive it into
+  // the slot's reply buffer. Lets a GET reply go straight into the caller's output tensor.
+  virtual uint8_t* ReplySink(const Reply& head, size_t payload_len) {
+    (void)head;
+    (void)payload_len;
+    return nullptr;
+  }
+  // The reply arrived (any status). Must not call back into the channel.
+  virtual void OnReply(const Reply& reply) = 0;
+  // The channel failed or closed before a reply arrived.
+  virtual void OnFailure(const Error& error) = 0;
+
+  // Claims the single terminal callback (invariant 2); used by Channel.
+  bool Claim() { return !finished_.exchange(true); }
+
+ private:
+  std::atomic<bool> finished_{false};
+};
+
+struct ChannelOptions {
+  uint32_t num_slots = 8;  // the in-flight window; REQUIRES: >= 1
+  size_t slot_bytes = 0;   // capacity of each request slot (the largest frame); REQUIRES: > header
+};
+
+struct ChannelStats {
+  uint64_t frames_sent = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t frames_received = 0;
+  uint64_t bytes_received = 0;
+  uint64_t slot_waits = 0;  // AcquireSlot calls that had to wait for a reply (window full)
+  uint64_t flushes = 0;
+};
+
+class Channel {
+ public:
+  Channel(std::string peer, const ChannelOptions& options);
+  // REQUIRES: the derived destructor called Close().
+  virtual ~Channel();
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  const std::string& peer() const { return peer_; }
+  uint32_t num_slots() const { return static_cast<uint32_t>(slots_.size()); }
+  size_t slot_bytes() const { return slot_bytes_; }
+  // The backend's name ("local", "tcp", ...).
+  virtual const char* kind() const = 0;
+  // The shard's identity as it announced itself (HelloOk), or what the backend knows.
+  uint32_t remote_shard_id() const { return remote_shard_id_; }
+  uint32_t remote_num_shards() const { return remote_num_shards_; }
+  uint64_t remote_max_frame() const { return remote_max_frame_; }
+
+  // on_notify: called for every notification frame (slot == kNoSlot); on_failure: called
+  // once, when the channel fails or closes (after its in-flight requests got OnFailure).
+  // REQUIRES: set before the first Post; neither may call back into the channel.
+  void SetHandlers(std::function<void(const Reply&)> on_notify,
+                   std::function<void(const Error&)> on_failure);
+
+  // Waits until a slot is free (blocking while num_slots requests are in flight) and
+  // acquires it. Throws TimeoutError at the deadline, TransportError if the channel failed.
+  uint32_t AcquireSlot(Deadline deadline);
+  // The slot's frame buffer (slot_bytes). REQUIRES: the slot is acquired by the caller.
+  uint8_t* SlotBuffer(uint32_t slot) { return slots_[slot].frame.get(); }
+  // Returns an acquired slot that was not posted.
+  void ReleaseUnposted(uint32_t slot);
+  // Sends the frame staged in `slot` (frame_len bytes, header first; the channel writes the
+  // header's slot, tag and job fields). `request` owns the slot until its terminal callback.
+  // REQUIRES: slot acquired; frame_len <= slot_bytes. Throws TransportError if the channel
+  // failed (the request then got OnFailure).
+  void Post(uint32_t slot, size_t frame_len, std::shared_ptr<PendingRequest> request);
+  // Makes every posted frame visible to the shard.
+  void Flush();
+  // Waits until no request is in flight. Throws TimeoutError at the deadline.
+  void WaitIdle(Deadline deadline);
+  uint32_t in_flight() const;
+
+  bool failed() const;
+  Error error() const;
+  // Closes the backend; requests still in flight fail with "channel closed". Idempotent.
+  void Close();
+  ChannelStats stats() const;
+
+ protected:
+  // ---- backend hooks -------------------------------------------------------------------
+  // Puts the packet of `slot` on its way. May deliver its reply synchronously (local).
+  // Throws TransportError when the connection is broken.
+  virtual void DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) = 0;
+  virtual void DoFlush() {}
+  // Stops the backend's receive path and joins its threads. After it returns, no receive
+  // path call (Expect, Complete, ...) is in progress or will start.
+  virtual void DoClose() = 0;
+
+  // ---- receive path, for backends ------------------------------------------------------
+  // The request in flight in h.slot if h.tag matches; otherwise fails the channel (a stray
+  // or duplicated reply is a protocol violation) and returns nullptr.
+  std::shared_ptr<PendingRequest> Expect(const commit::wire::FrameHeader& h);
+  // Slot-owned memory for reply bytes (grown on demand). REQUIRES: the slot is in flight and
+  // the caller is the one delivering its reply.
+  uint8_t* ReplyBuffer(uint32_t slot, size_t bytes);
+  // Delivers `reply` to `request` (the result of Expect) and frees its slot.
+  void Complete(const std::shared_ptr<PendingRequest>& request, const Reply& reply);
+  void DeliverNotification(const Reply& reply);
+  // Fails the channel (first error wins) and every request in flight.
+  void FailChannel(const Error& error);
+  void CountReceived(size_t bytes);
+  void SetRemote(uint32_t shard_id, uint32_t num_shards, uint64_t max_frame);
+  // The digest stamped into every frame's header (TCP: the job token's digest).
+  void SetJobDigest(uint64_t digest) { job_digest_ = digest; }
+  uint64_t job_digest() const { return job_digest_; }
+
+ private:
+  struct Slot {
+    std::unique_ptr<uint8_t[]> frame;  // request staging buffer (slot_bytes)
+    std::vector<uint8_t> reply;        // reply buffer, grown on demand
+    std::shared_ptr<PendingRequest> request;  // set while in flight
+    uint64_t tag = 0;
+    enum class State : uint8_t { kFree, kAcquired, kInFlight } state = State::kFree;
+  };
+
+  void FreeSlotLocked(uint32_t slot);
+
+  const std::string peer_;
+  const size_t slot_bytes_;
+  uint64_t job_digest_ = 0;          // set by the backend before the first Post
+  uint32_t remote_shard_id_ = 0;     // set by the backend before the first Post
+  uint32_t remote_num_shards_ = 0;
+  uint64_t remote_max_frame_ = 0;
+  std::function<void(const Reply&)> notify_;       // set before the first Post
+  std::function<void(const Error&)> on_failure_;   // set before the first Post
+
+  mutable std::mutex mu_;  // guards every field below and the slots' state/request/tag
+  std::condition_variable slot_cv_;
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_;
+  uint32_t in_flight_ = 0;
+  uint64_t next_tag_ = 0;
+  bool failed_ = false;
+  bool closed_ = false;
+  Error error_;
+  ChannelStats stats_;
+};
+
+// ---- server side ---------------------------------------------------------------------------
+
+using PayloadFill = std::function<void(uint8_t* dst)>;
+
+class ServerLink {
+ public:
+  virtual ~ServerLink() = default;
+
+  // Sends one frame: the header (type, status, tag, slot; job and body_len filled in), the
+  // fixed body, then payload_len bytes written by `fill` (which must write exactly that
+  // many). Returns false, dropping the frame, when the link is closed. If fill throws,
+  // nothing is delivered and the exception propagates (the caller then sends an error).
+  virtual bool Send(commit::wire::MsgType type, commit::wire::Status status, uint64_t tag,
+                    uint32_t slot, const void* fixed, size_t fixed_len, size_t payload_len,
+                    const PayloadFill& fill) = 0;
+  // Who is on the other side, for log lines ("tcp 127.0.0.1:53412", "local").
+  virtual std::string Describe() const = 0;
+
+  // Sends a kError reply carrying `text` (truncated to wire::kMaxMessageBytes).
+  bool SendError(uint64_t tag, uint32_t slot, commit::wire::Status status, uint64_t session_id,
+                 const std::string& text);
+
+  // ---- dispatcher state (PSShard) --------------------------------------------------------
+  // Touched only by the thread that delivers this link's requests (one at a time), except
+  // the fields documented otherwise.
+  std::string expected_token;   // set by the accepting server before the first request
+  uint64_t job_digest = 0;      // digest of expected_token; stamped into replies
+  bool authenticated = false;   // after a valid Hello (local links start authenticated)
+  bool session_open = false;    // after a successful Open
+  std::string table;            // the table this link's session is on
+  uint64_t session = 0;
+  uint32_t rank = 0;
+  void* coordinator = nullptr;  // the table's CommitCoordinator (owned by the shard)
+};
+
+}  // namespace bagpipe::transport

@@ -1,0 +1,358 @@
+"""PSClient: one trainer rank's connection to the PS shards of one fused table.
+
+Commits and reads are asynchronous: ``commit_async`` / ``get_async`` return a `PSHandle` at
+once and a native worker thread partitions the keys, packs bounded packets and sends them
+(round-robin across shards, up to ``inflight_packets`` per shard before waiting for ACKs)
+with the GIL released. Tensors cross zero-copy and are borrowed until the handle is done:
+the client keeps them alive, the caller must not modify them meanwhile.
+
+Endpoints, one per shard in shard order, may mix transports: a `PSShard` object of this
+process (local: no sockets), ``"host:port"`` / ``"tcp://host:port"`` / ``(host, port)`` (TCP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torchrec_bagpipe._native import C
+from torchrec_bagpipe.ps.partitioner import KINDS, Partitioner
+from torchrec_bagpipe.ps.shard import PSShard
+from torchrec_bagpipe.ps.store import _float_arg, _init_args, _int_arg, _keys_arg, _rows_arg
+
+__all__ = ["PSClient", "PSHandle", "default_session_id"]
+
+def default_session_id(job_token: str, table: str) -> int:
+    """The session id every rank of a job derives for `table` (64-bit, never 0)."""
+    digest = hashlib.blake2b(f"{job_token}\0{table}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def _endpoint(e: Any, index: int) -> Any:
+    if isinstance(e, PSShard):
+        return e.core
+    if isinstance(e, C.PSShardCore):
+        return e
+    if isinstance(e, tuple) and len(e) == 2:
+        host, port = e
+        if (not isinstance(host, str) or isinstance(port, bool)
+                or not isinstance(port, numbers.Integral)):
+            raise TypeError(f"endpoints[{index}] must be (host: str, port: int)")
+        return (host, int(port))
+    if isinstance(e, str):
+        text = e
+        if text.startswith("ucx://") or text.startswith("rdma://"):
+            raise ValueError(
+                f"endpoints[{index}] = {e!r}: the rdma (UCX) transport is not available in this "
+                "build; use tcp:// or an in-process PSShard"
+            )
+        if text.startswith("tcp://"):
+            text = text[len("tcp://"):]
+        host, sep, port = text.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"endpoints[{index}] = {e!r} is not host:port")
+        return (host, int(port))
+    raise TypeError(
+        f"endpoints[{index}] must be a PSShard, 'host:port' or (host, port), got {type(e).__name__}"
+    )
+
+
+class PSHandle:
+    """An asynchronous commit / get / assign / checkpoint.
+
+    ``wait(timeout)`` returns the rows (get), the per-shard checkpoint steps (checkpoint) or
+    None, and raises the operation's error (SessionError, TransportError, ValueError) or
+    TimeoutError when it is not done within `timeout` seconds (the operation continues; wait
+    again). ``done()`` never blocks.
+    """
+
+    __slots__ = ("_client", "_keep", "_kind", "_op", "_result")
+
+    def __init__(
+        self, op: Any, kind: str, result: Any, keep: tuple[Any, ...], client: PSClient
+    ) -> None:
+        self._op = op
+        self._kind = kind
+        self._result = result
+        self._keep = keep
+        self._client = client
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
+    def step(self) -> int:
+        """The commit step, or the get's at_step (-1 for other operations)."""
+        return int(self._op.step)
+
+    def done(self) -> bool:
+        return bool(self._op.done())
+
+    def wait(self, timeout: float | None = None) -> Any:
+        t = self._client.timeout if timeout is None else _float_arg(timeout, "timeout")
+        if t < 0:
+            raise ValueError(f"timeout must be >= 0, got {t}")
+        try:
+            self._op.wait(t)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e} (waited {t:g} s; shards committed "
+                               f"{self._client.shard_committed_steps()})") from None
+        self._keep = ()
+        if self._kind == "checkpoint":
+            return list(self._op.shard_steps)
+        return self._result
+
+    def __repr__(self) -> str:
+        return f"PSHandle({self._kind}, step={self.step}, done={self.done()})"
+
+
+class PSClient:
+    """One rank's client of one fused table on the PS (docs/ARCHITECTURE.md §3).
+
+    The session (`table`, `dim`, `lr`, `world_size`, `gradient_division`, the init of rows
+    never written, `key_bound`) opens on every shard at construction; a shard that holds the
+    session with other values refuses with a ValueError naming the field. Every wait is
+    bounded by `timeout` seconds; a dead shard fails pending work at once (TransportError), a
+    lost rank surfaces as a TimeoutError or SessionError.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[Any],
+        *,
+        table: str,
+        dim: int,
+        lr: float,
+        rank: int = 0,
+        world_size: int = 1,
+        gradient_division: bool = True,
+        partitioner: str | Partitioner = "modulo",
+        job_token: str = "",
+        session_id: int | None = None,
+        max_packet_rows: int = 4096,
+        inflight_packets: int = 8,
+        timeout: float = 120.0,
+        connect_timeout: float = 30.0,
+        init: str = "uniform",
+        init_bound: float | Sequence[tuple[int, float]] | None = None,
+        init_value: float = 0.0,
+        seed: int = 0,
+        key_bound: int | None = None,
+    ) -> None:
+        self._core: Any = None
+        self._pending: list[PSHandle] = []
+        if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
+            raise TypeError("endpoints must be a sequence (one endpoint per shard, in shard order)")
+        if len(endpoints) == 0:
+            raise ValueError("endpoints must list at least one shard")
+        eps = [_endpoint(e, i) for i, e in enumerate(endpoints)]
+        if not isinstance(table, str):
+            raise TypeError(f"table must be a str, got {type(table).__name__}")
+        dim = _int_arg(dim, "dim", minimum=1)
+        lr = _float_arg(lr, "lr")
+        world_size = _int_arg(world_size, "world_size", minimum=1)
+        rank = _int_arg(rank, "rank", minimum=0)
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} must be below world_size {world_size}")
+        if isinstance(partitioner, Partitioner):
+            if partitioner.num_shards != len(eps):
+                raise ValueError(
+                    f"partitioner has {partitioner.num_shards} shards but {len(eps)} endpoints"
+                )
+            kind = partitioner.kind
+        else:
+            if partitioner not in KINDS:
+                raise ValueError(f"partitioner must be one of {list(KINDS)}, got {partitioner!r}")
+            kind = partitioner
+        if not isinstance(job_token, str):
+            raise TypeError("job_token must be a str")
+        if session_id is None:
+            session_id = default_session_id(job_token, table)
+        session_id = _int_arg(session_id, "session_id", minimum=0)
+        if session_id >= 1 << 64:
+            raise ValueError("session_id must fit in 64 bits")
+        if key_bound is not None:
+            key_bound = _int_arg(key_bound, "key_bound", minimum=1)
+        init_kind, bound, value, seed, starts, bounds = _init_args(
+            init, init_bound, init_value, seed, key_bound
+        )
+        self.timeout = _float_arg(timeout, "timeout")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        connect_timeout = _float_arg(connect_timeout, "connect_timeout")
+        self.table = table
+        self.dim = dim
+        self.lr = lr
+        self.rank = rank
+        self.world_size = world_size
+        self.session_id = session_id
+        self.partitioner = Partitioner(kind, len(eps))
+        self._core = C.PSClientCore(
+            eps, table, session_id, rank, world_size, dim, lr, bool(gradient_division),
+            init_kind, bound, value, seed, starts, bounds,
+            -1 if key_bound is None else key_bound, kind,
+            _int_arg(max_packet_rows, "max_packet_rows", minimum=1),
+            _int_arg(inflight_packets, "inflight_packets", minimum=1),
+            self.timeout, connect_timeout, job_token,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        endpoints: Sequence[Any],
+        *,
+        table: str,
+        dim: int,
+        lr: float,
+        rank: int,
+        world_size: int,
+        **kwargs: Any,
+    ) -> PSClient:
+        """A client with the PS knobs of a `BagPipeConfig` (partitioner, packet rows, window,
+        timeouts, job token, gradient division); `kwargs` (init, key_bound, ...) pass through."""
+        return cls(
+            endpoints,
+            table=table,
+            dim=dim,
+            lr=lr,
+            rank=rank,
+            world_size=world_size,
+            gradient_division=config.resolved_gradient_division(),
+            partitioner=config.partitioner,
+            job_token=config.job_token or "",
+            max_packet_rows=config.max_packet_rows,
+            inflight_packets=config.inflight_packets,
+            timeout=config.ps_timeout,
+            connect_timeout=config.connect_timeout,
+            **kwargs,
+        )
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return self.partitioner.num_shards
+
+    def __repr__(self) -> str:
+        peers = self._core.shard_peers() if self._core else []
+        return (f"PSClient(table={self.table!r}, rank={self.rank}/{self.world_size}, "
+                f"dim={self.dim}, shards={peers})")
+
+    def _track(self, handle: PSHandle) -> PSHandle:
+        self._pending = [h for h in self._pending if not h.done()]
+        self._pending.append(handle)
+        return handle
+
+    def _live(self) -> Any:
+        if self._core is None:
+            raise RuntimeError("PSClient is not open")
+        return self._core
+
+    # ---- protocol -------------------------------------------------------------------------
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> PSHandle:
+        """Commits this rank's gradient rows of `step` (keys: 1-D int64; grads: (n, dim)
+        float32; n may be 0 — every rank commits every step). The handle completes when every
+        shard has committed `step`."""
+        step = _int_arg(step, "step", minimum=0)
+        k = _keys_arg(keys)
+        g = _rows_arg(grads, "grads", k.shape[0], self.dim)
+        op = self._live().commit_async(step, k, g)
+        return self._track(PSHandle(op, "commit", None, (keys, grads, k, g), self))
+
+    def get_async(
+        self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None
+    ) -> PSHandle:
+        """Rows of `keys` (n, dim) once every shard committed `at_step` (-1: now). A get must
+        follow this client's commit of `at_step`, or it fails with TimeoutError."""
+        at_step = _int_arg(at_step, "at_step", minimum=-1)
+        k = _keys_arg(keys)
+        if out is None:
+            out = torch.empty((k.shape[0], self.dim), dtype=torch.float32)
+        o = _rows_arg(out, "out", k.shape[0], self.dim)
+        if out.requires_grad:
+            raise ValueError("out must not require grad")
+        op = self._live().get_async(k, at_step, o)
+        return self._track(PSHandle(op, "get", out, (keys, k, o), self))
+
+    def commit(
+        self, step: int, keys: torch.Tensor, grads: torch.Tensor, timeout: float | None = None
+    ) -> None:
+        """commit_async(...).wait(timeout)."""
+        self.commit_async(step, keys, grads).wait(timeout)
+
+    def get(self, keys: torch.Tensor, at_step: int, timeout: float | None = None) -> torch.Tensor:
+        """get_async(...).wait(timeout)."""
+        return self.get_async(keys, at_step).wait(timeout)
+
+    def committed_step(self) -> int:
+        """The minimum over shards of the committed step this client has observed."""
+        return int(self._live().committed_step())
+
+    def shard_committed_steps(self) -> list[int]:
+        return list(self._live().shard_committed_steps())
+
+    # ---- weights ------------------------------------------------------------------------------
+    def assign(self, keys: torch.Tensor, rows: torch.Tensor, timeout: float | None = None) -> None:
+        """Writes rows (n, dim) for keys on their shards (loading weights; the last duplicate
+        wins). Runs after every earlier operation and before every later one."""
+        k = _keys_arg(keys)
+        r = _rows_arg(rows, "rows", k.shape[0], self.dim)
+        op = self._live().assign_async(k, r)
+        self._track(PSHandle(op, "assign", None, (keys, rows, k, r), self)).wait(timeout)
+
+    def lookup(self, keys: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
+        """Rows of `keys` at the shards' current committed step (materialising weights)."""
+        return self.get_async(keys, -1).wait(timeout)
+
+    def checkpoint(self, timeout: float | None = None) -> list[int]:
+        """Checkpoints this table on every shard (each into its own checkpoint directory) at
+        its committed step; returns the step saved per shard."""
+        op = self._live().checkpoint_async()
+        return self._track(PSHandle(op, "checkpoint", None, (), self)).wait(timeout)
+
+    # ---- accounting and shutdown ---------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """commits, gets, packets, bytes_sent, bytes_received, ack_waits, rows_committed,
+        rows_read (counted by this client over every shard)."""
+        return dict(self._live().stats())
+
+    def failure(self) -> str | None:
+        """The error that failed this client, if any."""
+        return self._live().failure()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drains pending work, closes the session on every reachable shard and releases the
+        connections. Idempotent; raises TimeoutError if draining timed out."""
+        core = self._core
+        if core is None:
+            return
+        try:
+            core.close(self.timeout if timeout is None else _float_arg(timeout, "timeout"))
+        finally:
+            self._core = None
+            self._pending.clear()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):  # the original exception matters more
+                self.close()
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None:
+            with contextlib.suppress(Exception):
+                core.close(min(getattr(self, "timeout", 5.0), 5.0))
+            self._core = None

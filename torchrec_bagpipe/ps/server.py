@@ -1,0 +1,181 @@
+"""The PS shard server program: ``torchrec-bagpipe-ps`` / ``python -m torchrec_bagpipe.ps.server``.
+
+Serves one PS shard over TCP. On start it prints one line to stdout,
+``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``), and logs
+one line per session event to stderr. SIGTERM (or SIGINT) drains: the server stops accepting,
+lets connected trainers finish and close their sessions (up to ``--drain-timeout``), closes
+the rest, checkpoints every table when ``--checkpoint-dir`` is set, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from torchrec_bagpipe.ps.shard import DEFAULT_MAX_FRAME_BYTES, PSShard
+
+__all__ = ["build_parser", "main"]
+
+EPILOG = """\
+Clients authenticate with the job token (--job-token, or the BAGPIPE_JOB_TOKEN environment
+variable, which keeps it off the command line); frames of other jobs and of strangers are
+refused. Every trainer rank opens a session per fused table; the first open fixes its
+learning rate, dimension and world size.
+
+Checkpoints: with --checkpoint-dir each table is saved to DIR/table-NAME (crash-safe, with its
+committed step in the checkpoint's meta) every --checkpoint-every committed steps and when
+the server drains. A restarted server restores them (--restore, the default when DIR holds
+checkpoints); trainers then replay from the committed step: steps the shard already
+committed are acknowledged without being applied again.
+
+Examples:
+  torchrec-bagpipe-ps --shard-id 0 --num-shards 2 --port 0 --checkpoint-dir /ckpt/ps0
+  BAGPIPE_JOB_TOKEN=secret torchrec-bagpipe-ps --host 0.0.0.0 --port 7000 --memory-budget 64G \\
+      --spill-dir /nvme/spill --store-threads 8
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrec-bagpipe-ps",
+        description="Serve one torchrec_bagpipe parameter-server shard over TCP.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("shard")
+    g.add_argument("--shard-id", type=int, default=0, help="this shard's index (default 0)")
+    g.add_argument("--num-shards", type=int, default=1,
+                   help="how many shards the job has (default 1)")
+    g = p.add_argument_group("network")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=0,
+                   help="TCP port; 0 picks a free one and prints it (default 0)")
+    g.add_argument("--job-token", default=None,
+                   help="token clients must present (default: $BAGPIPE_JOB_TOKEN, else empty)")
+    g.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a new connection has to authenticate (default 10)")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="concurrent connections; more are refused (default 1024)")
+    g.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                   help=f"largest frame accepted (default {DEFAULT_MAX_FRAME_BYTES})")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to wait for trainers to close (default 30)")
+    g = p.add_argument_group("store (every table of this shard)")
+    g.add_argument("--dim", type=int, default=None,
+                   help="accept only tables of this row width (default: any)")
+    g.add_argument("--memory-budget", default=None,
+                   help="DRAM budget per table in bytes, with K/M/G/T suffixes, or 'auto' "
+                        "(default: unlimited)")
+    g.add_argument("--spill-dir", default=None,
+                   help="directory for pages spilled above the budget (default: memory only)")
+    g.add_argument("--store-threads", type=int, default=1,
+                   help="worker threads of each table's store (default 1)")
+    g.add_argument("--store-shards", type=int, default=16,
+                   help="internal hash shards of each store, a power of two (default 16)")
+    g.add_argument("--page-rows", type=int, default=None,
+                   help="rows per arena page, a power of two (default: about 2 MiB pages)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", default=None, help="where table checkpoints go")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="checkpoint each table every N committed steps (default 0: only on "
+                        "drain and on a client's request)")
+    g.add_argument("--restore", action=argparse.BooleanOptionalAction, default=None,
+                   help="load the checkpoints in --checkpoint-dir at start (default: when "
+                        "there are any)")
+    g = p.add_argument_group("logging")
+    g.add_argument("--quiet", action="store_true", help="no per-session log lines")
+    return p
+
+
+def _log(prefix: str, text: str) -> None:
+    ts = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"{ts} [{prefix}] {text}", file=sys.stderr, flush=True)
+
+
+def _has_checkpoints(directory: str | None) -> bool:
+    if not directory or not os.path.isdir(directory):
+        return False
+    return any(e.startswith("table-") for e in os.listdir(directory))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = args.job_token
+    if token is None:
+        token = os.environ.get("BAGPIPE_JOB_TOKEN", "")
+    prefix = f"bagpipe-ps shard {args.shard_id}/{args.num_shards}"
+    restore = args.restore if args.restore is not None else _has_checkpoints(args.checkpoint_dir)
+    if restore and not args.checkpoint_dir:
+        print("torchrec-bagpipe-ps: --restore needs --checkpoint-dir", file=sys.stderr)
+        return 2
+    try:
+        shard = PSShard(
+            args.shard_id,
+            args.num_shards,
+            dim=args.dim,
+            store_threads=args.store_threads,
+            store_shards=args.store_shards,
+            memory_budget=args.memory_budget,
+            spill_dir=args.spill_dir,
+            page_rows=args.page_rows,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            restore=bool(restore),
+            max_frame_bytes=args.max_frame_bytes,
+            verbose=not args.quiet,
+        )
+        server = shard.serve(
+            args.host,
+            args.port,
+            job_token=token,
+            handshake_timeout=args.handshake_timeout,
+            max_connections=args.max_connections,
+        )
+    except (ValueError, TypeError, OSError) as e:
+        print(f"torchrec-bagpipe-ps: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if not args.quiet:
+        for table, step in sorted(shard.restored.items()):
+            _log(prefix, f"serving restored table '{table}' at committed step {step}")
+        _log(prefix, f"listening on {server.address}" + (" (job token set)" if token else ""))
+    print(f"listening {server.host}:{server.port} shard {args.shard_id}/{args.num_shards}",
+          flush=True)
+    while not stop.wait(0.5):
+        pass
+    if not args.quiet:
+        _log(prefix, f"{received[0]}: draining (up to {args.drain_timeout:g} s)")
+    server.stop(args.drain_timeout)
+    code = 0
+    if args.checkpoint_dir and shard.tables():
+        try:
+            steps = shard.checkpoint()
+            if not args.quiet:
+                saved = ", ".join(f"'{t}' at step {s}" for t, s in sorted(steps.items()))
+                _log(prefix, f"checkpointed {saved}")
+        except (OSError, ValueError) as e:
+            _log(prefix, f"checkpoint on drain failed: {e}")
+            code = 1
+    shard.close()
+    if not args.quiet:
+        _log(prefix, "stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
