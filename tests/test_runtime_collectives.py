@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchrec_bagpipe.ps import EmbeddingStore
 from torchrec_bagpipe.runtime.collectives import (
     CollectiveAborted,
     Collectives,
@@ -135,6 +136,7 @@ def test_abort_wakes_waiting_ranks() -> None:
 @given(seed=st.integers(0, 2**31), world=st.integers(1, 5), divide=st.booleans(),
        lr=st.sampled_from([0.1, 0.01, 1.0 / 3.0, 2.5e-3]))
 def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divide, lr) -> None:
+    """DeviceCache.sgd_ == the numpy reference == EmbeddingStore.apply_sgd, bit for bit."""
     rng = np.random.default_rng(seed)
     n, dim = 37, 5
     w = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
@@ -147,6 +149,13 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     reference_sgd_step(ref, [np.arange(n)], [g], lr, world, divide)
     got = cache.gather(slots).cpu().numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # ... and what the PS's native store computes.
+    store = EmbeddingStore(dim, init="zeros")
+    keys = torch.arange(n)
+    store.assign(keys, torch.from_numpy(w))
+    store.apply_sgd(keys, torch.from_numpy(g), lr, world if divide else 1)
+    ps_rows = store.lookup(keys).numpy()
+    assert np.array_equal(got.view(np.uint32), ps_rows.view(np.uint32))
 
 
 def test_device_cache_prepared_queue_and_errors() -> None:

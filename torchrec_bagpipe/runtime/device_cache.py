@@ -12,8 +12,10 @@ moves values:
     ``u = u * lr`` (an fp32 device tensor), ``w = w - u``: three separate ops, the same
     roundings as the PS's C++ loop built with -ffp-contract=off;
   * eviction is a clean discard: the PS is authoritative, nothing is written back;
-  * a bounded queue of prepared batches: rows fetched ahead of their step that found no cache
-    slot (the batch is larger than the cache) wait here, at most `max_prepared` steps' worth.
+  * a bounded queue of prepared batches: rows prefetched for the next `max_prepared` steps
+    wait here until their step; admission into the cache happens at use (so prefetching never
+    displaces rows that are needed sooner), and a batch larger than the cache is gathered from
+    hits, this queue and demand fetches into its own tensor.
 
 Thread safety: the owner serializes calls (the controller holds its lock around them).
 """
