@@ -40,7 +40,7 @@ from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
-from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -91,16 +91,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--over_arch_layer_sizes", type=str, default="512,512,256,1",
                         help="Comma separated layer sizes for over arch.")
     parser.add_argument("--embedding_dim", type=int, default=64, help="Size of each embedding.")
+    parser.add_argument("--interaction_branch1_layer_sizes", type=str, default="2048,2048",
+                        help="Comma separated layer sizes for interaction branch1 (only on "
+                             "dlrm with projection).")
+    parser.add_argument("--interaction_branch2_layer_sizes", type=str, default="2048,2048",
+                        help="Comma separated layer sizes for interaction branch2 (only on "
+                             "dlrm with projection).")
+    parser.add_argument("--dcn_num_layers", type=int, default=3,
+                        help="Number of DCN layers in interaction layer (only on dlrm with DCN).")
+    parser.add_argument("--dcn_low_rank_dim", type=int, default=512,
+                        help="Low rank dimension for DCN in interaction layer (only on dlrm "
+                             "with DCN).")
+    parser.add_argument("--interaction_type", choices=["original", "dcn", "projection"],
+                        default="original",
+                        help="Determine the interaction type to be used (original, dcn, or "
+                             "projection) default is original DLRM with pairwise dot product")
     parser.add_argument("--seed", type=int, help="Random seed for reproducibility.")
     parser.add_argument("--pin_memory", dest="pin_memory", action="store_true",
-                        help="Use pinned memory when loading data.")
+                        help="Use pinned memory when loading data (accepted; no effect here).")
     parser.add_argument("--mmap_mode", dest="mmap_mode", action="store_true",
                         help="mmap the dataset (NPY files are always memory-mapped here).")
     parser.add_argument("--in_memory_binary_criteo_path", type=str, default=None,
                         help="Directory path containing the Criteo dataset npy files.")
     parser.add_argument("--learning_rate", type=float, default=15.0, help="Learning rate.")
     parser.add_argument("--shuffle_batches", dest="shuffle_batches", action="store_true",
-                        help="Shuffle each batch during training.")
+                        help="Shuffle each batch during training (accepted; no effect here).")
     parser.add_argument("--validation_freq_within_epoch", type=int, default=None,
                         help="Frequency at which validation will be run within an epoch.")
     parser.add_argument("--adagrad", dest="adagrad", action="store_true",
@@ -131,7 +146,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.set_defaults(pin_memory=None, mmap_mode=None, shuffle_batches=None)
     args = parser.parse_args(argv)
     for name in ("num_embeddings_per_feature", "dense_arch_layer_sizes",
-                 "over_arch_layer_sizes", "multi_hot_sizes"):
+                 "over_arch_layer_sizes", "multi_hot_sizes", "interaction_branch1_layer_sizes",
+                 "interaction_branch2_layer_sizes"):
         value = getattr(args, name)
         if isinstance(value, str):
             setattr(args, name, [int(v) for v in value.split(",") if v])
@@ -182,7 +198,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
                            num_embeddings=sizes[i], feature_names=[feature_name])
         for i, feature_name in enumerate(DEFAULT_CAT_NAMES)
     ]
-    dlrm = DLRM(
+    common = dict(
         embedding_bag_collection=EmbeddingBagCollection(tables=eb_configs,
                                                         device=torch.device("meta")),
         dense_in_features=len(DEFAULT_INT_NAMES),
@@ -190,6 +206,16 @@ def build_model(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
         over_arch_layer_sizes=args.over_arch_layer_sizes,
         dense_device=device,
     )
+    if args.interaction_type == "dcn":
+        dlrm = DLRM_DCN(dcn_num_layers=args.dcn_num_layers,
+                        dcn_low_rank_dim=args.dcn_low_rank_dim, **common)
+    elif args.interaction_type == "projection":
+        dlrm = DLRM_Projection(
+            interaction_branch1_layer_sizes=args.interaction_branch1_layer_sizes,
+            interaction_branch2_layer_sizes=args.interaction_branch2_layer_sizes, **common,
+        )
+    else:
+        dlrm = DLRM(**common)
     return DLRMTrain(dlrm)
 
 
