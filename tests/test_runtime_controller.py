@@ -177,7 +177,7 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 
     return res
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_controller_invariants_on_random_traces(scenario) -> None:
     cfg, trace, universe, backend = scenario
