@@ -161,8 +161,10 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
 def test_device_cache_prepared_queue_and_errors() -> None:
     cache = DeviceCache(64, 2, "cpu", lr=0.1, world_size=2, divide=True, max_prepared=2)
     assert cache.can_prepare(5, 3) and not cache.can_prepare(6, 3)
-    cache.put_prepared(5, np.array([1, 2]), torch.ones(2, 2))
-    cache.put_prepared(5, np.array([3]), torch.zeros(1, 2))
+    cache.put_prepared(5, np.array([1, 2]), torch.ones(2, 2), current=3)
+    cache.put_prepared(5, np.array([3]), torch.zeros(1, 2), current=4)
+    with pytest.raises(ValueError, match=r"step 6 is outside \[3, 5\]"):
+        cache.put_prepared(6, np.array([1]), torch.ones(1, 2), current=3)
     assert cache.prepared_steps == 1 and cache.prepared_bytes == 3 * 2 * 4
     keys, rows = cache.take_prepared(5)
     assert keys.tolist() == [1, 2, 3] and rows.shape == (3, 2)

@@ -177,7 +177,7 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 
     return res
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_controller_invariants_on_random_traces(scenario) -> None:
     cfg, trace, universe, backend = scenario
@@ -356,3 +356,15 @@ def test_metrics_report_every_counter() -> None:
     assert m["resident_bytes"] == 64 * DIM * 4
     sent = sum(np.unique(per[1]).size for per in trace)
     assert m["gradient_payload_bytes"] == sent * (8 + DIM * 4)
+
+
+def test_oracle_without_lookahead_is_exactly_lru() -> None:
+    """Belady where the window knows the future, LRU where it does not: with no window the
+    oracle policy makes LRU's decisions, row for row."""
+    trace = make_trace(21, 1, 30, 500, 120, 2.0)
+    base = BagPipeConfig(optimization_cache_capacity=1, lookahead=0, ps_timeout=30.0)
+    lru = run_checked(base.replace(eviction_policy="lru"), trace, 500).metrics[0]
+    orc = run_checked(base.replace(eviction_policy="oracle"), trace, 500).metrics[0]
+    for key in ("hits", "evictions", "bypassed", "demand_fetched", "resident_rows"):
+        assert lru[key] == orc[key], key
+    assert lru["evictions"] > 0

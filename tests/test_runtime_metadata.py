@@ -85,7 +85,8 @@ class ModelMetadata:
             return -1
         b = min(self.buckets) if self.policy == "lru" else max(self.buckets)
         victim = self.buckets[b][0]
-        if self.policy == "oracle" and self.s[victim]["next_use"] <= nu:
+        v = self.s[victim]["next_use"]
+        if self.policy == "oracle" and (v < nu or (v == nu and nu != NEVER)):
             return -1
         return victim
 

@@ -91,7 +91,12 @@ int32_t CacheMetadata::PickSlot(int64_t next_use) {
   if (buckets_.empty()) return -1;
   int32_t victim = policy_ == EvictionPolicy::kLru ? buckets_.begin()->second.head
                                                    : buckets_.rbegin()->second.head;
-  if (policy_ == EvictionPolicy::kOracle && slots_[victim].next_use <= next_use) return -1;
+  if (policy_ == EvictionPolicy::kOracle) {
+    // Belady with bypass; among rows with no known next use (both kNever) fall back to LRU,
+    // so a short window never freezes the cache against new rows.
+    const int64_t v = slots_[victim].next_use;
+    if (v < next_use || (v == next_use && next_use != kNever)) return -1;
+  }
   return victim;
 }
 

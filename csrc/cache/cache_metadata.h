@@ -21,7 +21,8 @@
 //        oracle: unpinned slot with the furthest next use first (kNever, i.e. no use in the
 //                known window, before any finite use), ties least recently (re)queued first.
 //      Under oracle a placement evicts only a victim whose next use is strictly later than
-//      the candidate's (Belady with bypass); a free slot is always taken.
+//      the candidate's (Belady with bypass), except that a candidate with no known next use
+//      replaces a victim with none (LRU among the unknown); a free slot is always taken.
 //   6. Every failing call validates before it mutates: a call that throws changed nothing.
 #pragma once
 

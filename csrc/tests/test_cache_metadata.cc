@@ -141,6 +141,33 @@ TEST_CASE(cache_metadata_oracle_evicts_furthest_next_use_and_bypasses_later_cand
   CheckConsistent(m);
 }
 
+TEST_CASE(cache_metadata_oracle_falls_back_to_lru_among_unknown_next_uses) {
+  CacheMetadata m(1, EvictionPolicy::kOracle);
+  m.Advance(0);
+  auto keys = Iota(0, 64);
+  std::vector<int64_t> nu(64, -1);
+  nu[0] = 9;  // key 0 is needed again; every other row has no known next use
+  m.Admit(keys.data(), Fill(64, -1).data(), nu.data(), 64);
+  m.Advance(1);
+  // A row with no known next use replaces the least recently used unknown row (key 1) ...
+  int64_t k = 100, v = -1, none = -1;
+  auto r = m.Admit(&k, &v, &none, 1);
+  CHECK_EQ(r.evicted_keys.size(), 1u);
+  CHECK_EQ(r.evicted_keys[0], 1);
+  // ... and once only rows with a known next use are left, it is bypassed.
+  std::vector<int64_t> soon = Iota(200, 63);
+  m.Advance(2);
+  auto r2 = m.Admit(soon.data(), Fill(63, -1).data(), Fill(63, 5).data(), 63);
+  CHECK_EQ(r2.evicted_keys.size(), 63u);  // the 63 unknown rows (key 100 last)
+  CHECK_EQ(r2.evicted_keys.back(), 100);
+  m.Advance(3);
+  int64_t k2 = 300;
+  auto r3 = m.Admit(&k2, &v, &none, 1);
+  CHECK(r3.slots.empty());
+  CHECK_EQ(r3.bypassed.size(), 1u);
+  CheckConsistent(m);
+}
+
 TEST_CASE(cache_metadata_advance_turns_past_next_uses_into_never) {
   CacheMetadata m(1, EvictionPolicy::kOracle);
   m.Advance(0);

@@ -596,7 +596,8 @@ class BagPipeController:
         for use in np.unique(f.uses):
             m = f.uses == use
             idx = torch.from_numpy(np.nonzero(m)[0])
-            self._dev.put_prepared(int(use), f.keys[m], rows.index_select(0, idx))
+            self._dev.put_prepared(int(use), f.keys[m], rows.index_select(0, idx),
+                                   current=self._next)
         self.metrics_.add(staged_rows=int(f.keys.size))
         f.done = True
 

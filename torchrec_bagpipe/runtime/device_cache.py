@@ -103,8 +103,18 @@ class DeviceCache:
         """Whether rows for `step` may be staged now (within the queue's bound)."""
         return step - current <= self.max_prepared
 
-    def put_prepared(self, step: int, keys: np.ndarray, rows: torch.Tensor) -> None:
-        """Stages fetched rows for a future step (appended to the step's earlier ones)."""
+    def put_prepared(
+        self, step: int, keys: np.ndarray, rows: torch.Tensor, *, current: int
+    ) -> None:
+        """Stages fetched rows for `step` (appended to the step's earlier ones).
+
+        REQUIRES: current <= step <= current + max_prepared (ValueError otherwise).
+        """
+        if not current <= step or not self.can_prepare(step, current):
+            raise ValueError(
+                f"prepared-batch queue: step {step} is outside [{current}, "
+                f"{current + self.max_prepared}] (max_prepared={self.max_prepared})"
+            )
         rows = rows.to(self.device, non_blocking=True)
         if step in self._prepared:
             k0, r0 = self._prepared[step]
