@@ -206,6 +206,7 @@ void UcxShardServer::ReaperLoop() {
     for (auto& c : dead) c.endpoint->Close(/*graceful=*/false);
     dead.clear();
     lock.lock();
+    cv_.notify_all();  // Stop may be waiting for conns_ to drain
     if (stop && std::none_of(conns_.begin(), conns_.end(), [](const Conn& c) { return c.dead; })) {
       return;
     }
