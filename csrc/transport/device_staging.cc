@@ -113,6 +113,9 @@ std::shared_ptr<StagedRows> DeviceStager::Stage(const DeviceSource& source) {
     throw ValueError("a device source needs a pointer and a CUDA event");
   }
   std::shared_ptr<StagedRows> rows(new StagedRows(pool_, source.bytes));
+  // The pinned buffer is taken now, so its address is known before the copy is done (a
+  // commit can be queued with it and wait for the copy on the client's worker).
+  if (source.bytes > 0) rows->buffer_ = pool_->Take(source.bytes, &rows->capacity_);
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) throw std::runtime_error("the gradient stager is shut down");
   queue_.push_back(Job{source, rows});
@@ -155,9 +158,6 @@ void DeviceStager::Run(Job& job) {
   const std::string dev = "device " + std::to_string(s.device);
   try {
     if (s.bytes > 0) {
-      size_t cap = 0;
-      rows.buffer_ = pool_->Take(s.bytes, &cap);
-      rows.capacity_ = cap;
       api_->SetDevice(s.device);
       // Invariant 1: poll the producer's event (bounded) before touching the source.
       const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(

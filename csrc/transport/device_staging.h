@@ -57,6 +57,8 @@ class StagedRows : public commit::DeferredRows {
   ~StagedRows() override;
   const float* Wait(Deadline deadline) override;
   bool Done() const;
+  // The pinned buffer the rows land in (nullptr for zero bytes); readable after Wait.
+  const float* data() const { return static_cast<const float*>(buffer_); }
 
  private:
   friend class DeviceStager;
@@ -64,7 +66,7 @@ class StagedRows : public commit::DeferredRows {
 
   const std::shared_ptr<PinnedPool> pool_;
   const size_t bytes_;
-  void* buffer_ = nullptr;  // pinned; set by the worker before done_
+  void* buffer_ = nullptr;  // pinned; set by Stage, written by the worker before done_
   size_t capacity_ = 0;     // of buffer_ (its pool size class)
 
   mutable std::mutex mu_;  // guards done_ and error_
@@ -82,8 +84,9 @@ class DeviceStager {
   DeviceStager(const DeviceStager&) = delete;
   DeviceStager& operator=(const DeviceStager&) = delete;
 
-  // Queues the staging of `source`; returns at once. Throws ValueError for a null source
-  // with bytes > 0.
+  // Takes a pinned buffer and queues the staging of `source` into it; returns at once.
+  // Throws ValueError for a null source with bytes > 0, std::runtime_error if pinned memory
+  // cannot be allocated.
   std::shared_ptr<StagedRows> Stage(const DeviceSource& source);
   StagerStats stats() const;
 
