@@ -175,15 +175,18 @@ def main() -> int:
     parser.add_argument(
         "--workload", choices=["all", "d32", "d128"], default="all", help="which table(s)"
     )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the key counts (0.01: cache-resident)"
+    )
     args = parser.parse_args()
     if args.batches is None:
         args.batches = 64 if args.quick else 256
     if args.repeats is None:
         args.repeats = 3 if args.quick else 7
     if args.workload in ("all", "d32"):
-        run_workload(10_000_000, 32, args.threads, args)
+        run_workload(int(10_000_000 * args.scale), 32, args.threads, args)
     if args.workload in ("all", "d128"):
-        run_workload(2_000_000, 128, args.threads, args)
+        run_workload(int(2_000_000 * args.scale), 128, args.threads, args)
     return 0
 
 
