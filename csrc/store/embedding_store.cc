@@ -191,7 +191,6 @@ class EmbeddingStore::Impl {
   std::vector<uint64_t> hashes_;               // KeyHash of each routed key
   std::vector<uint32_t> order_;                // routed key indices grouped by shard
   std::vector<uint32_t> shard_begin_;          // shard s owns order_[begin[s], begin[s+1])
-  std::vector<uint32_t> slots_;                // slot of each routed key after Materialize
   std::vector<std::vector<uint32_t>> task_misses_;
   std::vector<int64_t> miss_keys_;
   std::vector<uint32_t> miss_rows_;
@@ -249,8 +248,8 @@ void EmbeddingStore::Impl::RunShards(
 // Deduplicates the shard's routed items into groups (first-occurrence order).
 void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b, uint32_t e) {
   const uint32_t m = e - b;
-  uint32_t table_size = 16;
-  while (table_size < 2 * m) table_size <<= 1;
+  size_t table_size = 16;
+  while (table_size < 2 * static_cast<size_t>(m)) table_size <<= 1;
   const uint64_t mask = table_size - 1;
   constexpr uint32_t kFree = 0xFFFFFFFFu;
   sh.dedupe.assign(table_size, kFree);
@@ -279,6 +278,13 @@ void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b
       }
     }
   }
+  // Size the ApplySgd scratch now, while a failure can still be rolled back: nothing in
+  // the write phase allocates.
+  size_t multi = 0;
+  for (const Shard::Group& grp : sh.groups) multi += grp.count > 1;
+  sh.group_seen.resize(sh.groups.size());
+  sh.group_acc.resize(sh.groups.size());
+  if (sh.acc.size() < multi * static_cast<size_t>(dim_)) sh.acc.resize(multi * dim_);
 }
 
 // Groups every shard's routed keys and finds or inserts each distinct key: fills the
@@ -564,8 +570,7 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const flo
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
   const size_t dim = static_cast<size_t>(dim_);
-  sh.group_seen.assign(ng, 0);
-  sh.group_acc.resize(ng);
+  std::fill(sh.group_seen.begin(), sh.group_seen.begin() + ng, 0u);  // sized by GroupShard
   uint32_t accs = 0;
   for (uint32_t k = 0; k < m; ++k) {
     if (k + kPrefetchDistance < m) {
@@ -584,7 +589,6 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const flo
     const uint32_t seen = sh.group_seen[g]++;
     if (seen == 0) {
       sh.group_acc[g] = accs++;
-      if (sh.acc.size() < accs * dim) sh.acc.resize(static_cast<size_t>(m) * dim);
       std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, row_bytes_);
       continue;
     }
