@@ -158,6 +158,7 @@ class EmbeddingStore::Impl {
   template <bool kTrack>
   void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
                std::vector<uint32_t>* misses);
+  template <int kDim>
   void SgdShard(Shard& sh, uint32_t begin, uint32_t end, const float* grads, float lr,
                 int divisor);
   void Finish() { spill_.AfterOp(epoch_); }
@@ -195,6 +196,7 @@ class EmbeddingStore::Impl {
   std::vector<int64_t> miss_keys_;
   std::vector<uint32_t> miss_rows_;
   std::vector<uint32_t> route_pos_;
+  std::vector<uint16_t> route_shard_;          // shard of each routed key (< 4096)
 };
 
 void EmbeddingStore::Impl::CheckKeys(const int64_t* keys, size_t n) const {
@@ -219,16 +221,23 @@ void EmbeddingStore::Impl::Route(const int64_t* keys, size_t n) {
   hashes_.resize(n);
   order_.resize(n);
   shard_begin_.assign(num_shards_ + 1, 0);
+  route_shard_.resize(n);
+  uint32_t* begin = shard_begin_.data();
+  uint16_t* shard_of = route_shard_.data();
   for (size_t i = 0; i < n; ++i) {
     const uint64_t h = KeyHash(keys[i]);
     hashes_[i] = h;
-    ++shard_begin_[ShardOf(h) + 1];
+    const uint32_t s = ShardOf(h);
+    shard_of[i] = static_cast<uint16_t>(s);
+    ++begin[s + 1];
   }
-  for (uint32_t s = 0; s < num_shards_; ++s) shard_begin_[s + 1] += shard_begin_[s];
+  for (uint32_t s = 0; s < num_shards_; ++s) begin[s + 1] += begin[s];
   // Stable counting sort: within a shard, keys keep their input order.
   std::vector<uint32_t>& pos = route_pos_;
   pos.assign(shard_begin_.begin(), shard_begin_.end() - 1);
-  for (size_t i = 0; i < n; ++i) order_[pos[ShardOf(hashes_[i])]++] = static_cast<uint32_t>(i);
+  uint32_t* cursor = pos.data();
+  uint32_t* order = order_.data();
+  for (size_t i = 0; i < n; ++i) order[cursor[shard_of[i]]++] = static_cast<uint32_t>(i);
 }
 
 // One task per thread, each over a contiguous range of shards: two threads meet once per
@@ -544,8 +553,12 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
 }
 
 namespace {
+// w -= lr * (g / div): the §1 arithmetic, one fp32 op at a time (built with
+// -ffp-contract=off, so no FMA). kDim > 0 fixes the trip count at compile time.
+template <int kDim>
 inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, float div,
-                   bool divide, int dim) {
+                   bool divide, int runtime_dim) {
+  const int dim = kDim > 0 ? kDim : runtime_dim;
   if (divide) {
     for (int c = 0; c < dim; ++c) {
       float u = g[c] / div;
@@ -559,8 +572,15 @@ inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, flo
     }
   }
 }
+
+template <int kDim>
+inline void AddRow(float* __restrict a, const float* __restrict g, int runtime_dim) {
+  const int dim = kDim > 0 ? kDim : runtime_dim;
+  for (int c = 0; c < dim; ++c) a[c] = a[c] + g[c];
+}
 }  // namespace
 
+template <int kDim>
 void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const float* grads,
                                     float lr, int divisor) {
   const uint32_t m = e - b;
@@ -569,7 +589,7 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const flo
   const bool divide = divisor != 1;
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
-  const size_t dim = static_cast<size_t>(dim_);
+  const size_t dim = static_cast<size_t>(kDim > 0 ? kDim : dim_);
   std::fill(sh.group_seen.begin(), sh.group_seen.begin() + ng, 0u);  // sized by GroupShard
   uint32_t accs = 0;
   for (uint32_t k = 0; k < m; ++k) {
@@ -582,20 +602,20 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const flo
     const Shard::Group& grp = sh.groups[g];
     const float* grad = grads + static_cast<size_t>(order_[b + k]) * dim;
     if (grp.count == 1) {
-      SgdRow(reinterpret_cast<float*>(Row(grp.slot)), grad, lr, div, divide, dim_);
+      SgdRow<kDim>(reinterpret_cast<float*>(Row(grp.slot)), grad, lr, div, divide, dim_);
       if (track) Touch(grp.slot, epoch);
       continue;
     }
     const uint32_t seen = sh.group_seen[g]++;
     if (seen == 0) {
       sh.group_acc[g] = accs++;
-      std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, row_bytes_);
+      std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, dim * sizeof(float));
       continue;
     }
     float* a = sh.acc.data() + sh.group_acc[g] * dim;
-    for (size_t c = 0; c < dim; ++c) a[c] = a[c] + grad[c];
+    AddRow<kDim>(a, grad, dim_);
     if (seen + 1 == grp.count) {
-      SgdRow(reinterpret_cast<float*>(Row(grp.slot)), a, lr, div, divide, dim_);
+      SgdRow<kDim>(reinterpret_cast<float*>(Row(grp.slot)), a, lr, div, divide, dim_);
       if (track) Touch(grp.slot, epoch);
     }
   }
@@ -615,7 +635,13 @@ void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* 
   const uint32_t epoch = epoch_;
   RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
     Publish(sh, /*init=*/true, epoch);
-    SgdShard(sh, b, e, grads, lr, divisor);
+    switch (dim_) {
+      case 16: return SgdShard<16>(sh, b, e, grads, lr, divisor);
+      case 32: return SgdShard<32>(sh, b, e, grads, lr, divisor);
+      case 64: return SgdShard<64>(sh, b, e, grads, lr, divisor);
+      case 128: return SgdShard<128>(sh, b, e, grads, lr, divisor);
+      default: return SgdShard<0>(sh, b, e, grads, lr, divisor);
+    }
   });
   for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());
   Finish();
