@@ -410,38 +410,42 @@ template <bool kTrack, size_t kRowBytes>
 void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out,
                                       bool record_misses, std::vector<uint32_t>* misses) {
   constexpr size_t G = kReadGroup;
-  uint64_t h[2][G];
+  // Stage state per key: its shard and home bucket (computed once), then its row.
+  uint32_t shard[2][G];
+  size_t home[2][G];
   const char* rows[2][G];
   const KeyMap::View* views = views_.data();
   char* const* page_addr = page_addr_.data();
   const int page_shift = page_shift_;
   const uint32_t page_mask = page_mask_;
-  const size_t stride = stride_;
+  constexpr size_t kStride = RoundUp(kRowBytes, kRowAlign);
+  const size_t stride = kRowBytes > 0 ? kStride : stride_;
   const size_t row_bytes = row_bytes_;
   const size_t dim = static_cast<size_t>(dim_);
   const uint64_t num_shards = num_shards_;
   const uint32_t epoch = epoch_;
   const size_t lines = std::min<size_t>(stride / 64, 4);
-  auto shard_of = [num_shards](uint64_t x) { return ((x >> 32) * num_shards) >> 32; };
-  auto hash_group = [&](size_t start, uint64_t* hh) {
+  auto hash_group = [&](size_t start, uint32_t* ss, size_t* hb) {
     const size_t n = start < end ? std::min(G, end - start) : 0;
     for (size_t j = 0; j < n; ++j) {
       const uint64_t x = KeyHash(keys[start + j]);
-      hh[j] = x;
-      const KeyMap::View& v = views[shard_of(x)];
-      __builtin_prefetch(v.table + v.Home(x));
+      const uint32_t s = static_cast<uint32_t>(((x >> 32) * num_shards) >> 32);
+      const KeyMap::View& v = views[s];
+      const size_t b = v.Home(x);
+      ss[j] = s;
+      hb[j] = b;
+      __builtin_prefetch(v.table + b);
     }
   };
-  hash_group(begin, h[0]);
+  hash_group(begin, shard[0], home[0]);
   for (size_t gi = 0;; ++gi) {
     const size_t cur = gi & 1;
     const size_t start = begin + gi * G;
     if (start >= end + G) break;
-    hash_group(start + G, h[cur ^ 1]);
+    hash_group(start + G, shard[cur ^ 1], home[cur ^ 1]);
     const size_t n = start < end ? std::min(G, end - start) : 0;
     for (size_t j = 0; j < n; ++j) {
-      const uint64_t x = h[cur][j];
-      const uint32_t slot = views[shard_of(x)].Find(keys[start + j], x);
+      const uint32_t slot = views[shard[cur][j]].FindFrom(home[cur][j], keys[start + j]);
       if (slot != KeyMap::kNotFound) {
         const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
         for (size_t l = 0; l < lines; ++l) __builtin_prefetch(r + 64 * l);
