@@ -24,7 +24,8 @@ constexpr size_t kTargetPageBytes = size_t{2} << 20;
 constexpr size_t kPrefetchDistance = 16;        // keys between probe and prefetch (writes)
 constexpr int kPoolSpinMicros = 100;             // back-to-back ops skip futex wake-ups
 constexpr size_t kReadGroup = 32;                // keys per phase of the read pipeline
-constexpr size_t kMinKeysPerTask = 256;          // below this, one thread reads alone
+constexpr size_t kMinKeysPerTask = 512;          // read tasks stay long enough to pipeline
+constexpr size_t kTasksPerThread = 4;            // dynamic claiming balances uneven threads
 constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
 
 size_t RowStride(int dim) { return RoundUp(static_cast<size_t>(dim) * sizeof(float), kRowAlign); }
@@ -240,11 +241,12 @@ void EmbeddingStore::Impl::Route(const int64_t* keys, size_t n) {
   for (size_t i = 0; i < n; ++i) order[cursor[shard_of[i]]++] = static_cast<uint32_t>(i);
 }
 
-// One task per thread, each over a contiguous range of shards: two threads meet once per
-// call, not once per shard.
+// About kTasksPerThread tasks per thread, each over a contiguous range of shards, claimed
+// dynamically: a thread that is descheduled (shared machines) leaves its share to the others.
 void EmbeddingStore::Impl::RunShards(
     const std::function<void(Shard&, uint32_t, uint32_t)>& fn) {
-  const size_t tasks = std::min<size_t>(static_cast<size_t>(pool_.num_threads()), num_shards_);
+  const size_t threads = static_cast<size_t>(pool_.num_threads());
+  const size_t tasks = threads == 1 ? 1 : std::min<size_t>(threads * kTasksPerThread, num_shards_);
   pool_.Run(tasks, [&](size_t t) {
     const size_t first = num_shards_ * t / tasks, last = num_shards_ * (t + 1) / tasks;
     for (size_t s = first; s < last; ++s) {
@@ -490,7 +492,8 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
   if (n == 0) return;
   ++epoch_;
   const size_t threads = static_cast<size_t>(pool_.num_threads());
-  const size_t tasks = std::max<size_t>(1, std::min(threads, n / kMinKeysPerTask));
+  const size_t tasks =
+      threads == 1 ? 1 : std::max<size_t>(1, std::min(threads * kTasksPerThread, n / kMinKeysPerTask));
   if (task_misses_.size() < tasks) task_misses_.resize(tasks);
   for (size_t t = 0; t < tasks; ++t) task_misses_[t].clear();
   const bool track = spill_.tracking();
