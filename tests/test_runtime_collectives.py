@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchrec_bagpipe.ps import EmbeddingStore
 from torchrec_bagpipe.runtime.collectives import (
     CollectiveAborted,
     Collectives,
@@ -135,6 +136,7 @@ def test_abort_wakes_waiting_ranks() -> None:
 @given(seed=st.integers(0, 2**31), world=st.integers(1, 5), divide=st.booleans(),
        lr=st.sampled_from([0.1, 0.01, 1.0 / 3.0, 2.5e-3]))
 def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divide, lr) -> None:
+    """DeviceCache.sgd_ == the numpy reference == EmbeddingStore.apply_sgd, bit for bit."""
     rng = np.random.default_rng(seed)
     n, dim = 37, 5
     w = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
@@ -147,13 +149,22 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     reference_sgd_step(ref, [np.arange(n)], [g], lr, world, divide)
     got = cache.gather(slots).cpu().numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # ... and what the PS's native store computes.
+    store = EmbeddingStore(dim, init="zeros")
+    keys = torch.arange(n)
+    store.assign(keys, torch.from_numpy(w))
+    store.apply_sgd(keys, torch.from_numpy(g), lr, world if divide else 1)
+    ps_rows = store.lookup(keys).numpy()
+    assert np.array_equal(got.view(np.uint32), ps_rows.view(np.uint32))
 
 
 def test_device_cache_prepared_queue_and_errors() -> None:
     cache = DeviceCache(64, 2, "cpu", lr=0.1, world_size=2, divide=True, max_prepared=2)
     assert cache.can_prepare(5, 3) and not cache.can_prepare(6, 3)
-    cache.put_prepared(5, np.array([1, 2]), torch.ones(2, 2))
-    cache.put_prepared(5, np.array([3]), torch.zeros(1, 2))
+    cache.put_prepared(5, np.array([1, 2]), torch.ones(2, 2), current=3)
+    cache.put_prepared(5, np.array([3]), torch.zeros(1, 2), current=4)
+    with pytest.raises(ValueError, match=r"step 6 is outside \[3, 5\]"):
+        cache.put_prepared(6, np.array([1]), torch.ones(1, 2), current=3)
     assert cache.prepared_steps == 1 and cache.prepared_bytes == 3 * 2 * 4
     keys, rows = cache.take_prepared(5)
     assert keys.tolist() == [1, 2, 3] and rows.shape == (3, 2)

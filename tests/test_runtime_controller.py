@@ -1,4 +1,8 @@
-"""BagPipeController end to end: W simulated ranks, an in-process exact PS, random traces.
+"""BagPipeController end to end: W simulated ranks, an in-process PS, random traces.
+
+The PS is the real one (PSShard + PSClient over the local transport, 1-3 shards, every
+partitioner) or the exact numpy reference PS (with commits applied asynchronously late); in
+both cases the plain reference SGD (`reference_run`) is the oracle.
 
 The property test checks the coherence invariants of DESIGN §2 on every example:
   1 freshness: every row a forward reads is bitwise the PS's value after the previous step;
@@ -20,6 +24,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from runtime_ps_backends import local_backend
 
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.runtime import controller as controller_mod
@@ -99,11 +104,15 @@ def scenarios(draw):
         gradient_division=draw(st.booleans()),
         ps_timeout=30.0,
     )
-    delay = draw(st.sampled_from([0.0, 0.0, 0.001]))
-    return cfg, make_trace(seed, world, steps, universe, max_batch, skew), universe, delay
+    if draw(st.integers(0, 3)) == 0:
+        backend = ("reference", draw(st.sampled_from([0.0, 0.001])))
+    else:
+        backend = ("local", draw(st.integers(1, 3)),
+                   draw(st.sampled_from(["modulo", "hash", "fast_range"])))
+    return cfg, make_trace(seed, world, steps, universe, max_batch, skew), universe, backend
 
 
-def run_checked(cfg: BagPipeConfig, trace, universe: int, delay: float):
+def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 0.0)):
     init = np.random.default_rng(5).uniform(-1, 1, (universe, DIM)).astype(np.float32)
     violations: list[str] = []
     lock = threading.Lock()
@@ -136,11 +145,21 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, delay: float):
         orig_init(self, *a, **k)
         box["ps"] = self
 
+    factory = None
+    delay = 0.0
+    if backend[0] == "local":
+        make = local_backend(backend[1], backend[2])
+
+        def factory(*a):
+            box["ps"] = make(*a)
+            return box["ps"]
+    else:
+        delay = backend[1]
     with mock.patch.object(controller_mod, "DeviceCache", CheckingDeviceCache), \
             mock.patch.object(ReferencePS, "__init__", capture_init):
         res = simulate(cfg, trace, num_keys=universe, dim=DIM, lr=LR, init=init,
                        record_reads=True, timeout=30.0, ps_apply_delay=delay,
-                       observer=observer, step_hook=step_hook)
+                       observer=observer, step_hook=step_hook, backend=factory)
     assert not violations, violations[:5]
     divide = cfg.resolved_gradient_division()
     ref = reference_run(trace, init=init, lr=LR, divide=divide, reads=res.reads)
@@ -158,20 +177,20 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, delay: float):
     return res
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_controller_invariants_on_random_traces(scenario) -> None:
-    cfg, trace, universe, delay = scenario
-    run_checked(cfg, trace, universe, delay)
+    cfg, trace, universe, backend = scenario
+    run_checked(cfg, trace, universe, backend)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_cache_decisions_are_deterministic_across_runs_and_modes(scenario) -> None:
-    cfg, trace, universe, _ = scenario
-    a = run_checked(cfg, trace, universe, 0.0)
+    cfg, trace, universe, backend = scenario
+    a = run_checked(cfg, trace, universe, backend)
     b = run_checked(cfg.replace(optimization_prescan=not cfg.optimization_prescan), trace,
-                    universe, 0.001)
+                    universe, ("reference", 0.001))
     for ma, mb in zip(a.metrics, b.metrics):
         for key in ("accesses", "hits", "evictions", "invalidations", "local_updates",
                     "bypassed", "resident_rows"):
@@ -186,11 +205,11 @@ def test_large_skewed_run_prefetches_and_hits() -> None:
     """A longer run where lookahead visibly pays: prefetches serve most misses."""
     trace = make_trace(11, 2, 40, 300, 60, 3.0)
     cfg = BagPipeConfig(optimization_cache_capacity=2, lookahead=4, ps_timeout=30.0)
-    res = run_checked(cfg, trace, 300, 0.0)
+    res = run_checked(cfg, trace, 300, ("local", 2, "modulo"))
     m = res.metrics[0]
     assert m["prefetched"] > 0 and m["prefetch_served"] > 0 and m["hits"] > 0
     assert m["evictions"] > 0 and m["invalidations"] > 0 and m["local_updates"] > 0
-    base = run_checked(cfg.replace(eviction_policy="lru", lookahead=0), trace, 300, 0.0)
+    base = run_checked(cfg.replace(eviction_policy="lru", lookahead=0), trace, 300)
     assert base.metrics[0]["prefetch_served"] == 0
     assert base.metrics[0]["demand_fetched"] > m["demand_fetched"]
 
@@ -199,7 +218,7 @@ def test_collective_mode_splits_s_now_and_s_later() -> None:
     trace = make_trace(3, 3, 12, 80, 20, 2.0)
     cfg = BagPipeConfig(bagpipe_aggregation="collective", optimization_cache_capacity=1,
                         lookahead=3, ps_timeout=30.0)
-    res = run_checked(cfg, trace, 80, 0.0)
+    res = run_checked(cfg, trace, 80, ("local", 3, "hash"))
     m = res.metrics[0]
     assert m["invalidations"] == 0  # every affected resident row is updated locally
     unions = [np.unique(np.concatenate(per)) for per in trace]
@@ -337,3 +356,15 @@ def test_metrics_report_every_counter() -> None:
     assert m["resident_bytes"] == 64 * DIM * 4
     sent = sum(np.unique(per[1]).size for per in trace)
     assert m["gradient_payload_bytes"] == sent * (8 + DIM * 4)
+
+
+def test_oracle_without_lookahead_is_exactly_lru() -> None:
+    """Belady where the window knows the future, LRU where it does not: with no window the
+    oracle policy makes LRU's decisions, row for row."""
+    trace = make_trace(21, 1, 30, 500, 120, 2.0)
+    base = BagPipeConfig(optimization_cache_capacity=1, lookahead=0, ps_timeout=30.0)
+    lru = run_checked(base.replace(eviction_policy="lru"), trace, 500).metrics[0]
+    orc = run_checked(base.replace(eviction_policy="oracle"), trace, 500).metrics[0]
+    for key in ("hits", "evictions", "bypassed", "demand_fetched", "resident_rows"):
+        assert lru[key] == orc[key], key
+    assert lru["evictions"] > 0

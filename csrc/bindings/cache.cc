@@ -68,15 +68,12 @@ py::dict StatsDict(const cache::MetadataStats& s) {
   py::dict d;
   d["capacity_rows"] = s.capacity_rows;
   d["resident"] = s.resident;
-  d["reserved"] = s.reserved;
   d["pinned"] = s.pinned;
   d["admitted"] = s.admitted;
-  d["reservations"] = s.reservations;
   d["bypassed"] = s.bypassed;
   d["evictions"] = s.evictions;
   d["invalidations"] = s.invalidations;
   d["stale"] = s.stale;
-  d["expired_reservations"] = s.expired_reservations;
   d["memory_bytes"] = s.memory_bytes;
   return d;
 }
@@ -138,12 +135,10 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
                                 [&](const int64_t* k, const int64_t* v, const int64_t* nu,
                                     size_t n) { return c.Query(k, v, nu, n); });
             return py::make_tuple(ToArray(std::move(r.hit_pos)), ToArray(std::move(r.hit_slots)),
-                                  ToArray(std::move(r.reserved_pos)),
-                                  ToArray(std::move(r.reserved_slots)),
                                   ToArray(std::move(r.miss_pos)), r.stale);
           },
           py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
-          "-> (hit_pos, hit_slots, reserved_pos, reserved_slots, miss_pos, stale)")
+          "-> (hit_pos, hit_slots, miss_pos, stale)")
       .def(
           "admit",
           [](CacheMetadata& c, const py::array& keys, const py::array& versions,
@@ -157,26 +152,6 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
           "-> (pos, slots, evicted_keys, bypassed): pos[i] is the source row of slots[i]")
       .def(
-          "reserve",
-          [](CacheMetadata& c, const py::array& keys, const py::array& versions,
-             const py::array& use_steps) {
-            return PlaceTuple(WithTriple(keys, "keys", versions, "versions", use_steps,
-                                         "use_steps",
-                                         [&](const int64_t* k, const int64_t* v,
-                                             const int64_t* u,
-                                             size_t n) { return c.Reserve(k, v, u, n); }));
-          },
-          py::arg("keys"), py::arg("versions"), py::arg("use_steps"),
-          "-> (pos, slots, evicted_keys, bypassed); resident or reserved keys are in neither")
-      .def(
-          "mark_ready",
-          [](CacheMetadata& c, const py::array& slots) {
-            auto v = Vec<int64_t>(slots, "slots");
-            py::gil_scoped_release release;
-            c.MarkReady(v.data, v.size);
-          },
-          py::arg("slots"))
-      .def(
           "lookup",
           [](CacheMetadata& c, const py::array& keys) {
             auto v = Vec<int64_t>(keys, "keys");
@@ -187,7 +162,22 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
             }
             return ToArray(std::move(out));
           },
-          py::arg("keys"), "-> slot of each key if ready, else -1")
+          py::arg("keys"), "-> slot of each key, else -1")
+      .def(
+          "resident",
+          [](CacheMetadata& c, const py::array& keys, const py::array& versions) {
+            auto k = Vec<int64_t>(keys, "keys");
+            auto v = Vec<int64_t>(versions, "versions");
+            SameLength(k.size, v.size, "keys", "versions");
+            std::vector<int64_t> out(k.size);
+            {
+              py::gil_scoped_release release;
+              c.Resident(k.data, v.data, k.size, out.data());
+            }
+            return ToArray(std::move(out));
+          },
+          py::arg("keys"), py::arg("versions"),
+          "-> slot of each key if resident at that version, else -1 (no state change)")
       .def(
           "set_version",
           [](CacheMetadata& c, const py::array& slots, int64_t version) {
@@ -230,9 +220,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           "slot",
           [](const CacheMetadata& c, int64_t slot) {
             auto s = c.Slot(slot);
-            const char* state = s.state == cache::SlotState::kFree    ? "free"
-                                : s.state == cache::SlotState::kReady ? "ready"
-                                                                      : "reserved";
+            const char* state = s.state == cache::SlotState::kFree ? "free" : "ready";
             return py::make_tuple(s.key, state, s.version,
                                   s.next_use == cache::kNever ? -1 : s.next_use, s.pin_step);
           },

@@ -77,7 +77,6 @@ void CacheMetadata::PinSlot(int32_t slot, int64_t pin_step) {
 void CacheMetadata::FreeSlot(int32_t slot) {
   SlotRec& s = slots_[slot];
   if (s.queued) Dequeue(slot);
-  if (s.state == SlotState::kReserved) --stats_.reserved;
   map_.Erase(s.key);
   s = SlotRec{};
   free_.push_back(slot);
@@ -92,7 +91,12 @@ int32_t CacheMetadata::PickSlot(int64_t next_use) {
   if (buckets_.empty()) return -1;
   int32_t victim = policy_ == EvictionPolicy::kLru ? buckets_.begin()->second.head
                                                    : buckets_.rbegin()->second.head;
-  if (policy_ == EvictionPolicy::kOracle && slots_[victim].next_use <= next_use) return -1;
+  if (policy_ == EvictionPolicy::kOracle) {
+    // Belady with bypass; among rows with no known next use (both kNever) fall back to LRU,
+    // so a short window never freezes the cache against new rows.
+    const int64_t v = slots_[victim].next_use;
+    if (v < next_use || (v == next_use && next_use != kNever)) return -1;
+  }
   return victim;
 }
 
@@ -103,7 +107,6 @@ void CacheMetadata::Place(int32_t slot, int64_t key, int64_t version, int64_t ne
   s.version = version;
   s.next_use = next_use;
   s.state = state;
-  if (state == SlotState::kReserved) ++stats_.reserved;
   *map_.FindOrInsert(key, slot).first = slot;
   PinSlot(slot, pin_step);
 }
@@ -138,11 +141,6 @@ void CacheMetadata::Advance(int64_t step) {
       continue;
     }
     s.pinned = false;
-    if (s.state == SlotState::kReserved) {
-      ++stats_.expired_reservations;
-      FreeSlot(slot);
-      continue;
-    }
     if (s.next_use <= step_) s.next_use = kNever;
     Enqueue(slot);
   }
@@ -165,26 +163,16 @@ void CacheMetadata::Advance(int64_t step) {
 QueryResult CacheMetadata::Query(const int64_t* keys, const int64_t* versions,
                                  const int64_t* next_uses, size_t n) {
   CheckUniqueKeys(keys, n, "query");
-  std::vector<int32_t> found(n);
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t* slot = map_.Find(keys[i]);
-    found[i] = slot ? *slot : -1;
-    if (slot && slots_[*slot].state == SlotState::kReserved &&
-        slots_[*slot].version != versions[i]) {
-      throw ValueError("query: key " + std::to_string(keys[i]) + " is reserved at version " +
-                       std::to_string(slots_[*slot].version) + " but wanted at version " +
-                       std::to_string(versions[i]));
-    }
-  }
   QueryResult r;
   for (size_t i = 0; i < n; ++i) {
-    int32_t slot = found[i];
-    if (slot < 0) {
+    const int32_t* found = map_.Find(keys[i]);
+    if (found == nullptr) {
       r.miss_pos.push_back(static_cast<int64_t>(i));
       continue;
     }
+    const int32_t slot = *found;
     SlotRec& s = slots_[slot];
-    if (s.state == SlotState::kReady && s.version != versions[i]) {
+    if (s.version != versions[i]) {
       ++r.stale;
       ++stats_.stale;
       FreeSlot(slot);
@@ -196,13 +184,8 @@ QueryResult CacheMetadata::Query(const int64_t* keys, const int64_t* versions,
       Dequeue(slot);
       Enqueue(slot);
     }
-    if (s.state == SlotState::kReady) {
-      r.hit_pos.push_back(static_cast<int64_t>(i));
-      r.hit_slots.push_back(slot);
-    } else {
-      r.reserved_pos.push_back(static_cast<int64_t>(i));
-      r.reserved_slots.push_back(slot);
-    }
+    r.hit_pos.push_back(static_cast<int64_t>(i));
+    r.hit_slots.push_back(slot);
   }
   return r;
 }
@@ -238,45 +221,6 @@ PlaceResult CacheMetadata::Admit(const int64_t* keys, const int64_t* versions,
   return r;
 }
 
-PlaceResult CacheMetadata::Reserve(const int64_t* keys, const int64_t* versions,
-                                   const int64_t* use_steps, size_t n) {
-  CheckUniqueKeys(keys, n, "reserve");
-  for (size_t i = 0; i < n; ++i) {
-    if (use_steps[i] <= step_) {
-      throw ValueError("reserve: use step " + std::to_string(use_steps[i]) + " of key " +
-                       std::to_string(keys[i]) + " is not after the current step " +
-                       std::to_string(step_));
-    }
-  }
-  PlaceResult r;
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t* found = map_.Find(keys[i]);
-    if (found != nullptr) {
-      SlotRec& s = slots_[*found];
-      if (s.state == SlotState::kReserved || s.version == versions[i] || IsPinned(s)) continue;
-      ++stats_.stale;
-      FreeSlot(*found);
-    }
-    int32_t slot = PickSlot(use_steps[i]);
-    if (slot < 0) {
-      ++stats_.bypassed;
-      r.bypassed.push_back(static_cast<int64_t>(i));
-      continue;
-    }
-    if (slots_[slot].state != SlotState::kFree) {
-      r.evicted_keys.push_back(slots_[slot].key);
-      ++stats_.evictions;
-      FreeSlot(slot);
-      free_.pop_back();
-    }
-    Place(slot, keys[i], versions[i], use_steps[i], use_steps[i], SlotState::kReserved);
-    ++stats_.reservations;
-    r.pos.push_back(static_cast<int64_t>(i));
-    r.slots.push_back(slot);
-  }
-  return r;
-}
-
 namespace {
 void CheckSlotRange(const int64_t* slots, size_t n, int64_t capacity, const char* what) {
   for (size_t i = 0; i < n; ++i) {
@@ -288,23 +232,19 @@ void CheckSlotRange(const int64_t* slots, size_t n, int64_t capacity, const char
 }
 }  // namespace
 
-void CacheMetadata::MarkReady(const int64_t* slots, size_t n) {
-  CheckSlotRange(slots, n, capacity_rows_, "mark_ready");
-  for (size_t i = 0; i < n; ++i) {
-    if (slots_[slots[i]].state != SlotState::kReserved) {
-      throw ValueError("mark_ready: slot " + std::to_string(slots[i]) + " is not reserved");
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    slots_[slots[i]].state = SlotState::kReady;
-    --stats_.reserved;
-  }
-}
-
 void CacheMetadata::Lookup(const int64_t* keys, size_t n, int64_t* out_slots) const {
   for (size_t i = 0; i < n; ++i) {
     const int32_t* slot = map_.Find(keys[i]);
-    out_slots[i] = (slot && slots_[*slot].state == SlotState::kReady) ? *slot : -1;
+    out_slots[i] = slot ? *slot : -1;
+  }
+}
+
+void CacheMetadata::Resident(const int64_t* keys, const int64_t* versions, size_t n,
+                             int64_t* out_slots) const {
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t* slot = map_.Find(keys[i]);
+    const bool ok = slot && slots_[*slot].version == versions[i];
+    out_slots[i] = ok ? *slot : -1;
   }
 }
 
@@ -312,7 +252,7 @@ void CacheMetadata::SetVersion(const int64_t* slots, size_t n, int64_t version) 
   CheckSlotRange(slots, n, capacity_rows_, "set_version");
   for (size_t i = 0; i < n; ++i) {
     if (slots_[slots[i]].state != SlotState::kReady) {
-      throw ValueError("set_version: slot " + std::to_string(slots[i]) + " is not ready");
+      throw ValueError("set_version: slot " + std::to_string(slots[i]) + " is free");
     }
   }
   for (size_t i = 0; i < n; ++i) slots_[slots[i]].version = version;
@@ -322,7 +262,7 @@ void CacheMetadata::Pin(const int64_t* slots, size_t n, int64_t pin_step) {
   CheckSlotRange(slots, n, capacity_rows_, "pin");
   for (size_t i = 0; i < n; ++i) {
     if (slots_[slots[i]].state != SlotState::kReady) {
-      throw ValueError("pin: slot " + std::to_string(slots[i]) + " is not ready");
+      throw ValueError("pin: slot " + std::to_string(slots[i]) + " is free");
     }
   }
   for (size_t i = 0; i < n; ++i) PinSlot(static_cast<int32_t>(slots[i]), pin_step);
@@ -344,13 +284,6 @@ void CacheMetadata::NoteUses(const int64_t* keys, size_t n, int64_t step) {
 }
 
 std::vector<int64_t> CacheMetadata::Invalidate(const int64_t* keys, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    const int32_t* slot = map_.Find(keys[i]);
-    if (slot && slots_[*slot].state == SlotState::kReserved) {
-      throw ValueError("invalidate: key " + std::to_string(keys[i]) +
-                       " is reserved for a prefetch and cannot be invalidated");
-    }
-  }
   std::vector<int64_t> freed;
   for (size_t i = 0; i < n; ++i) {
     const int32_t* slot = map_.Find(keys[i]);
@@ -371,7 +304,6 @@ void CacheMetadata::Clear() {
   free_.clear();
   free_.reserve(slots_.size());
   for (int64_t s = capacity_rows_ - 1; s >= 0; --s) free_.push_back(static_cast<int32_t>(s));
-  stats_.reserved = 0;
 }
 
 MetadataStats CacheMetadata::Stats() const {

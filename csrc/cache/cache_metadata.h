@@ -5,25 +5,24 @@
 //
 // Thread safety: none. The owner (one BagPipeController) serializes every call.
 //
-// Slots: capacity_rows = capacity_units * 64, numbered [0, capacity_rows). A slot is
-//   kFree, kReady (its device values are the row after the commit of step `version`), or
-//   kReserved (set aside for a prefetch of `key` at `version`; values not written yet).
+// Slots: capacity_rows = capacity_units * 64, numbered [0, capacity_rows). A slot is kFree
+//   or kReady: its device values are the row after the commit of step `version` (the row's
+//   previous-update step; -1: the initial value).
 //
 // Invariants:
-//   1. Capacity: resident slots (ready + reserved) never exceed capacity_rows.
+//   1. Capacity: resident slots never exceed capacity_rows.
 //   2. One slot per key and one key per slot: the key->slot map and the slot table agree.
-//   3. Unique destinations: within one Admit/Reserve call every returned slot is distinct,
-//      and a slot placed at step t is pinned through t, so no later call of the same step
-//      hands it out again.
-//   4. A pinned slot (pin_step >= current step) is never evicted. Reserved slots are pinned
-//      through their use step; Advance frees a reservation whose use step has passed
-//      without MarkReady (counted as expired).
+//   3. Unique destinations: within one Admit call every returned slot is distinct, and a slot
+//      admitted at step t is pinned through t, so no later call of the same step hands it
+//      out again (a batch larger than the cache admits only what fits).
+//   4. A pinned slot (pin_step >= current step) is never evicted.
 //   5. Victim order is a pure function of the call sequence (deterministic):
 //        lru:    least recently touched unpinned slot first;
 //        oracle: unpinned slot with the furthest next use first (kNever, i.e. no use in the
 //                known window, before any finite use), ties least recently (re)queued first.
 //      Under oracle a placement evicts only a victim whose next use is strictly later than
-//      the candidate's (Belady with bypass); a free slot is always taken.
+//      the candidate's (Belady with bypass), except that a candidate with no known next use
+//      replaces a victim with none (LRU among the unknown); a free slot is always taken.
 //   6. Every failing call validates before it mutates: a call that throws changed nothing.
 #pragma once
 
@@ -44,13 +43,11 @@ enum class EvictionPolicy : uint8_t { kLru = 0, kOracle = 1 };
 // Parses "lru" / "oracle"; throws ValueError otherwise.
 EvictionPolicy ParseEvictionPolicy(const std::string& name);
 
-enum class SlotState : uint8_t { kFree = 0, kReady = 1, kReserved = 2 };
+enum class SlotState : uint8_t { kFree = 0, kReady = 1 };
 
 struct QueryResult {
   std::vector<int64_t> hit_pos;        // positions whose slot is ready at the wanted version
   std::vector<int64_t> hit_slots;
-  std::vector<int64_t> reserved_pos;   // positions whose slot is reserved (prefetch target)
-  std::vector<int64_t> reserved_slots;
   std::vector<int64_t> miss_pos;       // everything else (absent or stale)
   int64_t stale = 0;                   // ready slots dropped because their version differed
 };
@@ -64,16 +61,13 @@ struct PlaceResult {
 
 struct MetadataStats {
   int64_t capacity_rows = 0;
-  int64_t resident = 0;   // ready + reserved
-  int64_t reserved = 0;
+  int64_t resident = 0;
   int64_t pinned = 0;
   int64_t admitted = 0;   // cumulative placements by Admit
-  int64_t reservations = 0;  // cumulative placements by Reserve
   int64_t bypassed = 0;   // candidates that got no slot
   int64_t evictions = 0;
   int64_t invalidations = 0;
   int64_t stale = 0;
-  int64_t expired_reservations = 0;
   int64_t memory_bytes = 0;  // slot table + key map
 };
 
@@ -87,13 +81,13 @@ class CacheMetadata {
   int64_t current_step() const { return step_; }
   int64_t size() const { return static_cast<int64_t>(map_.size()); }
 
-  // Moves to `step`: pins with pin_step < step expire (expired reservations are freed) and
-  // finite next uses <= step become kNever.  REQUIRES: step >= current_step().
+  // Moves to `step`: pins with pin_step < step expire and finite next uses <= step become
+  // kNever.  REQUIRES: step >= current_step().
   void Advance(int64_t step);
 
-  // Classifies n unique keys.  A ready slot whose version differs from versions[i] is stale:
-  // it is freed and the key reported as a miss.  Hits and reserved keys are touched: their
-  // next use becomes next_uses[i] (< 0 means kNever) and they become most recent.
+  // Classifies n unique keys.  A slot whose version differs from versions[i] is stale: it is
+  // freed and the key reported as a miss.  Hits are touched: their next use becomes
+  // next_uses[i] (< 0 means kNever) and they become most recent.
   // REQUIRES: keys unique and >= 0 (ValueError otherwise).
   QueryResult Query(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
                     size_t n);
@@ -104,34 +98,27 @@ class CacheMetadata {
   PlaceResult Admit(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
                     size_t n);
 
-  // Reserves slots for prefetches: key i will be read at use_steps[i] at versions[i].  A key
-  // already resident at that version, or already reserved, is skipped; a stale one is
-  // replaced in place.  Reserved slots are pinned through their use step.
-  // REQUIRES: keys unique and >= 0; use_steps[i] > current_step() (ValueError otherwise).
-  PlaceResult Reserve(const int64_t* keys, const int64_t* versions, const int64_t* use_steps,
-                      size_t n);
-
-  // Reserved slots become ready (their values were written).  REQUIRES: each slot reserved.
-  void MarkReady(const int64_t* slots, size_t n);
-
-  // For each key: its slot if ready, else -1.
+  // For each key: its slot, or -1.
   void Lookup(const int64_t* keys, size_t n, int64_t* out_slots) const;
 
-  // Sets the version of ready slots (after a local SGD update).  REQUIRES: each slot ready.
+  // For each key: its slot if resident at versions[i], else -1 (no touch, no state change).
+  void Resident(const int64_t* keys, const int64_t* versions, size_t n,
+                int64_t* out_slots) const;
+
+  // Sets the version of resident slots (after a local SGD update).  REQUIRES: each resident.
   void SetVersion(const int64_t* slots, size_t n, int64_t version);
 
-  // Extends the pin of ready slots through `pin_step`.  REQUIRES: each slot ready.
+  // Extends the pin of resident slots through `pin_step`.  REQUIRES: each resident.
   void Pin(const int64_t* slots, size_t n, int64_t pin_step);
 
   // Oracle bookkeeping when a step enters the window: a resident key whose next use is later
   // than `step` (or kNever) gets next use `step`.  No-op under lru.
   void NoteUses(const int64_t* keys, size_t n, int64_t step);
 
-  // Frees the ready slots of the given keys; returns their slots (absent keys are ignored).
-  // REQUIRES: no key is reserved (ValueError otherwise: a reservation cannot go stale).
+  // Frees the slots of the given keys; returns them (absent keys are ignored).
   std::vector<int64_t> Invalidate(const int64_t* keys, size_t n);
 
-  // Frees every slot (reservations included).
+  // Frees every slot.
   void Clear();
 
   MetadataStats Stats() const;
@@ -185,7 +172,7 @@ class CacheMetadata {
 
   // Owned by this object; mutated only under the owner's serialization.
   std::vector<SlotRec> slots_;
-  FlatMap<int32_t> map_;               // key -> slot (ready or reserved)
+  FlatMap<int32_t> map_;               // key -> slot
   std::vector<int32_t> free_;          // stack of free slots (top = back)
   std::map<int64_t, List> buckets_;    // eviction queues by next use (lru: one bucket)
   std::vector<std::pair<int32_t, uint64_t>> pinned_;  // (slot, pin_seq), lazily pruned

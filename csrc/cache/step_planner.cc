@@ -52,8 +52,7 @@ void StepPlanner::Release(int64_t upto) {
 
 int64_t StepPlanner::MemoryBytes() const {
   int64_t bytes = static_cast<int64_t>(state_.memory_bytes() + step_map_.memory_bytes());
-  bytes += VecBytes(nranks_) + VecBytes(last_rank_) + VecBytes(own_local_) +
-           VecBytes(union_scratch_);
+  bytes += VecBytes(scratch_) + VecBytes(union_scratch_);
   for (const auto& p : plans_) bytes += p.MemoryBytes();
   return bytes;
 }
@@ -83,9 +82,7 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets) {
   plan.global_ids = total;
   std::vector<int64_t>& uk = opt_.collective ? plan.union_keys : union_scratch_;
   uk.clear();
-  nranks_.clear();
-  last_rank_.clear();
-  own_local_.clear();
+  scratch_.clear();
   step_map_.Reset(static_cast<size_t>(total));
 
   const int64_t own_begin = offsets[opt_.rank];
@@ -105,20 +102,19 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets) {
       const int32_t idx = *v;
       if (inserted) {
         uk.push_back(k);
-        nranks_.push_back(1);
-        last_rank_.push_back(q);
-        own_local_.push_back(-1);
-      } else if (last_rank_[idx] != q) {
-        last_rank_[idx] = q;
-        ++nranks_[idx];
+        scratch_.push_back(UnionScratch{1, q, -1});
+      } else if (scratch_[idx].last_rank != q) {
+        scratch_[idx].last_rank = q;
+        ++scratch_[idx].nranks;
       }
       if (own) {
-        if (own_local_[idx] < 0) {
-          own_local_[idx] = static_cast<int64_t>(plan.unique.size());
+        UnionScratch& u = scratch_[idx];
+        if (u.own_local < 0) {
+          u.own_local = static_cast<int32_t>(plan.unique.size());
           plan.unique.push_back(k);
           if (opt_.collective) plan.union_pos.push_back(idx);
         }
-        plan.inverse[static_cast<size_t>(i - own_begin)] = own_local_[idx];
+        plan.inverse[static_cast<size_t>(i - own_begin)] = u.own_local;
       }
     }
   }
@@ -140,21 +136,20 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets) {
     KeyState* st = state_.FindOrInsert(k, KeyState{}).first;
     const int64_t dep = st->last_step;
     if (opt_.collective && dep == s - 1 && prev != nullptr) prev->s_now[st->union_idx] = 1;
-    const int64_t own = own_local_[idx];
-    const bool others_touch = nranks_[idx] > (own >= 0 ? 1 : 0);
+    const int64_t own = scratch_[idx].own_local;
+    const bool others_touch = scratch_[idx].nranks > (own >= 0 ? 1 : 0);
     if (own >= 0) {
       plan.dep[own] = dep;
       plan.shared[own] = others_touch ? 1 : 0;
-      const bool chain = st->own_step >= 0 && !st->own_broken;
+      const bool chain = st->own_step >= 0 && st->own_idx >= 0;
       plan.prev_use[own] = chain ? st->own_step : -1;
       if (chain && s - st->own_step <= opt_.lookahead) {
         if (RankPlan* p = Retained(st->own_step)) p->next_use[st->own_idx] = s;
       }
       st->own_step = static_cast<int32_t>(s);
-      st->own_idx = static_cast<int32_t>(own);
-      st->own_broken = (!opt_.collective && others_touch) ? 1 : 0;
+      st->own_idx = (!opt_.collective && others_touch) ? -2 : static_cast<int32_t>(own);
     } else if (!opt_.collective && st->own_step >= 0) {
-      st->own_broken = 1;
+      st->own_idx = -2;
     }
     if (!opt_.collective && others_touch) plan.others.push_back(k);
     st->last_step = static_cast<int32_t>(s);

@@ -86,12 +86,13 @@ class StepPlanner {
   int64_t distinct_keys() const { return static_cast<int64_t>(state_.size()); }
 
  private:
+  // 16 bytes: the per-key table is the planner's largest random-access structure.
   struct KeyState {
     int32_t last_step = -1;  // last step whose union contains the key
     int32_t union_idx = -1;  // its index in that step's union
     int32_t own_step = -1;   // r's last read
-    int32_t own_idx = -1;    // its index in that step's unique keys
-    uint8_t own_broken = 0;  // the copy from own_step was invalidated since (ps only)
+    int32_t own_idx = -1;    // its index in that step's unique keys; -2: the copy from
+                             // own_step was invalidated since (ps only)
   };
   RankPlan* Retained(int64_t step);
 
@@ -101,9 +102,12 @@ class StepPlanner {
   std::deque<RankPlan> plans_;           // steps [first_step_, next_step_)
   FlatMap<KeyState> state_;              // every distinct key seen
   StampedMap<int32_t> step_map_;         // scratch: key -> union index of the step
-  std::vector<int32_t> nranks_;          // scratch per union index: ranks touching it
-  std::vector<int32_t> last_rank_;       // scratch per union index
-  std::vector<int64_t> own_local_;       // scratch per union index: r's unique index or -1
+  struct UnionScratch {
+    int32_t nranks;     // ranks touching the key
+    int32_t last_rank;  // last rank seen touching it
+    int32_t own_local;  // r's unique index, or -1
+  };
+  std::vector<UnionScratch> scratch_;    // scratch per union index
   std::vector<int64_t> union_scratch_;   // scratch: union keys (ps mode)
 };
 

@@ -34,7 +34,7 @@ void CheckConsistent(const CacheMetadata& m) {
     CHECK(keys.insert(v.key).second);
     int64_t found = -2;
     m.Lookup(&v.key, 1, &found);
-    CHECK_EQ(found, v.state == SlotState::kReady ? s : -1);
+    CHECK_EQ(found, s);
   }
   CHECK_EQ(resident, m.size());
   CHECK(resident <= m.capacity_rows());
@@ -141,6 +141,33 @@ TEST_CASE(cache_metadata_oracle_evicts_furthest_next_use_and_bypasses_later_cand
   CheckConsistent(m);
 }
 
+TEST_CASE(cache_metadata_oracle_falls_back_to_lru_among_unknown_next_uses) {
+  CacheMetadata m(1, EvictionPolicy::kOracle);
+  m.Advance(0);
+  auto keys = Iota(0, 64);
+  std::vector<int64_t> nu(64, -1);
+  nu[0] = 9;  // key 0 is needed again; every other row has no known next use
+  m.Admit(keys.data(), Fill(64, -1).data(), nu.data(), 64);
+  m.Advance(1);
+  // A row with no known next use replaces the least recently used unknown row (key 1) ...
+  int64_t k = 100, v = -1, none = -1;
+  auto r = m.Admit(&k, &v, &none, 1);
+  CHECK_EQ(r.evicted_keys.size(), 1u);
+  CHECK_EQ(r.evicted_keys[0], 1);
+  // ... and once only rows with a known next use are left, it is bypassed.
+  std::vector<int64_t> soon = Iota(200, 63);
+  m.Advance(2);
+  auto r2 = m.Admit(soon.data(), Fill(63, -1).data(), Fill(63, 5).data(), 63);
+  CHECK_EQ(r2.evicted_keys.size(), 63u);  // the 63 unknown rows (key 100 last)
+  CHECK_EQ(r2.evicted_keys.back(), 100);
+  m.Advance(3);
+  int64_t k2 = 300;
+  auto r3 = m.Admit(&k2, &v, &none, 1);
+  CHECK(r3.slots.empty());
+  CHECK_EQ(r3.bypassed.size(), 1u);
+  CheckConsistent(m);
+}
+
 TEST_CASE(cache_metadata_advance_turns_past_next_uses_into_never) {
   CacheMetadata m(1, EvictionPolicy::kOracle);
   m.Advance(0);
@@ -155,39 +182,7 @@ TEST_CASE(cache_metadata_advance_turns_past_next_uses_into_never) {
   CHECK_THROWS(bagpipe::ValueError, m.Advance(4));
 }
 
-TEST_CASE(cache_metadata_reservations_are_pinned_until_use_and_expire_after) {
-  CacheMetadata m(1, EvictionPolicy::kLru);
-  m.Advance(0);
-  auto keys = Iota(0, 64);
-  std::vector<int64_t> uses(64, 3);
-  auto r = m.Reserve(keys.data(), Fill(64, 0).data(), uses.data(), 64);
-  CHECK_EQ(r.slots.size(), 64u);
-  m.Advance(1);
-  int64_t k = 99, v = -1, nu = -1;
-  auto a = m.Admit(&k, &v, &nu, 1);  // every slot is reserved: bypass
-  CHECK(a.slots.empty());
-  // Reserving again skips reserved keys.
-  auto again = m.Reserve(keys.data(), Fill(64, 0).data(), uses.data(), 64);
-  CHECK(again.slots.empty());
-  CHECK(again.bypassed.empty());
-  // A query at the use step reports them as reserved; a wrong version is an error.
-  m.Advance(3);
-  int64_t k0 = 0, bad_v = 7, good_v = 0;
-  CHECK_THROWS(bagpipe::ValueError, m.Query(&k0, &bad_v, &nu, 1));
-  auto q = m.Query(&k0, &good_v, &nu, 1);
-  CHECK_EQ(q.reserved_slots.size(), 1u);
-  int64_t s0 = q.reserved_slots[0];
-  m.MarkReady(&s0, 1);
-  CHECK_THROWS(bagpipe::ValueError, m.MarkReady(&s0, 1));
-  m.Advance(4);  // the other 63 reservations were never filled: freed
-  CHECK_EQ(m.size(), 1);
-  CHECK_EQ(m.Stats().expired_reservations, 63);
-  int64_t past = 4;
-  CHECK_THROWS(bagpipe::ValueError, m.Reserve(&k, &v, &past, 1));
-  CheckConsistent(m);
-}
-
-TEST_CASE(cache_metadata_query_drops_stale_rows_and_invalidate_refuses_reservations) {
+TEST_CASE(cache_metadata_query_drops_stale_rows_and_invalidate_frees) {
   CacheMetadata m(1, EvictionPolicy::kOracle);
   m.Advance(0);
   std::vector<int64_t> keys = {10, 11};
@@ -200,14 +195,15 @@ TEST_CASE(cache_metadata_query_drops_stale_rows_and_invalidate_refuses_reservati
   CHECK_EQ(q.miss_pos.size(), 1u);
   CHECK_EQ(q.miss_pos[0], 1);
   CHECK_EQ(m.size(), 1);
-  int64_t k = 12, v = 0, use = 3;
-  m.Reserve(&k, &v, &use, 1);
-  std::vector<int64_t> inv = {10, 12};
-  CHECK_THROWS(bagpipe::ValueError, m.Invalidate(inv.data(), 2));
-  CHECK_EQ(m.size(), 2);  // nothing changed
+  std::vector<int64_t> res(2);
+  std::vector<int64_t> ver = {4, 4};
+  m.Resident(keys.data(), ver.data(), 2, res.data());
+  CHECK_EQ(res[0], q.hit_slots[0]);
+  CHECK_EQ(res[1], -1);
   auto freed = m.Invalidate(keys.data(), 2);
   CHECK_EQ(freed.size(), 1u);
-  CHECK_EQ(m.size(), 1);
+  CHECK_EQ(m.size(), 0);
+  CHECK_EQ(m.Stats().invalidations, 1);
   CheckConsistent(m);
 }
 
@@ -267,21 +263,18 @@ TEST_CASE(cache_metadata_randomized_operations_keep_invariants) {
           break;
         }
         case 2: {
-          std::vector<int64_t> uses(keys.size());
-          for (auto& u : uses) u = step + 1 + static_cast<int64_t>(rng() % 4);
-          auto r = m.Reserve(keys.data(), vers.data(), uses.data(), keys.size());
-          std::set<int64_t> dest(r.slots.begin(), r.slots.end());
-          CHECK_EQ(dest.size(), r.slots.size());
-          break;
-        }
-        case 3: {
-          std::vector<int64_t> ready;
+          std::vector<int64_t> slots;
           for (auto k : keys) {
             int64_t s = -1;
             m.Lookup(&k, 1, &s);
-            if (s >= 0) ready.push_back(k);
+            if (s >= 0) slots.push_back(s);
           }
-          m.Invalidate(ready.data(), ready.size());
+          m.SetVersion(slots.data(), slots.size(), 0);
+          m.Pin(slots.data(), slots.size(), step + static_cast<int64_t>(rng() % 3));
+          break;
+        }
+        case 3: {
+          m.Invalidate(keys.data(), keys.size());
           break;
         }
         case 4: {
@@ -289,14 +282,11 @@ TEST_CASE(cache_metadata_randomized_operations_keep_invariants) {
           break;
         }
         default: {
-          std::vector<int64_t> slots;
-          for (int64_t s = 0; s < m.capacity_rows(); ++s) {
-            if (m.Slot(s).state == SlotState::kReserved && m.Slot(s).pin_step == step + 1) {
-              slots.push_back(s);
-            }
+          std::vector<int64_t> res(keys.size());
+          m.Resident(keys.data(), vers.data(), keys.size(), res.data());
+          for (size_t i = 0; i < keys.size(); ++i) {
+            if (res[i] >= 0) CHECK_EQ(m.Slot(res[i]).key, keys[i]);
           }
-          m.Advance(++step);
-          m.MarkReady(slots.data(), slots.size());
         }
       }
       CheckConsistent(m);

@@ -26,11 +26,17 @@ global step < t that touched k.
     (S_later) on the communication worker, overlapping the next forward; every rank updates all
     of its resident affected rows; the row's designated rank (union index mod W) submits it.
   * Prefetch: when a step enters the window its keys become candidates. A candidate (k, u) is
-    considered once the rank has finished step dep(k, u) (so its own invalidations are done):
-    if k is not resident at dep(k, u) a slot is reserved (pinned until u) and the get is issued
-    once ``committed_step() >= dep(k, u)`` (checked at issue time: invariant 4); a reservation
-    whose dependency has not committed by step u is fetched on demand. Candidates that get no
-    slot are staged in the device cache's bounded prepared-batch queue instead.
+    placed once the rank has finished step dep(k, u) (its own invalidations are done) and at
+    most `prepared_batches` steps before u. If k is then not resident at version dep(k, u),
+    its get is issued as soon as ``committed_step() >= dep(k, u)`` (checked at issue time:
+    invariant 4) and the row waits in the device cache's bounded prepared-batch queue; one
+    whose dependency has not committed by step u is fetched on demand.
+  * Eviction (oracle): at step t the misses are admitted soonest-next-use first, evicting the
+    resident row whose next use in the window is furthest or absent, and bypassing the cache
+    when no resident row is needed later than the candidate: Belady's MIN with bypass over
+    the lookahead window (rows another rank will update before our next read count as
+    absent). Prefetched rows enter the cache only through this admission, so prefetching
+    changes when rows are fetched, never what is cached.
   * A forward waits for a commit only through a fetch whose dependency is that commit; each
     commit is submitted only after its predecessor committed.
 
@@ -105,12 +111,11 @@ class Step:
 
 @dataclass
 class _Fetch:
-    """One issued prefetch get."""
+    """One issued prefetch get; its rows go to the prepared-batch queue."""
 
     handle: Handle
     keys: np.ndarray
     uses: np.ndarray   # use step of each key
-    slots: np.ndarray  # reserved slot of each key, -1: staged in the prepared-batch queue
     max_use: int
     done: bool = False
 
@@ -174,6 +179,7 @@ class BagPipeController:
         self._collective = config.bagpipe_aggregation == "collective"
         self._cached = config.read_mode == "bagpipe"
         self._lookahead = config.lookahead if self._cached else 0
+        self._distance = min(config.prepared_batches, self._lookahead)
         self._divide = config.resolved_gradient_division()
         self.metrics_ = RuntimeMetrics()
 
@@ -189,12 +195,10 @@ class BagPipeController:
                 divide=self._divide,
                 max_prepared=config.prepared_batches,
             )
-            self._slot_fid = np.full(self._meta.capacity_rows, -1, dtype=np.int64)
         else:
             self._meta = None
             self._dev = DeviceCache(0, dim, self.device, lr=self.lr, world_size=world_size,
                                     divide=self._divide)
-            self._slot_fid = _EMPTY
         planner_kw = dict(
             world_size=world_size,
             rank=rank,
@@ -219,13 +223,12 @@ class BagPipeController:
         self._exchanges: deque[tuple[int, Future]] = deque()   # online, not yet planned
         self._entered = -1                                     # last step in the window
         self._ready: list[tuple[np.ndarray, np.ndarray, int]] = []       # candidates to place
-        self._deferred: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # by dep
-        self._later: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # staging, by use
-        # Unissued prefetch entries: keys, deps, use steps, slots (-1: staged).
-        self._pend: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._deferred: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # by step
+        # Unissued prefetches: keys, deps, use steps.
+        self._pend: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._fetches: dict[int, _Fetch] = {}
         self._next_fid = 0
-        self._staged_fids: dict[int, list[int]] = {}  # use step -> fetches with staged rows
+        self._staged_fids: dict[int, list[int]] = {}  # use step -> fetches holding its rows
         self._tasks: deque[tuple[int, Future]] = deque()
         self._last_commit: Handle | None = None  # owned by the worker thread
         self._later_pins: dict[int, Future] = {}  # collective: step -> its S_later task
@@ -359,11 +362,9 @@ class BagPipeController:
             self._drop_fetches()
             if self._meta is not None:
                 self._meta.clear()
-                self._slot_fid[:] = -1
             self._dev.clear()
             self._ready = []
             self._deferred.clear()
-            self._later.clear()
             self._pend = []
 
     def close(self, *, close_ps: bool = True) -> None:
@@ -409,14 +410,10 @@ class BagPipeController:
             with self._lock:
                 st = self._meta.stats()
             d["resident_rows"] = st["resident"]
-            d["reserved_rows"] = st["reserved"]
             d["metadata_bytes"] = st["memory_bytes"]
-            d["expired_reservations"] = st["expired_reservations"]
         else:
             d["resident_rows"] = 0
-            d["reserved_rows"] = 0
             d["metadata_bytes"] = 0
-            d["expired_reservations"] = 0
         d["committed_step"] = self._committed()
         return d
 
@@ -447,6 +444,11 @@ class BagPipeController:
             return self._worker.submit(fn, *args).result(timeout=self._timeout)
         finally:
             self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
+
+    def _index(self, positions: np.ndarray) -> torch.Tensor:
+        """int64 positions as an index tensor on the device."""
+        t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def _committed(self) -> int:
         if self._closed:
@@ -534,86 +536,69 @@ class BagPipeController:
             noted = (p.prev_use >= 0) & (p.prev_use < t)
             if noted.any():
                 self._meta.note_uses(_i64(p.unique_keys[noted]), s)
-            ready = p.deps <= t - 1
+            # A candidate is placed at step max(dep + 1, s - distance): once this rank has
+            # finished its dependency, and at most `distance` steps before its use.
+            when = np.maximum(p.deps + 1, s - self._distance)
+            ready = when <= t
             if ready.any():
                 self._ready.append((p.unique_keys[ready], p.deps[ready], s))
             if not ready.all():
-                keys, deps = p.unique_keys[~ready], p.deps[~ready]
-                for d in np.unique(deps):
-                    m = deps == d
-                    self._deferred.setdefault(int(d), []).append((keys[m], deps[m], s))
+                keys, deps, at = p.unique_keys[~ready], p.deps[~ready], when[~ready]
+                for w in np.unique(at):
+                    m = at == w
+                    self._deferred.setdefault(int(w), []).append((keys[m], deps[m], s))
 
     def _place_candidates(self, t: int) -> None:
-        """Reserves slots for candidates whose dependency this rank finished (REQUIRES: lock)."""
-        groups = self._ready + self._deferred.pop(t - 1, [])
+        """Queues prefetches for candidates placed at step t (REQUIRES: lock)."""
+        groups = self._deferred.pop(t, [])
+        groups = [g for g in self._ready + groups if g[2] > t]  # the step's own keys are misses
         self._ready = []
-        groups = [g for g in groups if g[2] > t]  # the current step's keys are its misses
-        if groups:
-            keys = np.concatenate([g[0] for g in groups])
-            deps = np.concatenate([g[1] for g in groups])
-            uses = np.concatenate([np.full(g[0].size, g[2], dtype=np.int64) for g in groups])
-            order = np.argsort(uses, kind="stable")
-            keys, deps, uses = _i64(keys[order]), _i64(deps[order]), _i64(uses[order])
-            pos, slots, evicted, bypassed = self._meta.reserve(keys, deps, uses)
-            self.metrics_.add(evictions=int(evicted.size), bypassed=int(bypassed.size))
-            if pos.size:
-                self._pend.append((keys[pos], deps[pos], uses[pos], slots))
-            for u in np.unique(uses[bypassed]) if bypassed.size else ():
-                m = bypassed[uses[bypassed] == u]
-                self._later.setdefault(int(u), []).append((keys[m], deps[m]))
-        horizon = t + self._dev.max_prepared
-        for u in [u for u in self._later if u <= horizon]:
-            for keys, deps in self._later.pop(u):
-                self._pend.append(
-                    (keys, deps, np.full(keys.size, u, dtype=np.int64),
-                     np.full(keys.size, -1, dtype=np.int64))
-                )
+        if not groups:
+            return
+        keys = _i64(np.concatenate([g[0] for g in groups]))
+        deps = _i64(np.concatenate([g[1] for g in groups]))
+        uses = np.concatenate([np.full(g[0].size, g[2], dtype=np.int64) for g in groups])
+        # Rows resident at the wanted version are expected hits; the rest are prefetched.
+        need = self._meta.resident(keys, deps) < 0
+        if need.any():
+            self._pend.append((keys[need], deps[need], uses[need]))
 
     def _issue_ready(self) -> None:
-        """Issues one get for every unissued prefetch whose dependency has committed."""
+        """Issues one get for every queued prefetch whose dependency has committed."""
         if not self._pend:
             return
         keys = np.concatenate([p[0] for p in self._pend])
         deps = np.concatenate([p[1] for p in self._pend])
         uses = np.concatenate([p[2] for p in self._pend])
-        slots = np.concatenate([p[3] for p in self._pend])
-        committed = self._committed()
-        go = deps <= committed
+        go = deps <= self._committed()
         if not go.any():
-            self._pend = [(keys, deps, uses, slots)]
+            self._pend = [(keys, deps, uses)]
             return
         stay = ~go
-        self._pend = [(keys[stay], deps[stay], uses[stay], slots[stay])] if stay.any() else []
-        k, d, u, sl = _i64(keys[go]), deps[go], uses[go], slots[go]
+        self._pend = [(keys[stay], deps[stay], uses[stay])] if stay.any() else []
+        k, d, u = _i64(keys[go]), deps[go], uses[go]
         handle = self._get("prefetch", k, d, u)
         fid = self._next_fid
         self._next_fid += 1
-        self._fetches[fid] = _Fetch(handle, k, u, sl, int(u.max()))
-        reserved = sl >= 0
-        self._slot_fid[sl[reserved]] = fid
-        for use in np.unique(u[~reserved]):
+        self._fetches[fid] = _Fetch(handle, k, u, int(u.max()))
+        for use in np.unique(u):
             self._staged_fids.setdefault(int(use), []).append(fid)
         self.metrics_.add(prefetched=int(k.size), prefetch_gets=1)
 
     def _materialize(self, fid: int) -> None:
-        """Waits for a prefetch and moves its rows into their slots / the queue (REQUIRES: lock)."""
+        """Waits for a prefetch and moves its rows to the prepared-batch queue."""
         f = self._fetches[fid]
         if f.done:
             return
         t0 = time.perf_counter()
         rows = self._wait_rows(f.handle, f.keys.size)
         self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
-        reserved = f.slots >= 0
-        if reserved.any():
-            idx = torch.from_numpy(np.nonzero(reserved)[0])
-            self._dev.fill(f.slots[reserved], rows.index_select(0, idx))
-        staged = ~reserved
-        if staged.any():
-            for use in np.unique(f.uses[staged]):
-                m = staged & (f.uses == use)
-                idx = torch.from_numpy(np.nonzero(m)[0])
-                self._dev.put_prepared(int(use), f.keys[m], rows.index_select(0, idx))
-                self.metrics_.add(staged_rows=int(m.sum()))
+        for use in np.unique(f.uses):
+            m = f.uses == use
+            idx = torch.from_numpy(np.nonzero(m)[0])
+            self._dev.put_prepared(int(use), f.keys[m], rows.index_select(0, idx),
+                                   current=self._next)
+        self.metrics_.add(staged_rows=int(f.keys.size))
         f.done = True
 
     def _materialize_ready(self, t: int) -> None:
@@ -688,92 +673,70 @@ class BagPipeController:
         deps = _i64(plan.deps)
         n = U.size
         next_use = np.where(plan.next_use <= self._entered, plan.next_use, -1).astype(np.int64)
-        hit_pos, hit_slots, res_pos, res_slots, miss_pos, stale = meta.query(U, deps, next_use)
+        hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
         rows = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
         if hit_pos.size:
-            rows[torch.from_numpy(hit_pos).to(self.device)] = dev.gather(hit_slots)
+            rows.index_copy_(0, self._index(hit_pos), dev.gather(hit_slots))
 
-        # Unissued prefetches of this step become demand fetches.
+        # Prefetches of this step still queued (dependency not committed) become demand.
         if self._pend:
             keys = np.concatenate([p[0] for p in self._pend])
             dps = np.concatenate([p[1] for p in self._pend])
             uses = np.concatenate([p[2] for p in self._pend])
-            sl = np.concatenate([p[3] for p in self._pend])
-            now = uses == t
-            if now.any():
-                keep = ~now
-                self._pend = [(keys[keep], dps[keep], uses[keep], sl[keep])] if keep.any() else []
-        # Staged rows of this step (the prepared-batch queue).
+            keep = uses != t
+            self._pend = [(keys[keep], dps[keep], uses[keep])] if keep.any() else []
+        # Prefetched rows of this step (the prepared-batch queue).
         for fid in self._staged_fids.pop(t, []):
             self._materialize(fid)
         staged = dev.take_prepared(t)
-        staged_rows_by_pos: tuple[np.ndarray, torch.Tensor] | None = None
         miss_keys = U[miss_pos]
-        demand_from_miss = np.ones(miss_pos.size, dtype=bool)
+        from_queue = np.zeros(miss_pos.size, dtype=bool)
+        queue_rows: torch.Tensor | None = None
         if staged is not None and miss_pos.size:
             skeys, srows = staged
             order = np.argsort(skeys)
-            loc = np.searchsorted(skeys, miss_keys, sorter=order)
-            loc = np.minimum(loc, max(skeys.size - 1, 0))
-            found = skeys[order[loc]] == miss_keys if skeys.size else np.zeros(0, dtype=bool)
-            demand_from_miss = ~found
-            staged_rows_by_pos = (np.nonzero(found)[0], srows.index_select(
-                0, torch.from_numpy(order[loc[found]])))
-        # Reserved slots of this step whose get was never issued.
-        res_unissued = self._slot_fid[res_slots] < 0 if res_slots.size else np.zeros(0, bool)
-        d_pos = np.concatenate([miss_pos[demand_from_miss], res_pos[res_unissued]])
+            loc = np.minimum(np.searchsorted(skeys, miss_keys, sorter=order), skeys.size - 1)
+            src = order[loc]
+            from_queue = skeys[src] == miss_keys
+            queue_rows = srows.index_select(0, torch.from_numpy(src[from_queue]))
+        d_pos = miss_pos[~from_queue]
         d_keys = U[d_pos]
         d_deps = deps[d_pos]
         self._record_dependency(t, d_deps)
         handle = None
         if d_keys.size:
-            handle = self._get("demand", _i64(d_keys), d_deps, np.full(d_keys.size, t, np.int64))
-        # Admission of the misses (pinned through this step), then the window's reservations.
+            handle = self._get("demand", d_keys, d_deps, np.full(d_keys.size, t, np.int64))
+        # Admission, soonest next use first (none last): admitted rows are pinned for the
+        # step, so the rows worth keeping claim slots before the ones worth less (Belady).
+        miss_nu = next_use[miss_pos]
+        order = np.argsort(np.where(miss_nu < 0, np.iinfo(np.int64).max, miss_nu), kind="stable")
         a_pos, a_slots, evicted, a_bypassed = meta.admit(
-            _i64(miss_keys), _i64(deps[miss_pos]), _i64(next_use[miss_pos])
+            _i64(miss_keys[order]), _i64(deps[miss_pos][order]), _i64(miss_nu[order])
         )
+        a_pos = order[a_pos]
         self.metrics_.add(evictions=int(evicted.size), bypassed=int(a_bypassed.size),
                           stale=int(stale))
         self._place_candidates(t)
         self._issue_ready()
-        # Rows of this step's reserved slots that were prefetched.
-        if res_slots.size:
-            fids = self._slot_fid[res_slots]
-            for fid in np.unique(fids[fids >= 0]):
-                self._materialize(int(fid))
         miss_rows = torch.empty(miss_pos.size, self.dim, dtype=torch.float32, device=self.device)
-        if staged_rows_by_pos is not None and staged_rows_by_pos[0].size:
-            miss_rows[torch.from_numpy(staged_rows_by_pos[0]).to(self.device)] = (
-                staged_rows_by_pos[1]
-            )
+        if queue_rows is not None and queue_rows.shape[0]:
+            miss_rows.index_copy_(0, self._index(np.nonzero(from_queue)[0]), queue_rows)
         if handle is not None:
             t0 = time.perf_counter()
             fetched = self._wait_rows(handle, d_keys.size).to(self.device, non_blocking=True)
             self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
-            n_miss_demand = int(demand_from_miss.sum())
-            if n_miss_demand:
-                miss_rows[torch.from_numpy(np.nonzero(demand_from_miss)[0]).to(self.device)] = (
-                    fetched[:n_miss_demand]
-                )
-            if res_unissued.any():
-                dev.fill(res_slots[res_unissued], fetched[n_miss_demand:])
-        if res_slots.size:
-            rows[torch.from_numpy(res_pos).to(self.device)] = dev.gather(res_slots)
-            meta.mark_ready(res_slots)
-            self._slot_fid[res_slots] = -1
+            miss_rows.index_copy_(0, self._index(np.nonzero(~from_queue)[0]), fetched)
         if miss_pos.size:
-            rows[torch.from_numpy(miss_pos).to(self.device)] = miss_rows
+            rows.index_copy_(0, self._index(miss_pos), miss_rows)
             if a_slots.size:
-                dev.fill(a_slots, miss_rows[torch.from_numpy(a_pos).to(self.device)])
+                dev.fill(a_slots, miss_rows.index_select(0, self._index(a_pos)))
         for fid in [fid for fid, f in self._fetches.items() if f.max_use <= t and f.done]:
             del self._fetches[fid]
         self._materialize_ready(t)
-        n_served = int(res_slots.size - res_unissued.sum())
-        n_staged = 0 if staged_rows_by_pos is None else int(staged_rows_by_pos[0].size)
         self.metrics_.add(
             accesses=n,
             hits=int(hit_pos.size),
-            prefetch_served=n_served + n_staged,
+            prefetch_served=int(from_queue.sum()),
             demand_fetched=int(d_keys.size),
             demand_gets=int(d_keys.size > 0),
         )
@@ -826,7 +789,7 @@ class BagPipeController:
             src = np.nonzero(mine)[0]
             if src.size:
                 dst = torch.from_numpy(row_of[plan.union_pos[src]]).to(dev)
-                buf[dst] = grad.index_select(0, torch.from_numpy(src).to(dev))
+                buf.index_copy_(0, dst, grad.index_select(0, torch.from_numpy(src).to(dev)))
             return buf
 
         g_now = dense(now_idx, mine_now)

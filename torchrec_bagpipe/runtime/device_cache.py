@@ -12,8 +12,10 @@ moves values:
     ``u = u * lr`` (an fp32 device tensor), ``w = w - u``: three separate ops, the same
     roundings as the PS's C++ loop built with -ffp-contract=off;
   * eviction is a clean discard: the PS is authoritative, nothing is written back;
-  * a bounded queue of prepared batches: rows fetched ahead of their step that found no cache
-    slot (the batch is larger than the cache) wait here, at most `max_prepared` steps' worth.
+  * a bounded queue of prepared batches: rows prefetched for the next `max_prepared` steps
+    wait here until their step; admission into the cache happens at use (so prefetching never
+    displaces rows that are needed sooner), and a batch larger than the cache is gathered from
+    hits, this queue and demand fetches into its own tensor.
 
 Thread safety: the owner serializes calls (the controller holds its lock around them).
 """
@@ -101,8 +103,18 @@ class DeviceCache:
         """Whether rows for `step` may be staged now (within the queue's bound)."""
         return step - current <= self.max_prepared
 
-    def put_prepared(self, step: int, keys: np.ndarray, rows: torch.Tensor) -> None:
-        """Stages fetched rows for a future step (appended to the step's earlier ones)."""
+    def put_prepared(
+        self, step: int, keys: np.ndarray, rows: torch.Tensor, *, current: int
+    ) -> None:
+        """Stages fetched rows for `step` (appended to the step's earlier ones).
+
+        REQUIRES: current <= step <= current + max_prepared (ValueError otherwise).
+        """
+        if not current <= step or not self.can_prepare(step, current):
+            raise ValueError(
+                f"prepared-batch queue: step {step} is outside [{current}, "
+                f"{current + self.max_prepared}] (max_prepared={self.max_prepared})"
+            )
         rows = rows.to(self.device, non_blocking=True)
         if step in self._prepared:
             k0, r0 = self._prepared[step]

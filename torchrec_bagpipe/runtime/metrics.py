@@ -23,10 +23,10 @@ class RuntimeMetrics:
     prefetched: int = 0          # ids fetched by prefetch gets (issued ahead of use)
     prefetch_gets: int = 0
     demand_gets: int = 0
-    staged_rows: int = 0         # prefetched rows that waited in the prepared-batch queue
+    staged_rows: int = 0         # prefetched rows moved to the prepared-batch queue
     evictions: int = 0
     invalidations: int = 0
-    bypassed: int = 0            # misses / reservations that found no slot
+    bypassed: int = 0            # misses that found no cache slot (served, not cached)
     stale: int = 0               # resident rows found at a wrong version (must stay 0)
     local_updates: int = 0       # resident rows updated by local SGD after a step
     dependency_waits: int = 0    # steps whose fetch waited for the previous commit

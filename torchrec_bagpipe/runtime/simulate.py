@@ -4,6 +4,11 @@ Used by the property tests and the cache benchmarks. Each rank thread drives its
 the way the TorchRec layer does: it keeps `lookahead` batches submitted ahead of the step it
 runs, reads `step.rows`, computes a row gradient and finishes the step.
 
+The parameter server is pluggable (`PSBackend`): the exact numpy `ReferencePS` by default, or
+any object with ``client(rank)``, ``committed_step()`` (the truth, min over shards),
+``snapshot()`` (every row, after the run) and ``close()`` — the tests plug the real
+in-process PS (PSShard + PSClient over the local transport) in this way.
+
 The default gradient is ``noise(t, r) + 0.5 * rows``: it depends on the values read, so a stale
 read changes the final weights, and it is a pure function of (step, rank, keys, rows), so the
 reference run (`reference_run`) reproduces it exactly.
@@ -15,7 +20,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +33,20 @@ from torchrec_bagpipe.runtime.reference_ps import ReferencePS, reference_sgd_ste
 __all__ = ["SimResult", "default_grad", "reference_run", "simulate"]
 
 GradFn = Callable[[int, int, np.ndarray, np.ndarray], np.ndarray]
+
+
+class PSBackend(Protocol):
+    def client(self, rank: int) -> Any: ...
+
+    def committed_step(self) -> int: ...
+
+    def snapshot(self) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+# (num_keys, dim, world_size, lr, divide, init, timeout) -> a backend holding `init`.
+BackendFactory = Callable[[int, int, int, float, bool, np.ndarray, float], PSBackend]
 Trace = Sequence[Sequence[np.ndarray]]  # trace[t][r]: rank r's fused keys at step t
 
 
@@ -64,19 +83,30 @@ def simulate(
     observer: Callable[[int, str, np.ndarray, np.ndarray, np.ndarray, int], None] | None = None,
     step_hook: Callable[[int, BagPipeController], None] | None = None,
     progress: bool = False,
+    backend: BackendFactory | None = None,
 ) -> SimResult:
-    """Trains `len(trace)` steps with W rank threads against an in-process `ReferencePS`."""
+    """Trains `len(trace)` steps with W rank threads against an in-process PS (default: the
+    exact `ReferencePS`; `backend` builds another one)."""
     W = world_size if world_size is not None else len(trace[0]) if trace else 1
     for t, per_rank in enumerate(trace):
         if len(per_rank) != W:
             raise ValueError(f"trace step {t} has {len(per_rank)} ranks, expected {W}")
     divide = config.resolved_gradient_division()
-    ps = ReferencePS(num_keys, dim, W, lr, divide=divide, seed=seed, init=init,
-                     timeout=timeout, apply_delay=ps_apply_delay)
+    if backend is None:
+        ps: Any = ReferencePS(num_keys, dim, W, lr, divide=divide, seed=seed, init=init,
+                              timeout=timeout, apply_delay=ps_apply_delay)
+    else:
+        if init is None:
+            init = np.random.default_rng(seed).uniform(-0.5, 0.5, (num_keys, dim))
+        ps = backend(num_keys, dim, W, lr, divide, np.asarray(init, dtype=np.float32), timeout)
+    clients = [ps.client(r) for r in range(W)]
     group = ThreadGroup(W, timeout=timeout)
     metrics: list[dict[str, Any]] = [{} for _ in range(W)]
     reads: dict[tuple[int, int], np.ndarray] = {}
     errors: list[BaseException] = []
+    final: list[np.ndarray] = []
+    done = threading.Barrier(W)
+    done2 = threading.Barrier(W)
     steps = len(trace)
     look = config.lookahead if config.read_mode == "bagpipe" else 0
 
@@ -85,7 +115,7 @@ def simulate(
         try:
             ctl = BagPipeController(
                 config, rank=r, world_size=W, dim=dim, num_keys=num_keys, lr=lr,
-                ps=ps.client(r), collectives=group.collectives(r), device=device,
+                ps=clients[r], collectives=group.collectives(r), device=device,
             )
             if observer is not None:
                 ctl.fetch_observer = lambda *a: observer(r, *a)
@@ -108,30 +138,41 @@ def simulate(
                     step_hook(r, ctl)
             ctl.flush()
             metrics[r] = ctl.metrics()
+            done.wait(timeout)  # every rank drained: the PS holds the final values
+            if r == 0:
+                final.append(ps.snapshot())
+            done2.wait(timeout)
             ctl.close()
             ctl = None
         except BaseException as e:
             errors.append(e)
             group.abort(e)
+            done.abort()
+            done2.abort()
         finally:
             if ctl is not None:
                 with contextlib.suppress(BaseException):
                     ctl.close()
 
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(W)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout * 4)
-    if any(th.is_alive() for th in threads):
-        raise TimeoutError("simulate: a rank thread did not finish")
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout * 4)
+        if any(th.is_alive() for th in threads):
+            raise TimeoutError("simulate: a rank thread did not finish")
+    finally:
+        if backend is not None:
+            ps.close()
     if errors:
         # Prefer the root cause over the aborts it triggered on other ranks.
         from torchrec_bagpipe.runtime.collectives import CollectiveAborted
 
-        root = [e for e in errors if not isinstance(e, CollectiveAborted)]
+        root = [e for e in errors
+                if not isinstance(e, (CollectiveAborted, threading.BrokenBarrierError))]
         raise (root or errors)[0]
-    return SimResult(metrics=metrics, final=ps.snapshot(), reads=reads, ps=ps)
+    return SimResult(metrics=metrics, final=final[0], reads=reads, ps=ps)
 
 
 def reference_run(
