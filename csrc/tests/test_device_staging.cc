@@ -104,7 +104,8 @@ TEST_CASE(staging_reuses_pinned_buffers_after_the_commit_releases_them) {
   {
     auto r1 = stager.Stage({a.data(), a.size() * 4, 0, &done});
     r1->Wait(DeadlineAfter(5));
-  }  // released: its buffer returns to the pool
+  }  // released by the commit; the worker drops its own reference before its next job
+  stager.Stage({nullptr, 0, 0, nullptr})->Wait(DeadlineAfter(5));
   auto r2 = stager.Stage({b.data(), b.size() * 4, 0, &done});
   const float* got = r2->Wait(DeadlineAfter(5));
   CHECK_EQ(got[199], 2.0f);
