@@ -148,6 +148,7 @@ class PSClient:
         key_bound: int | None = None,
     ) -> None:
         self._core: Any = None
+        self._closed = False
         self._pending: list[PSHandle] = []
         if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
             raise TypeError("endpoints must be a sequence (one endpoint per shard, in shard order)")
@@ -242,7 +243,7 @@ class PSClient:
         return self.partitioner.num_shards
 
     def __repr__(self) -> str:
-        peers = self._core.shard_peers() if self._core else []
+        peers = self._core.shard_peers() if self._core is not None else []
         return (f"PSClient(table={self.table!r}, rank={self.rank}/{self.world_size}, "
                 f"dim={self.dim}, shards={peers})")
 
@@ -330,14 +331,15 @@ class PSClient:
 
     def close(self, timeout: float | None = None) -> None:
         """Drains pending work, closes the session on every reachable shard and releases the
-        connections. Idempotent; raises TimeoutError if draining timed out."""
+        connections. Idempotent; raises TimeoutError if draining timed out. Later operations
+        raise SessionError."""
         core = self._core
-        if core is None:
+        if core is None or self._closed:
             return
+        self._closed = True
         try:
             core.close(self.timeout if timeout is None else _float_arg(timeout, "timeout"))
         finally:
-            self._core = None
             self._pending.clear()
 
     def __enter__(self) -> PSClient:
@@ -352,7 +354,7 @@ class PSClient:
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
-        if core is not None:
+        if core is not None and not getattr(self, "_closed", True):
+            self._closed = True
             with contextlib.suppress(Exception):
                 core.close(min(getattr(self, "timeout", 5.0), 5.0))
-            self._core = None
