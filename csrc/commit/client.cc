@@ -84,7 +84,7 @@ class PSClient::ChunkRequest : public transport::PendingRequest {
   ChunkRequest(PSClient* client, std::shared_ptr<ClientOp> op, uint32_t shard)
       : client_(client), op_(std::move(op)), shard_(shard) {}
   void OnReply(const Reply& r) override { client_->OnChunkReply(op_, shard_, r); }
-  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, e, true); }
+  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, shard_, e, true); }
 
  private:
   PSClient* const client_;
@@ -114,7 +114,7 @@ class PSClient::GetRequest : public transport::PendingRequest {
   void OnReply(const Reply& r) override {
     client_->OnGetReply(op_, shard_, r, positions_, count_, direct_);
   }
-  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, e, false); }
+  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, shard_, e, false); }
 
  private:
   PSClient* const client_;
@@ -635,6 +635,10 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
 
 // ---- replies ------------------------------------------------------------------------------------
 
+std::string PSClient::ShardName(uint32_t shard) const {
+  return "PS shard " + std::to_string(shard) + " (" + channels_[shard]->peer() + ")";
+}
+
 void PSClient::FinishLocked(const std::shared_ptr<ClientOp>& op, const std::optional<Error>& e) {
   op->finished_ = true;
   auto it = std::find(active_.begin(), active_.end(), op);
@@ -669,7 +673,7 @@ void PSClient::FailClientLocked(const Error& error) {
 void PSClient::OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const Reply& r) {
   std::lock_guard<std::mutex> lock(mu_);
   if (op->finished_) return;
-  const std::string who = "PS shard " + std::to_string(shard) + " (" + channels_[shard]->peer() + ")";
+  const std::string who = ShardName(shard);
   if (r.status() != Status::kOk) {
     const Error e{transport::KindOfStatus(r.status()), who + ": " + r.Text()};
     FinishLocked(op, e);
@@ -701,7 +705,7 @@ void PSClient::OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard,
 void PSClient::OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const Reply& r,
                           const int64_t* positions, size_t count, bool direct) {
   const size_t dim = options_.dim;
-  const std::string who = "PS shard " + std::to_string(shard) + " (" + channels_[shard]->peer() + ")";
+  const std::string who = ShardName(shard);
   std::optional<Error> err;
   int64_t served = -1;
   if (r.status() != Status::kOk) {
@@ -739,11 +743,12 @@ void PSClient::OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, c
   MaybeFinishLocked(op);
 }
 
-void PSClient::OnRequestFailure(const std::shared_ptr<ClientOp>& op, const Error& error,
-                                bool fatal) {
+void PSClient::OnRequestFailure(const std::shared_ptr<ClientOp>& op, uint32_t shard,
+                                const Error& error, bool fatal) {
+  const Error e{error.kind, ShardName(shard) + ": " + error.message};
   std::lock_guard<std::mutex> lock(mu_);
-  if (!op->finished_) FinishLocked(op, error);
-  if (fatal && !quiet_) FailClientLocked(error);
+  if (!op->finished_) FinishLocked(op, e);
+  if (fatal && !quiet_) FailClientLocked(e);
 }
 
 void PSClient::OnNotify(uint32_t shard, const Reply& r) {
@@ -759,15 +764,14 @@ void PSClient::OnNotify(uint32_t shard, const Reply& r) {
     work_cv_.notify_all();
   } else if (r.type() == MsgType::kNotifyFailed) {
     if (quiet_) return;
-    FailClientLocked(Error{ErrorKind::kSession, "PS shard " + std::to_string(shard) + " (" +
-                                                    channels_[shard]->peer() + "): " + r.Text()});
+    FailClientLocked(Error{ErrorKind::kSession, ShardName(shard) + ": " + r.Text()});
   }
 }
 
 void PSClient::OnChannelFailure(uint32_t shard, const Error& error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (quiet_) return;
-  FailClientLocked(Error{error.kind, "PS shard " + std::to_string(shard) + ": " + error.message});
+  FailClientLocked(Error{error.kind, ShardName(shard) + ": " + error.message});
 }
 
 // ---- queries and shutdown ------------------------------------------------------------------------

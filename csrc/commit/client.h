@@ -169,8 +169,9 @@ class PSClient {
   void OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r);
   void OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r,
                   const int64_t* positions, size_t count, bool direct);
-  void OnRequestFailure(const std::shared_ptr<ClientOp>& op, const transport::Error& error,
-                        bool fatal);
+  void OnRequestFailure(const std::shared_ptr<ClientOp>& op, uint32_t shard,
+                        const transport::Error& error, bool fatal);
+  std::string ShardName(uint32_t shard) const;
   void OnNotify(uint32_t shard, const transport::Reply& r);
   void OnChannelFailure(uint32_t shard, const transport::Error& error);
   void FinishLocked(const std::shared_ptr<ClientOp>& op, const std::optional<transport::Error>& e);

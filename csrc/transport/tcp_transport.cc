@@ -105,8 +105,7 @@ void TcpChannel::ReceiveLoop() {
     for (;;) ReceiveOne(&scratch);
   } catch (const std::exception& e) {
     if (closing_.load()) return;
-    FailChannel({ErrorKind::kTransport, std::string("PS shard connection ") + peer() +
-                                            " failed: " + e.what()});
+    FailChannel({ErrorKind::kTransport, std::string("connection lost: ") + e.what()});
   }
 }
 
