@@ -475,6 +475,7 @@ BAGPIPE_BINDING(ps) {
         d["error_replies"] = st.error_replies;
         d["closed_by_server"] = st.closed_by_server;
         d["accepted_replies"] = st.accepted_replies;
+        d["timeouts"] = st.timeouts;
         d["first_accepted"] = st.first_accepted;
         return d;
       },

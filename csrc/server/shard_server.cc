@@ -134,7 +134,9 @@ class ShardServer::Connection : public transport::ServerLink,
         if (pool_.size() < 4) pool_.push_back(std::move(b));
       }
     }
+    std::lock_guard<std::mutex> lock(mu_);
     writer_done_.store(true);
+    cv_.notify_all();
   }
 
   void ReadLoop() {
@@ -175,14 +177,22 @@ class ShardServer::Connection : public transport::ServerLink,
     shard.LinkClosed(this);
     if (violation) server_->NoteViolation(peer_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       closed_ = true;  // replies queued so far still go out (e.g. the error explaining a refusal)
       writer_stop_ = true;
       cv_.notify_all();
+      // Give the writer a moment to flush, then make sure the peer sees the end.
+      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return writer_done_.load(); });
     }
-    // Give the writer a moment to flush, then make sure the peer sees the end.
-    for (int i = 0; i < 100 && !writer_done_.load(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    // Send FIN after the last reply, and read off what the peer still sends for a moment:
+    // closing a socket with unread input would reset it and could destroy that reply.
+    ::shutdown(fd_, SHUT_WR);
+    transport::SetRecvTimeout(fd_, 0.2);
+    char sink[4096];
+    for (size_t drained = 0; drained < (size_t{1} << 20);) {
+      const ssize_t n = ::recv(fd_, sink, sizeof(sink), 0);
+      if (n <= 0) break;
+      drained += static_cast<size_t>(n);
     }
     ::shutdown(fd_, SHUT_RDWR);
     reader_done_.store(true);

@@ -265,6 +265,26 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
     if (i == 1) ::shutdown(fd, SHUT_WR);
     ::close(fd);
   }
+  // A frame of another protocol version is answered with an error naming the version, even
+  // though its body is never read, and then the connection is closed.
+  {
+    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), transport::DeadlineAfter(5));
+    std::vector<uint8_t> frame(commit::wire::kHeaderBytes + 5000, 0x11);
+    auto h = commit::wire::MakeHeader(commit::wire::MsgType::kHello, 0, 5000);
+    h.version = 2;
+    commit::wire::StoreHeader(frame.data(), h);
+    transport::WriteAll(fd, frame.data(), frame.size(), "srv");
+    transport::SetRecvTimeout(fd, 5);
+    uint8_t hb[commit::wire::kHeaderBytes];
+    CHECK(transport::ReadFull(fd, hb, sizeof(hb), false, "srv"));
+    const auto reply = commit::wire::LoadHeader(hb);
+    CHECK(reply.type == static_cast<uint16_t>(commit::wire::MsgType::kError));
+    std::string body(reply.body_len, '\0');
+    transport::ReadFull(fd, body.data(), body.size(), false, "srv");
+    CHECK(body.find("protocol version 2 is not supported") != std::string::npos);
+    CHECK(!transport::ReadFull(fd, hb, 1, true, "srv"));  // then EOF
+    ::close(fd);
+  }
   // A well-formed client is still served.
   std::vector<std::unique_ptr<transport::Channel>> c;
   c.push_back(transport::TcpChannel::Connect("127.0.0.1", srv.port(), "secret", ChannelOpts(o), 5));
