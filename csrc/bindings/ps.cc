@@ -30,6 +30,7 @@
 #include "server/frame_fuzzer.h"
 #include "server/shard_server.h"
 #include "transport/local_transport.h"
+#include "transport/loopback_probe.h"
 #include "transport/socket_io.h"
 #include "transport/tcp_transport.h"
 
@@ -458,6 +459,12 @@ BAGPIPE_BINDING(ps) {
         return ClientStatsDict(s);
       })
       .def("close", &PSClient::Close, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
+
+  // ---- benchmark baselines ---------------------------------------------------------------------
+  m.def("raw_loopback_seconds", &transport::RawLoopbackSeconds, py::arg("total_bytes"),
+        py::arg("chunk_bytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("raw_pingpong_seconds", &transport::RawPingPongSeconds, py::arg("iterations"),
+        py::arg("msg_bytes"), py::call_guard<py::gil_scoped_release>());
 
   // ---- fuzzing ------------------------------------------------------------------------------
   m.def(
