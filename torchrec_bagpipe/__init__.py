@@ -13,7 +13,15 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "BagPipeConfig": "torchrec_bagpipe.config",
+    "BagPipeController": "torchrec_bagpipe.runtime.controller",
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
+    # TorchRec integration
+    "BagPipeEmbeddingBagCollectionSharder": "torchrec_bagpipe.distributed.sharder",
+    "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.planner",
+    "BagPipeTrainPipeline": "torchrec_bagpipe.distributed.train_pipeline",
+    "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
+    "bagpipe_plan": "torchrec_bagpipe.distributed.planner",
+    "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
     "SessionError": "torchrec_bagpipe._native",
     "TransportError": "torchrec_bagpipe._native",
 }

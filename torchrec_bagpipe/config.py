@@ -82,7 +82,10 @@ class BagPipeConfig:
     )
     prepared_batches: int = field(
         default=2,
-        metadata=_help("bound on the queue of batches whose rows are already gathered"),
+        metadata=_help(
+            "prefetch distance: rows are prefetched at most this many steps before their use "
+            "and wait in a bounded queue of prepared batches on the device"
+        ),
     )
     gradient_division: bool | None = field(
         default=None,

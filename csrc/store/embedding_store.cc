@@ -21,7 +21,9 @@ namespace {
 
 constexpr size_t kRowAlign = 64;                 // rows start on cache lines
 constexpr size_t kTargetPageBytes = size_t{2} << 20;
-constexpr size_t kPrefetchDistance = 16;         // keys between pipeline stages
+constexpr size_t kPrefetchDistance = 16;        // keys between probe and prefetch (writes)
+constexpr int kPoolSpinMicros = 100;             // back-to-back ops skip futex wake-ups
+constexpr size_t kReadGroup = 32;                // keys per phase of the read pipeline
 constexpr size_t kMinKeysPerTask = 256;          // below this, one thread reads alone
 constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
 
@@ -71,21 +73,29 @@ struct Shard {
 
   KeyMap map;
 
-  // Keys inserted (with KeyMap::kPendingSlot) by the current op, in order, and the slots
-  // the op then gives them.
-  struct Fresh {
+  // The shard's routed items of the current op (order_[begin, end), input order) are
+  // deduplicated into groups, one per distinct key, in first-occurrence order.
+  struct Group {
     int64_t key;
     uint64_t hash;
-    uint32_t slot;
+    uint32_t slot;   // set by Materialize
+    uint32_t count;  // occurrences of the key in the op
+    uint32_t last;   // item (shard-local index) of the last occurrence
+  };
+  std::vector<Group> groups;
+  std::vector<uint32_t> item_group;  // shard-local item -> group
+  std::vector<uint32_t> dedupe;      // open-addressing table of group ids
+  // Groups whose key this op inserted (with KeyMap::kPendingSlot), and where.
+  struct Fresh {
+    uint32_t group;
+    size_t bucket;    // valid while the map keeps `capacity`
+    size_t capacity;
   };
   std::vector<Fresh> fresh;
 
-  // ApplySgd scratch: per-op dedupe of slots into groups (first-occurrence order).
-  std::vector<uint32_t> dedupe;              // open addressing, slot group ids
-  std::vector<uint32_t> group_slot, group_count, group_seen, group_acc, item_group;
+  std::vector<uint32_t> group_seen, group_acc;  // ApplySgd accumulation
   std::vector<float> acc;
-  size_t groups = 0;                         // distinct keys of the last ApplySgd
-  std::vector<uint32_t> freed;               // slots the current Erase released
+  std::vector<uint32_t> freed;                  // slots the current Erase released
 };
 
 }  // namespace
@@ -103,11 +113,10 @@ class EmbeddingStore::Impl {
         arena_(stride_, opt_.page_rows),
         spill_(&arena_, SpillTier::Options{opt_.memory_budget, opt_.spill_dir,
                                            opt_.high_watermark, opt_.low_watermark}),
-        pool_(opt_.num_threads) {
+        pool_(opt_.num_threads, kPoolSpinMicros) {
     const int shard_bits = Log2(num_shards_);
     for (uint32_t s = 0; s < num_shards_; ++s) {
       shards_.push_back(std::make_unique<Shard>(shard_bits));
-      shard_ptrs_.push_back(shards_.back().get());
     }
   }
 
@@ -140,13 +149,15 @@ class EmbeddingStore::Impl {
   void CheckKeys(const int64_t* keys, size_t n) const;
   void Route(const int64_t* keys, size_t n);
   void RunShards(const std::function<void(Shard&, uint32_t begin, uint32_t end)>& fn);
+  void GroupShard(Shard& sh, const int64_t* keys, uint32_t begin, uint32_t end);
   void Materialize(const int64_t* keys);
-  void Rollback();
-  void InitFresh(Shard& sh, uint32_t epoch);
-  void ResolvePending(Shard& sh, const int64_t* keys, uint32_t begin, uint32_t end);
+  void Publish(Shard& sh, bool init, uint32_t epoch);
+  template <bool kTrack, size_t kRowBytes>
+  void ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
+                  std::vector<uint32_t>* misses);
   template <bool kTrack>
-  void ReadRange(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
-                 std::vector<uint32_t>* misses);
+  void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
+               std::vector<uint32_t>* misses);
   void SgdShard(Shard& sh, uint32_t begin, uint32_t end, const float* grads, float lr,
                 int divisor);
   void Finish() { spill_.AfterOp(epoch_); }
@@ -161,7 +172,7 @@ class EmbeddingStore::Impl {
 
   std::mutex mu_;  // serializes batch ops; guards every field below
   std::vector<std::unique_ptr<Shard>> shards_;
-  std::vector<Shard*> shard_ptrs_;  // shards_[s].get(), for the read path
+  std::vector<KeyMap::View> views_;  // map snapshots for read loops, refreshed per read op
   // Slots are global to the store: slot -> page slot >> page_shift_, row slot & page_mask_.
   std::vector<char*> page_addr_;             // page -> first row address
   std::vector<PageArena::Page*> pages_;      // page -> arena page (for Touch)
@@ -221,42 +232,89 @@ void EmbeddingStore::Impl::Route(const int64_t* keys, size_t n) {
   for (size_t i = 0; i < n; ++i) order_[pos[ShardOf(hashes_[i])]++] = static_cast<uint32_t>(i);
 }
 
+// One task per thread, each over a contiguous range of shards: two threads meet once per
+// call, not once per shard.
 void EmbeddingStore::Impl::RunShards(
     const std::function<void(Shard&, uint32_t, uint32_t)>& fn) {
-  pool_.Run(num_shards_, [&](size_t s) {
-    const uint32_t b = shard_begin_[s], e = shard_begin_[s + 1];
-    if (b != e) fn(*shards_[s], b, e);
+  const size_t tasks = std::min<size_t>(static_cast<size_t>(pool_.num_threads()), num_shards_);
+  pool_.Run(tasks, [&](size_t t) {
+    const size_t first = num_shards_ * t / tasks, last = num_shards_ * (t + 1) / tasks;
+    for (size_t s = first; s < last; ++s) {
+      const uint32_t b = shard_begin_[s], e = shard_begin_[s + 1];
+      if (b != e) fn(*shards_[s], b, e);
+    }
   });
 }
 
-// Finds or inserts every routed key: fills slots_ (KeyMap::kPendingSlot for keys new to
-// this op, resolved by ResolvePending), gives new keys slots and secures their pages.
-// On any exception the maps and allocators are as before the call.
+// Deduplicates the shard's routed items into groups (first-occurrence order).
+void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b, uint32_t e) {
+  const uint32_t m = e - b;
+  uint32_t table_size = 16;
+  while (table_size < 2 * m) table_size <<= 1;
+  const uint64_t mask = table_size - 1;
+  constexpr uint32_t kFree = 0xFFFFFFFFu;
+  sh.dedupe.assign(table_size, kFree);
+  sh.groups.clear();
+  sh.groups.reserve(m);
+  sh.item_group.resize(m);
+  uint32_t* table = sh.dedupe.data();
+  for (uint32_t k = 0; k < m; ++k) {
+    const uint32_t i = order_[b + k];
+    const int64_t key = keys[i];
+    const uint64_t h = hashes_[i];
+    for (uint64_t t = h & mask;; t = (t + 1) & mask) {
+      const uint32_t g = table[t];
+      if (g == kFree) {
+        table[t] = static_cast<uint32_t>(sh.groups.size());
+        sh.item_group[k] = static_cast<uint32_t>(sh.groups.size());
+        sh.groups.push_back({key, h, KeyMap::kPendingSlot, 1, k});
+        break;
+      }
+      Shard::Group& grp = sh.groups[g];
+      if (grp.key == key) {
+        ++grp.count;
+        grp.last = k;
+        sh.item_group[k] = g;
+        break;
+      }
+    }
+  }
+}
+
+// Groups every shard's routed keys and finds or inserts each distinct key: fills the
+// groups' slots, gives new keys slots and secures their pages. New keys stay pending in the
+// maps until Publish. On any exception the maps and allocators are as before the call.
 void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
-  slots_.resize(order_.size());
-  for (auto& sh : shards_) sh->fresh.clear();
+  for (auto& sh : shards_) {
+    sh->fresh.clear();
+    sh->groups.clear();
+  }
   const size_t free_before = free_slots_.size();
   const uint32_t next_before = next_slot_;
   try {
     RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
-      for (uint32_t p = b; p < e; ++p) {
-        const uint32_t i = order_[p];
-        const int64_t key = keys[i];
-        const uint64_t h = hashes_[i];
-        if (p + kPrefetchDistance < e) {
-          const uint64_t h2 = hashes_[order_[p + kPrefetchDistance]];
-          if (sh.map.capacity() != 0) __builtin_prefetch(sh.map.bucket(sh.map.Home(h2)));
+      GroupShard(sh, keys, b, e);
+      const size_t ng = sh.groups.size();
+      for (size_t g = 0; g < ng; ++g) {
+        if (g + kPrefetchDistance < ng && sh.map.capacity() != 0) {
+          __builtin_prefetch(sh.map.bucket(sh.map.Home(sh.groups[g + kPrefetchDistance].hash)));
         }
-        uint32_t slot = sh.map.Find(key, h);
-        if (slot == KeyMap::kNotFound) {
+        Shard::Group& grp = sh.groups[g];
+        grp.slot = sh.map.Find(grp.key, grp.hash);
+        if (grp.slot != KeyMap::kNotFound) {
+          // The op writes this row next: start its miss now, overlapping the probes.
+          const char* r = Row(grp.slot);
+          __builtin_prefetch(r, 1);
+          if (stride_ > 64) __builtin_prefetch(r + 64, 1);
+        } else {
           if (sh.fresh.size() == sh.fresh.capacity()) {  // so push_back below cannot throw
             sh.fresh.reserve(std::max<size_t>(16, 2 * sh.fresh.capacity()));
           }
-          sh.map.Insert(key, h, KeyMap::kPendingSlot);  // strong guarantee on bad_alloc
-          sh.fresh.push_back({key, h, KeyMap::kPendingSlot});
-          slot = KeyMap::kPendingSlot;
+          // Strong guarantee on bad_alloc; the bucket stays valid until the next growth.
+          const size_t bucket = sh.map.Insert(grp.key, grp.hash, KeyMap::kPendingSlot);
+          sh.fresh.push_back({static_cast<uint32_t>(g), bucket, sh.map.capacity()});
+          grp.slot = KeyMap::kPendingSlot;
         }
-        slots_[i] = slot;
       }
     });
     // Slots for new keys in shard order, then first-occurrence order: deterministic.
@@ -267,11 +325,11 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
     if (static_cast<uint64_t>(next_slot_) + (fresh - reused) > uint64_t{KeyMap::kMaxSlot} + 1) {
       throw ValueError("keys: the store would pass its maximum of 2^32-3 rows");
     }
-    // The free list shrinks only once everything is secured (below).
-    size_t taken = 0;
+    size_t taken = 0;  // the free list shrinks only once everything is secured (below)
     for (auto& sh : shards_) {
-      for (auto& f : sh->fresh) {
-        f.slot = taken < reused ? free_slots_[free_before - 1 - taken++] : next_slot_++;
+      for (const auto& f : sh->fresh) {
+        sh->groups[f.group].slot =
+            taken < reused ? free_slots_[free_before - 1 - taken++] : next_slot_++;
       }
     }
     const size_t want = (static_cast<size_t>(next_slot_) + page_mask_) >> page_shift_;
@@ -290,7 +348,10 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
     // Undo in reverse: pending keys leave the maps, slots return to the allocator. Pages
     // mapped already stay (empty pages are harmless and will be used).
     for (auto& sh : shards_) {
-      for (auto it = sh->fresh.rbegin(); it != sh->fresh.rend(); ++it) sh->map.Erase(it->key, it->hash);
+      for (auto it = sh->fresh.rbegin(); it != sh->fresh.rend(); ++it) {
+        const Shard::Group& grp = sh->groups[it->group];
+        sh->map.Erase(grp.key, grp.hash);
+      }
       sh->fresh.clear();
     }
     next_slot_ = next_before;
@@ -301,73 +362,106 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
 
 // Publishes the slots of this op's new keys in the map and, when `init`, writes their
 // initial rows. Cannot fail: the pages were secured by Materialize.
-void EmbeddingStore::Impl::InitFresh(Shard& sh, uint32_t epoch) {
+void EmbeddingStore::Impl::Publish(Shard& sh, bool init, uint32_t epoch) {
   const bool track = spill_.tracking();
   for (const auto& f : sh.fresh) {
-    sh.map.SetSlot(f.key, f.hash, f.slot);
-    InitRow(opt_.init, dim_, f.key, f.hash, reinterpret_cast<float*>(Row(f.slot)));
-    if (track) Touch(f.slot, epoch);
+    const Shard::Group& grp = sh.groups[f.group];
+    if (sh.map.capacity() == f.capacity) {
+      sh.map.SetSlotAt(f.bucket, grp.slot);
+    } else {
+      sh.map.SetSlot(grp.key, grp.hash, grp.slot);
+    }
+    if (init) InitRow(opt_.init, dim_, grp.key, grp.hash, reinterpret_cast<float*>(Row(grp.slot)));
+    if (track) Touch(grp.slot, epoch);
   }
 }
 
-// Replaces the kPendingSlot entries of slots_ for this shard's routed keys by their slots.
-// REQUIRES: the shard's fresh keys were published (InitFresh or SetSlot).
-void EmbeddingStore::Impl::ResolvePending(Shard& sh, const int64_t* keys, uint32_t b,
-                                          uint32_t e) {
-  if (sh.fresh.empty()) return;
-  for (uint32_t p = b; p < e; ++p) {
-    const uint32_t i = order_[p];
-    if (slots_[i] == KeyMap::kPendingSlot) slots_[i] = sh.map.Find(keys[i], hashes_[i]);
+namespace {
+// Fixed-size row copies compile to a few vector moves; other sizes call memcpy.
+template <size_t kBytes>
+inline void CopyRow(float* dst, const char* src, size_t bytes) {
+  if constexpr (kBytes == 0) {
+    std::memcpy(dst, src, bytes);
+  } else {
+    std::memcpy(dst, src, kBytes);
   }
 }
+}  // namespace
 
-// Three-stage software pipeline over keys[begin, end): hash and prefetch the home bucket,
-// probe and prefetch the row kPrefetchDistance keys later, copy kPrefetchDistance later
-// still. Keeps ~2 * kPrefetchDistance independent cache misses in flight per thread.
-template <bool kTrack>
-void EmbeddingStore::Impl::ReadRange(const int64_t* keys, size_t begin, size_t end, float* out,
-                                     bool record_misses, std::vector<uint32_t>* misses) {
-  constexpr size_t D = kPrefetchDistance;
-  constexpr size_t R = 4 * D;  // ring size (power of two > 2 * D)
-  uint64_t hash[R];
-  const char* rows[R];
-  Shard* const* shards = shard_ptrs_.data();
+// Reads keys[begin, end) in groups of kGroup: hash a group and prefetch its buckets, then
+// probe the previous group and prefetch its rows, then copy the group before that. Each
+// phase runs over a whole group, so the misses of ~kGroup keys overlap.
+template <bool kTrack, size_t kRowBytes>
+void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out,
+                                      bool record_misses, std::vector<uint32_t>* misses) {
+  constexpr size_t G = kReadGroup;
+  uint64_t h[2][G];
+  const char* rows[2][G];
+  const KeyMap::View* views = views_.data();
+  char* const* page_addr = page_addr_.data();
+  const int page_shift = page_shift_;
+  const uint32_t page_mask = page_mask_;
+  const size_t stride = stride_;
+  const size_t row_bytes = row_bytes_;
+  const size_t dim = static_cast<size_t>(dim_);
+  const uint64_t num_shards = num_shards_;
   const uint32_t epoch = epoch_;
-  const size_t n = end - begin;
-  const size_t lines = std::min<size_t>(stride_ / 64, 4);
-  for (size_t j = 0; j < n + 2 * D; ++j) {
-    if (j < n) {
-      const uint64_t h = KeyHash(keys[begin + j]);
-      hash[j % R] = h;
-      const KeyMap& m = shards[ShardOf(h)]->map;
-      if (m.capacity() != 0) __builtin_prefetch(m.bucket(m.Home(h)));
+  const size_t lines = std::min<size_t>(stride / 64, 4);
+  auto shard_of = [num_shards](uint64_t x) { return ((x >> 32) * num_shards) >> 32; };
+  auto hash_group = [&](size_t start, uint64_t* hh) {
+    const size_t n = start < end ? std::min(G, end - start) : 0;
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t x = KeyHash(keys[start + j]);
+      hh[j] = x;
+      const KeyMap::View& v = views[shard_of(x)];
+      __builtin_prefetch(v.table + v.Home(x));
     }
-    if (j >= D && j - D < n) {
-      const size_t k = j - D;
-      const uint64_t h = hash[k % R];
-      const Shard& sh = *shards[ShardOf(h)];
-      const uint32_t slot = sh.map.Find(keys[begin + k], h);
+  };
+  hash_group(begin, h[0]);
+  for (size_t gi = 0;; ++gi) {
+    const size_t cur = gi & 1;
+    const size_t start = begin + gi * G;
+    if (start >= end + G) break;
+    hash_group(start + G, h[cur ^ 1]);
+    const size_t n = start < end ? std::min(G, end - start) : 0;
+    for (size_t j = 0; j < n; ++j) {
+      const uint64_t x = h[cur][j];
+      const uint32_t slot = views[shard_of(x)].Find(keys[start + j], x);
       if (slot != KeyMap::kNotFound) {
-        const char* r = Row(slot);
+        const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
         for (size_t l = 0; l < lines; ++l) __builtin_prefetch(r + 64 * l);
-        if constexpr (kTrack) Touch(slot, epoch);
-        rows[k % R] = r;
+        if constexpr (kTrack) pages_[slot >> page_shift]->Touch(epoch);
+        rows[cur][j] = r;
       } else {
-        rows[k % R] = nullptr;
+        rows[cur][j] = nullptr;
       }
     }
-    if (j >= 2 * D) {
-      const size_t k = j - 2 * D;
-      const char* r = rows[k % R];
-      float* dst = out + (begin + k) * static_cast<size_t>(dim_);
-      if (r != nullptr) {
-        std::memcpy(dst, r, row_bytes_);
+    if (gi == 0) continue;
+    const size_t pstart = start - G;
+    const size_t pn = std::min(G, end - pstart);
+    const char* const* pr = rows[cur ^ 1];
+    for (size_t j = 0; j < pn; ++j) {
+      float* dst = out + (pstart + j) * dim;
+      if (pr[j] != nullptr) {
+        CopyRow<kRowBytes>(dst, pr[j], row_bytes);
       } else if (record_misses) {
-        misses->push_back(static_cast<uint32_t>(begin + k));
+        misses->push_back(static_cast<uint32_t>(pstart + j));
       } else {
-        InitRow(opt_.init, dim_, keys[begin + k], hash[k % R], dst);
+        InitRow(opt_.init, dim_, keys[pstart + j], KeyHash(keys[pstart + j]), dst);
       }
     }
+  }
+}
+
+template <bool kTrack>
+void EmbeddingStore::Impl::ReadAny(const int64_t* keys, size_t begin, size_t end, float* out,
+                                   bool record_misses, std::vector<uint32_t>* misses) {
+  switch (row_bytes_) {
+    case 64: return ReadGroups<kTrack, 64>(keys, begin, end, out, record_misses, misses);
+    case 128: return ReadGroups<kTrack, 128>(keys, begin, end, out, record_misses, misses);
+    case 256: return ReadGroups<kTrack, 256>(keys, begin, end, out, record_misses, misses);
+    case 512: return ReadGroups<kTrack, 512>(keys, begin, end, out, record_misses, misses);
+    default: return ReadGroups<kTrack, 0>(keys, begin, end, out, record_misses, misses);
   }
 }
 
@@ -381,12 +475,14 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
   if (task_misses_.size() < tasks) task_misses_.resize(tasks);
   for (size_t t = 0; t < tasks; ++t) task_misses_[t].clear();
   const bool track = spill_.tracking();
+  views_.resize(num_shards_);
+  for (uint32_t s = 0; s < num_shards_; ++s) views_[s] = shards_[s]->map.view();
   pool_.Run(tasks, [&](size_t t) {
     const size_t b = n * t / tasks, e = n * (t + 1) / tasks;
     if (track) {
-      ReadRange<true>(keys, b, e, out, insert_missing, &task_misses_[t]);
+      ReadAny<true>(keys, b, e, out, insert_missing, &task_misses_[t]);
     } else {
-      ReadRange<false>(keys, b, e, out, insert_missing, &task_misses_[t]);
+      ReadAny<false>(keys, b, e, out, insert_missing, &task_misses_[t]);
     }
   });
   if (insert_missing) {
@@ -404,12 +500,13 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
       Materialize(miss_keys_.data());
       const uint32_t epoch = epoch_;
       RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
-        InitFresh(sh, epoch);
-        ResolvePending(sh, miss_keys_.data(), b, e);
+        Publish(sh, /*init=*/true, epoch);
+        for (uint32_t k = 0; k < e - b; ++k) {
+          const uint32_t slot = sh.groups[sh.item_group[k]].slot;
+          std::memcpy(out + static_cast<size_t>(miss_rows[order_[b + k]]) * dim_, Row(slot),
+                      row_bytes_);
+        }
       });
-      for (size_t j = 0; j < miss_rows.size(); ++j) {
-        std::memcpy(out + static_cast<size_t>(miss_rows[j]) * dim_, Row(slots_[j]), row_bytes_);
-      }
     }
   }
   lookups_ += static_cast<int64_t>(n);
@@ -426,19 +523,17 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
   ++mutations_;
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
-  RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
-    // New rows are fully overwritten below: no initialisation needed. In input order, so
-    // the last duplicate wins.
-    for (const auto& f : sh.fresh) sh.map.SetSlot(f.key, f.hash, f.slot);
-    ResolvePending(sh, keys, b, e);
-    for (uint32_t p = b; p < e; ++p) {
-      const uint32_t i = order_[p];
-      const uint32_t slot = slots_[i];
-      std::memcpy(Row(slot), rows + static_cast<size_t>(i) * dim_, row_bytes_);
-      if (track) Touch(slot, epoch);
+  RunShards([&](Shard& sh, uint32_t b, uint32_t) {
+    // New rows are fully overwritten: no initialisation. Each distinct key takes the row of
+    // its last occurrence.
+    Publish(sh, /*init=*/false, epoch);
+    for (const Shard::Group& grp : sh.groups) {
+      std::memcpy(Row(grp.slot), rows + static_cast<size_t>(order_[b + grp.last]) * dim_,
+                  row_bytes_);
+      if (track) Touch(grp.slot, epoch);
     }
   });
-  updates_ += static_cast<int64_t>(n);
+  for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());
   Finish();
 }
 
@@ -463,68 +558,42 @@ inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, flo
 void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const float* grads,
                                     float lr, int divisor) {
   const uint32_t m = e - b;
-  // Dedupe slots into groups in first-occurrence order (open addressing, load <= 0.5).
-  uint32_t table_size = 16;
-  while (table_size < 2 * m) table_size <<= 1;
-  const uint32_t table_mask = table_size - 1;
-  const int table_shift = 32 - Log2(table_size);
-  constexpr uint32_t kFree = 0xFFFFFFFFu;
-  sh.dedupe.assign(table_size, kFree);
-  sh.group_slot.resize(m);
-  sh.group_count.resize(m);
-  sh.item_group.resize(m);
-  uint32_t groups = 0;
-  const bool track = spill_.tracking();
-  const uint32_t epoch = epoch_;
-  for (uint32_t k = 0; k < m; ++k) {
-    const uint32_t slot = slots_[order_[b + k]];
-    uint32_t t = (slot * 0x9E3779B1u) >> table_shift;
-    for (;;) {
-      const uint32_t g = sh.dedupe[t];
-      if (g == kFree) {
-        sh.dedupe[t] = groups;
-        sh.group_slot[groups] = slot;
-        sh.group_count[groups] = 1;
-        sh.item_group[k] = groups++;
-        const char* r = Row(slot);
-        __builtin_prefetch(r, 1);
-        if (stride_ > 64) __builtin_prefetch(r + 64, 1);
-        if (track) Touch(slot, epoch);
-        break;
-      }
-      if (sh.group_slot[g] == slot) {
-        ++sh.group_count[g];
-        sh.item_group[k] = g;
-        break;
-      }
-      t = (t + 1) & table_mask;
-    }
-  }
+  const size_t ng = sh.groups.size();
   const float div = static_cast<float>(divisor);
   const bool divide = divisor != 1;
-  sh.groups = groups;
-  sh.group_seen.assign(groups, 0);
-  sh.group_acc.resize(groups);
+  const bool track = spill_.tracking();
+  const uint32_t epoch = epoch_;
+  const size_t dim = static_cast<size_t>(dim_);
+  sh.group_seen.assign(ng, 0);
+  sh.group_acc.resize(ng);
   uint32_t accs = 0;
   for (uint32_t k = 0; k < m; ++k) {
+    if (k + kPrefetchDistance < m) {
+      const char* r = Row(sh.groups[sh.item_group[k + kPrefetchDistance]].slot);
+      __builtin_prefetch(r, 1);
+      if (stride_ > 64) __builtin_prefetch(r + 64, 1);
+    }
     const uint32_t g = sh.item_group[k];
-    const float* grad = grads + static_cast<size_t>(order_[b + k]) * dim_;
-    float* w = reinterpret_cast<float*>(Row(sh.group_slot[g]));
-    const uint32_t count = sh.group_count[g];
-    if (count == 1) {
-      SgdRow(w, grad, lr, div, divide, dim_);
+    const Shard::Group& grp = sh.groups[g];
+    const float* grad = grads + static_cast<size_t>(order_[b + k]) * dim;
+    if (grp.count == 1) {
+      SgdRow(reinterpret_cast<float*>(Row(grp.slot)), grad, lr, div, divide, dim_);
+      if (track) Touch(grp.slot, epoch);
       continue;
     }
     const uint32_t seen = sh.group_seen[g]++;
     if (seen == 0) {
       sh.group_acc[g] = accs++;
-      if (sh.acc.size() < static_cast<size_t>(accs) * dim_) sh.acc.resize(static_cast<size_t>(m) * dim_);
-      std::memcpy(sh.acc.data() + static_cast<size_t>(sh.group_acc[g]) * dim_, grad, row_bytes_);
+      if (sh.acc.size() < accs * dim) sh.acc.resize(static_cast<size_t>(m) * dim);
+      std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, row_bytes_);
       continue;
     }
-    float* a = sh.acc.data() + static_cast<size_t>(sh.group_acc[g]) * dim_;
-    for (int c = 0; c < dim_; ++c) a[c] = a[c] + grad[c];
-    if (seen + 1 == count) SgdRow(w, a, lr, div, divide, dim_);
+    float* a = sh.acc.data() + sh.group_acc[g] * dim;
+    for (size_t c = 0; c < dim; ++c) a[c] = a[c] + grad[c];
+    if (seen + 1 == grp.count) {
+      SgdRow(reinterpret_cast<float*>(Row(grp.slot)), a, lr, div, divide, dim_);
+      if (track) Touch(grp.slot, epoch);
+    }
   }
 }
 
@@ -541,14 +610,10 @@ void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* 
   ++mutations_;
   const uint32_t epoch = epoch_;
   RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
-    InitFresh(sh, epoch);
-    ResolvePending(sh, keys, b, e);
+    Publish(sh, /*init=*/true, epoch);
     SgdShard(sh, b, e, grads, lr, divisor);
   });
-  for (auto& sh : shards_) {
-    updates_ += static_cast<int64_t>(sh->groups);
-    sh->groups = 0;
-  }
+  for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());
   Finish();
 }
 

@@ -59,7 +59,7 @@ void KeyMap::Reserve(size_t n) {
   Rehash(CapacityFor(n));
 }
 
-void KeyMap::Insert(int64_t key, uint64_t hash, uint32_t slot) {
+size_t KeyMap::Insert(int64_t key, uint64_t hash, uint32_t slot) {
   if (size_ + 1 > MaxSize(capacity_)) {
     // Doubling while small keeps rehash cost amortised; 1.5x when large bounds the memory
     // a growth step wastes.
@@ -74,6 +74,7 @@ void KeyMap::Insert(int64_t key, uint64_t hash, uint32_t slot) {
   table_[b].key = key;
   table_[b].tag = slot + 1;
   ++size_;
+  return b;
 }
 
 void KeyMap::SetSlot(int64_t key, uint64_t hash, uint32_t slot) {

@@ -69,9 +69,14 @@ class KeyMap {
     }
   }
 
-  // Adds key -> slot. REQUIRES: key absent, slot <= kMaxSlot or kPendingSlot. Grows the table when the
-  // load would pass 0.7; on std::bad_alloc nothing has changed.
-  void Insert(int64_t key, uint64_t hash, uint32_t slot);
+  // Adds key -> slot and returns its bucket. REQUIRES: key absent, slot <= kMaxSlot or
+  // kPendingSlot. Grows the table when the load would pass 0.7; on std::bad_alloc nothing
+  // has changed. Inserting never moves other entries; only growth (a capacity change) does.
+  size_t Insert(int64_t key, uint64_t hash, uint32_t slot);
+
+  // Replaces the slot of the entry in bucket b. REQUIRES: b holds a key (e.g. returned by
+  // Insert with no capacity change since), slot <= kMaxSlot.
+  void SetSlotAt(size_t b, uint32_t slot) { table_[b].tag = slot + 1; }
 
   // Replaces the slot of a stored key. REQUIRES: key present, slot <= kMaxSlot.
   void SetSlot(int64_t key, uint64_t hash, uint32_t slot);
@@ -81,6 +86,30 @@ class KeyMap {
 
   // Ensures `n` keys fit without growing. On std::bad_alloc nothing has changed.
   void Reserve(size_t n);
+
+  // A read-only snapshot of the table for hot loops: valid until the next mutation. An
+  // empty map yields a one-bucket empty table, so probing needs no capacity check.
+  struct View {
+    const Entry* table;
+    uint64_t capacity;
+    int shard_bits;
+    size_t Home(uint64_t hash) const {
+      return static_cast<size_t>((static_cast<unsigned __int128>(hash << shard_bits) * capacity) >> 64);
+    }
+    uint32_t Find(int64_t key, uint64_t hash) const {
+      size_t b = Home(hash);
+      for (;;) {
+        const Entry& e = table[b];
+        if (e.tag == 0) return kNotFound;
+        if (e.key == key) return e.tag - 1;
+        if (++b == capacity) b = 0;
+      }
+    }
+  };
+  View view() const {
+    static const Entry kEmpty{0, 0, 0};
+    return capacity_ == 0 ? View{&kEmpty, 1, shard_bits_} : View{table_, capacity_, shard_bits_};
+  }
 
   // Raw table for ordered iteration (entries with tag != 0 are stored keys).
   const Entry* entries() const { return table_; }

@@ -1,6 +1,8 @@
 #include "store/page_arena.h"
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -10,6 +12,15 @@
 #include "store/os_memory.h"
 
 namespace bagpipe::store {
+
+namespace {
+// mremap(2) through the raw system call: some sanitizer runtimes intercept the libc wrapper
+// and drop its fifth (new_address) argument.
+void* RemapFixed(void* from, size_t bytes, void* to) {
+  const long r = syscall(SYS_mremap, from, bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, to);
+  return r == -1 ? MAP_FAILED : reinterpret_cast<void*>(r);
+}
+}  // namespace
 
 PageArena::PageArena(size_t row_stride, uint32_t page_rows)
     : row_stride_(row_stride),
@@ -44,7 +55,7 @@ void PageArena::MoveToFile(Page* page, int fd, int64_t extent) {
     throw IOError(std::string("spill: mmap of the spill file failed: ") + std::strerror(errno));
   }
   std::memcpy(tmp, page->addr, page_bytes_);
-  void* r = mremap(tmp, page_bytes_, page_bytes_, MREMAP_MAYMOVE | MREMAP_FIXED, page->addr);
+  void* r = RemapFixed(tmp, page_bytes_, page->addr);
   if (r == MAP_FAILED) {
     const int err = errno;
     munmap(tmp, page_bytes_);
@@ -59,7 +70,7 @@ void PageArena::MoveToFile(Page* page, int fd, int64_t extent) {
 void PageArena::MoveToMemory(Page* page) {
   void* tmp = MapAnonymous(page_bytes_);
   std::memcpy(tmp, page->addr, page_bytes_);
-  void* r = mremap(tmp, page_bytes_, page_bytes_, MREMAP_MAYMOVE | MREMAP_FIXED, page->addr);
+  void* r = RemapFixed(tmp, page_bytes_, page->addr);
   if (r == MAP_FAILED) {
     const int err = errno;
     UnmapMemory(tmp, page_bytes_);

@@ -16,11 +16,14 @@ namespace bagpipe::store {
 
 namespace {
 // Hot spilled pages swapped back per op, at most: bounds the work an op pays for policy.
-constexpr int kMaxSwapInsPerOp = 4;
-// A spilled page comes back only when touched in at least this many of the last 8 ops...
-constexpr int kHotPopcount = 3;
-// ...and, when a resident page must leave for it, that page is this much colder.
-constexpr int kSwapHysteresis = 2;
+constexpr int kMaxSwapInsPerOp = 2;
+// A spilled page comes back into free room when touched in at least this many of the last
+// 8 ops...
+constexpr int kHotPopcount = 4;
+// ...and trades places with a resident page only when it is clearly hot and the resident
+// one clearly cold, so pages of similar heat (scattered hot rows) do not ping-pong.
+constexpr int kTradeHotPopcount = 6;
+constexpr int kTradeColdPopcount = 2;
 }  // namespace
 
 SpillTier::SpillTier(PageArena* arena, const Options& options)
@@ -77,13 +80,15 @@ int64_t SpillTier::AcquireExtent() {
   } else {
     extent = next_extent_;
   }
-  const off_t bytes = static_cast<off_t>(arena_->page_bytes());
-  // Reserve the blocks now: a write into a sparse file mapping on a full disk would be a
-  // SIGBUS later, an error here is clean.
-  const int rc = posix_fallocate(fd_, static_cast<off_t>(extent) * bytes, bytes);
-  if (rc != 0) {
-    throw IOError("spill_dir: cannot reserve " + std::to_string(bytes) + " bytes in " + dir_ +
-                  ": " + std::strerror(rc));
+  if (extent == next_extent_) {
+    // Reserve the blocks of a new extent now: a write into a sparse file mapping on a full
+    // disk would be a SIGBUS later, an error here is clean.
+    const off_t bytes = static_cast<off_t>(arena_->page_bytes());
+    const int rc = posix_fallocate(fd_, static_cast<off_t>(extent) * bytes, bytes);
+    if (rc != 0) {
+      throw IOError("spill_dir: cannot reserve " + std::to_string(bytes) + " bytes in " + dir_ +
+                    ": " + std::strerror(rc));
+    }
   }
   if (!free_extents_.empty()) {
     free_extents_.pop_back();
@@ -94,10 +99,8 @@ int64_t SpillTier::AcquireExtent() {
 }
 
 void SpillTier::ReleaseExtent(int64_t extent) {
-  const off_t bytes = static_cast<off_t>(arena_->page_bytes());
-  // Drop the extent's disk blocks and page cache; failure only costs disk space.
-  fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(extent) * bytes,
-            bytes);
+  // The extent keeps its disk blocks for reuse (the spill file never outgrows the largest
+  // number of pages spilled at once); its page cache copy is reclaimed by the kernel.
   free_extents_.push_back(extent);
 }
 
@@ -109,9 +112,8 @@ void SpillTier::SwapOut(PageArena::Page* p) {
     free_extents_.push_back(extent);
     throw;
   }
-  // Start write-back now so the page cache copy becomes clean (reclaimable) soon.
-  sync_file_range(fd_, static_cast<off_t>(extent) * static_cast<off_t>(arena_->page_bytes()),
-                  static_cast<off_t>(arena_->page_bytes()), SYNC_FILE_RANGE_WRITE);
+  // Write-back is left to the kernel: forcing it now would write-protect the page cache
+  // copy, and every later write to a spilled row would take a fault.
   ++swap_outs_;
   if (first_spill_.empty()) {
     first_spill_ = "EmbeddingStore: resident rows passed the memory budget of " +
@@ -208,8 +210,8 @@ void SpillTier::AfterOp(uint32_t epoch) {
       if (q->spilled) continue;
       if (coldest == nullptr || Heat(*q) < Heat(*coldest)) coldest = q;
     }
-    if (coldest == nullptr ||
-        std::popcount(coldest->score) + kSwapHysteresis > std::popcount(p->score)) {
+    if (coldest == nullptr || std::popcount(p->score) < kTradeHotPopcount ||
+        std::popcount(coldest->score) > kTradeColdPopcount) {
       break;
     }
     SwapOut(coldest);

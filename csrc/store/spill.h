@@ -12,6 +12,10 @@
 // Page temperature: every op bumps an epoch; rows accessed in it Touch() their page; after
 // the op each page's 8-bit aging register becomes (score >> 1) | (touched ? 0x80 : 0).
 // A page's heat is popcount(score) (ops of the last 8 that touched it) then score (recency).
+// Eviction takes the coldest pages first. After an op, at most two spilled pages come back:
+// into free room under the high watermark when touched in >= 4 of the last 8 ops, or in
+// exchange for a resident page touched in <= 2 when touched in >= 6 (no ping-pong between
+// pages of similar heat). Spill extents keep their disk blocks for reuse.
 //
 // Thread safety: every method requires the store's op mutex (exclusive access to the
 // arena). Callbacks run on the thread that calls MakeRoom / AfterOp.

@@ -28,3 +28,14 @@ TEST_CASE(thread_pool_rethrows_first_error) {
   pool.Run(10, [&](size_t) { again.fetch_add(1); });
   CHECK_EQ(again.load(), 10);
 }
+
+TEST_CASE(thread_pool_spinning_runs_back_to_back_jobs) {
+  for (int spin : {0, 200}) {
+    bagpipe::ThreadPool pool(2, spin);
+    std::atomic<long> sum{0};
+    for (int job = 0; job < 2000; ++job) {
+      pool.Run(2, [&](size_t i) { sum.fetch_add(static_cast<long>(i) + 1); });
+    }
+    CHECK_EQ(sum.load(), 2000L * 3);
+  }
+}

@@ -1,1 +1,40 @@
-"""distributed"""
+"""TorchRec integration: sharder, sharded EBC, planner helpers and the train pipeline."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "BAGPIPE_KERNEL": "torchrec_bagpipe.distributed.embeddingbag",
+    "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
+    "BagPipeEmbeddingBagCollectionSharder": "torchrec_bagpipe.distributed.sharder",
+    "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.planner",
+    "BagPipePerfEstimator": "torchrec_bagpipe.distributed.planner",
+    "BagPipeStorageEstimator": "torchrec_bagpipe.distributed.planner",
+    "bagpipe_plan": "torchrec_bagpipe.distributed.planner",
+    "bagpipe_parameter_sharding": "torchrec_bagpipe.distributed.planner",
+    "BagPipeTrainPipeline": "torchrec_bagpipe.distributed.train_pipeline",
+    "BagPipeFusedOptimizer": "torchrec_bagpipe.distributed.fused_optimizer",
+    "UnsupportedOptimizerError": "torchrec_bagpipe.distributed.fused_optimizer",
+    "TorchDistCollectives": "torchrec_bagpipe.distributed.collectives",
+    "bagpipe_modules": "torchrec_bagpipe.distributed.utils",
+    "bagpipe_metrics": "torchrec_bagpipe.distributed.utils",
+    "prescan_model": "torchrec_bagpipe.distributed.utils",
+    "close_model": "torchrec_bagpipe.distributed.utils",
+    "flush_model": "torchrec_bagpipe.distributed.utils",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrec_bagpipe.distributed' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

@@ -46,6 +46,7 @@ def _float_arg(value: Any, name: str) -> float:
     return value
 
 
+# These checks run on every batch op: each costs tens of nanoseconds (no device objects).
 def _tensor_arg(t: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")
@@ -53,25 +54,30 @@ def _tensor_arg(t: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise TypeError(f"{name} must be a CPU tensor, got device {t.device}")
     if not t.is_contiguous():
         raise TypeError(f"{name} must be contiguous")
     return t
 
 
+def _numpy(t: torch.Tensor) -> Any:
+    """Zero-copy numpy view of a checked tensor."""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
+
+
 def _keys_arg(keys: Any, name: str = "keys") -> Any:
     keys = _tensor_arg(keys, name, torch.int64)
     if keys.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(keys.shape)}")
-    return keys.detach().numpy()
+    return _numpy(keys)
 
 
 def _rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
     rows = _tensor_arg(rows, name, torch.float32)
     if rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] != dim:
         raise ValueError(f"{name} must have shape ({n}, {dim}), got {tuple(rows.shape)}")
-    return rows.detach().numpy()
+    return _numpy(rows)
 
 
 def _budget_arg(value: Any) -> int:

@@ -1,1 +1,45 @@
-"""runtime"""
+"""The framework-agnostic BagPipe runtime: bounded cache, lookahead planners, coherence.
+
+It never imports torch.distributed or a transport: collectives and the PS client are
+injected, so W ranks can be simulated in one process (`ThreadCollectives`, `ReferencePS`).
+Names are imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "BagPipeController": "torchrec_bagpipe.runtime.controller",
+    "ControllerError": "torchrec_bagpipe.runtime.controller",
+    "PSClientLike": "torchrec_bagpipe.runtime.controller",
+    "Step": "torchrec_bagpipe.runtime.controller",
+    "Collectives": "torchrec_bagpipe.runtime.collectives",
+    "CollectiveAborted": "torchrec_bagpipe.runtime.collectives",
+    "ThreadCollectives": "torchrec_bagpipe.runtime.collectives",
+    "ThreadGroup": "torchrec_bagpipe.runtime.collectives",
+    "DeviceCache": "torchrec_bagpipe.runtime.device_cache",
+    "OnlinePlanner": "torchrec_bagpipe.runtime.planner",
+    "PrescanPlanner": "torchrec_bagpipe.runtime.planner",
+    "PlanMismatchError": "torchrec_bagpipe.runtime.planner",
+    "StepPlan": "torchrec_bagpipe.runtime.planner",
+    "RuntimeMetrics": "torchrec_bagpipe.runtime.metrics",
+    "ReferencePS": "torchrec_bagpipe.runtime.reference_ps",
+    "BagPipeCacheMetadata": "torchrec_bagpipe.runtime.cache_metadata",
+    "simulate": "torchrec_bagpipe.runtime.simulate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchrec_bagpipe.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

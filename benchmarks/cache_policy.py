@@ -1,0 +1,276 @@
+"""Cache policy benchmark: BagPipe's oracle (lookahead) vs LRU vs Belady's MIN, and planner speed.
+
+Part 1 (hit rate). One rank trains over power-law traces (Zipf 0.8, 1.05, 1.2 with the hot ids
+scattered over the key space) and one time-ordered trace (the hot set drifts through the key
+space), through the real BagPipeController against the in-process exact PS, with cache
+capacities of 0.5, 1, 5 and 10% of the rows:
+  * lru:    eviction "lru", lookahead 0 (the classic cache; every miss is a PS fetch);
+  * oracle: eviction "oracle", lookahead L (prefetch + furthest-next-use eviction);
+  * min:    Belady's MIN with bypass, computed here offline from the whole trace (the optimum
+            for a demand-fetched cache of the same capacity).
+Reported per (trace, capacity): hit rate (accesses served from the cache without any fetch
+for that step) and PS rows fetched per step (demand + prefetched).
+
+Part 2 (planner). The native step planner over a global batch of 16,384 samples x 26 features
+(W = 8 ranks), Zipf 1.05 over 10M rows: ids/s and ms per global batch, against a vectorized
+numpy planner computing the same facts (baseline) in the same run; plus the controller's
+per-step overhead.
+
+Every result is one JSON line. `--quick` finishes in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torchrec_bagpipe._native import C
+from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
+from torchrec_bagpipe.runtime.simulate import simulate
+
+SCATTER = 2654435761  # a prime: id = rank * SCATTER mod N scatters the hot ranks
+
+
+def emit(**kw) -> None:
+    kw.setdefault("threads", 1)
+    kw.setdefault("transport", "in-process")
+    print(json.dumps(kw), flush=True)
+
+
+def zipf_ranks(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarray:
+    """Bounded power-law ranks in [0, rows) (continuous inverse CDF)."""
+    u = rng.random(n)
+    if abs(a - 1.0) < 1e-9:
+        r = np.floor((rows + 1.0) ** u) - 1
+    else:
+        e = 1.0 - a
+        r = np.floor((((rows + 1.0) ** e - 1.0) * u + 1.0) ** (1.0 / e)) - 1
+    return np.clip(r, 0, rows - 1).astype(np.int64)
+
+
+def make_trace(kind: str, rows: int, steps: int, batch: int, seed: int) -> list[list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        if kind.startswith("zipf"):
+            r = zipf_ranks(rng, batch, rows, float(kind[4:]))
+        else:  # time-ordered: Zipf 1.05 whose hot set drifts through half the key space
+            shift = (t * rows) // (2 * steps)
+            r = (zipf_ranks(rng, batch, rows, 1.05) + shift) % rows
+        out.append([(r * SCATTER) % rows])
+    return out
+
+
+def belady_min(trace: list[list[np.ndarray]], capacity: int) -> tuple[int, int]:
+    """Hits and accesses of Belady's MIN with bypass over per-step unique keys (one rank)."""
+    steps = [np.unique(per[0]) for per in trace]
+    never = np.iinfo(np.int64).max
+    nxt: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
+    last: dict[int, int] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        keys = steps[t]
+        nxt[t] = np.array([last.get(int(k), never) for k in keys], dtype=np.int64)
+        for k in keys.tolist():
+            last[k] = t
+    res_k = np.zeros(0, dtype=np.int64)
+    res_n = np.zeros(0, dtype=np.int64)
+    hits = accesses = 0
+    for t, keys in enumerate(steps):
+        accesses += keys.size
+        hits += int(np.isin(keys, res_k, assume_unique=True).sum())
+        allk = np.concatenate([keys, res_k])  # this step's next uses first: they are current
+        alln = np.concatenate([nxt[t], res_n])
+        uk, first = np.unique(allk, return_index=True)
+        un = alln[first]
+        keep = un != never
+        uk, un = uk[keep], un[keep]
+        if uk.size > capacity:
+            sel = np.argpartition(un, capacity - 1)[:capacity]
+            uk, un = uk[sel], un[sel]
+        res_k, res_n = uk, un
+    return hits, accesses
+
+
+def run_policy(trace, rows: int, capacity_rows: int, policy: str, lookahead: int, dim: int):
+    cfg = BagPipeConfig(
+        optimization_cache_capacity=max(1, capacity_rows // ROWS_PER_CACHE_UNIT),
+        eviction_policy=policy,
+        lookahead=lookahead,
+        gradient_division=True,
+        prepared_batches=2,
+    )
+    t0 = time.perf_counter()
+    res = simulate(cfg, trace, num_keys=rows, dim=dim, lr=0.01)
+    wall = time.perf_counter() - t0
+    m = res.metrics[0]
+    return m, wall
+
+
+def part_hit_rate(args) -> None:
+    kinds = ["zipf0.8", "zipf1.05", "zipf1.2", "time_ordered"]
+    pcts = [0.5, 1.0, 5.0, 10.0]
+    for kind in kinds:
+        trace = make_trace(kind, args.rows, args.steps, args.batch, seed=1)
+        for pct in pcts:
+            cap = max(ROWS_PER_CACHE_UNIT,
+                      math.ceil(args.rows * pct / 100 / ROWS_PER_CACHE_UNIT)
+                      * ROWS_PER_CACHE_UNIT)
+            common = dict(bench="cache_policy", trace=kind, capacity_pct=pct,
+                          capacity_rows=cap, rows=args.rows, batch=args.batch,
+                          steps=args.steps, dim=args.dim)
+            mh, acc = belady_min(trace, cap)
+            min_rate = mh / acc
+            lru, _ = run_policy(trace, args.rows, cap, "lru", 0, args.dim)
+            lru_rate = lru["hits"] / lru["accesses"]
+            lru_fetch = (lru["demand_fetched"] + lru["prefetched"]) / args.steps
+            emit(**common, metric="hit_rate", policy="lru", lookahead=0, value=lru_rate,
+                 unit="fraction", baseline=min_rate, ratio=lru_rate / min_rate if min_rate else 0)
+            emit(**common, metric="ps_rows_per_step", policy="lru", lookahead=0, value=lru_fetch,
+                 unit="rows", baseline=(acc - mh) / args.steps,
+                 ratio=lru_fetch / max((acc - mh) / args.steps, 1e-9))
+            emit(**common, metric="hit_rate", policy="min", lookahead=args.steps, value=min_rate,
+                 unit="fraction", baseline=lru_rate, ratio=min_rate / lru_rate if lru_rate else 0)
+            for look in args.lookaheads:
+                orc, wall = run_policy(trace, args.rows, cap, "oracle", look, args.dim)
+                rate = orc["hits"] / orc["accesses"]
+                fetch = (orc["demand_fetched"] + orc["prefetched"]) / args.steps
+                emit(**common, metric="hit_rate", policy="oracle", lookahead=look, value=rate,
+                     unit="fraction", baseline=lru_rate,
+                     ratio=rate / lru_rate if lru_rate else float("inf"),
+                     min_hit_rate=min_rate, gap_to_min=min_rate - rate,
+                     prefetch_served=orc["prefetch_served"] / orc["accesses"])
+                emit(**common, metric="ps_rows_per_step", policy="oracle", lookahead=look,
+                     value=fetch, unit="rows", baseline=lru_fetch,
+                     ratio=fetch / lru_fetch if lru_fetch else 0.0,
+                     demand_rows_per_step=orc["demand_fetched"] / args.steps)
+                emit(**common, metric="controller_step_ms", policy="oracle", lookahead=look,
+                     value=wall / args.steps * 1e3, unit="ms", baseline=None, ratio=None)
+
+
+class NumpyPlanner:
+    """A vectorized numpy planner computing the same per-step facts (the baseline)."""
+
+    def __init__(self, world: int, rank: int, lookahead: int, num_keys: int) -> None:
+        self.world, self.rank, self.look = world, rank, lookahead
+        self.last = np.full(num_keys, -1, dtype=np.int32)      # last step touching a key
+        self.own_last = np.full(num_keys, -1, dtype=np.int32)  # rank's last read
+        self.plans: list[dict] = []
+
+    def add_step(self, per_rank: list[np.ndarray]) -> None:
+        s = len(self.plans)
+        own = per_rank[self.rank]
+        uniq, inverse = np.unique(own, return_inverse=True)
+        ranks_u = [np.unique(k) for k in per_rank]
+        allk = np.concatenate(ranks_u)
+        union, counts = np.unique(allk, return_counts=True)
+        mine = np.isin(union, uniq, assume_unique=True)
+        others = union[counts > mine.astype(np.int64)]
+        dep = self.last[uniq].astype(np.int64)
+        shared = np.isin(uniq, others, assume_unique=True)
+        prev = self.own_last[uniq].astype(np.int64)
+        nxt = np.full(uniq.size, -1, dtype=np.int64)
+        for p in range(max(0, s - self.look), s):
+            plan = self.plans[p]
+            pos = np.searchsorted(plan["unique"], uniq)
+            pos = np.minimum(pos, plan["unique"].size - 1)
+            hit = (plan["unique"][pos] == uniq) & (prev == p) if plan["unique"].size else None
+            if hit is not None and hit.any():
+                plan["next_use"][pos[hit]] = s
+        self.last[union] = s
+        self.own_last[uniq] = s
+        self.plans.append(dict(unique=uniq, inverse=inverse, dep=dep, shared=shared,
+                               others=others, next_use=nxt))
+
+
+def part_planner(args) -> None:
+    world = 8
+    per_rank = args.samples * 26 // world
+    rng = np.random.default_rng(7)
+    steps = [[(zipf_ranks(rng, per_rank, args.planner_rows, 1.05) * SCATTER)
+              % args.planner_rows for _ in range(world)] for _ in range(args.planner_steps)]
+    flat = []
+    for per in steps:
+        off = np.zeros(world + 1, dtype=np.int64)
+        np.cumsum([x.size for x in per], out=off[1:])
+        flat.append((np.concatenate(per), off))
+    ids = per_rank * world
+    common = dict(bench="cache_policy", dim=0, samples=args.samples, features=26,
+                  world_size=world, ids_per_step=ids, rows=args.planner_rows)
+    native_wall, native_cpu, base_wall = [], [], []
+    for _ in range(args.repeats):
+        planner = C.StepPlanner(world, 0, 200, args.planner_rows, False)
+        for keys, off in flat:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            planner.add_step(keys, off)
+            native_wall.append(time.perf_counter() - w0)
+            native_cpu.append(time.thread_time() - c0)
+        base = NumpyPlanner(world, 0, 200, args.planner_rows)
+        for per in steps:
+            w0 = time.perf_counter()
+            base.add_step(per)
+            base_wall.append(time.perf_counter() - w0)
+    med = float(np.median(native_wall))
+    med_cpu = float(np.median(native_cpu))
+    bmed = float(np.median(base_wall))
+    emit(**common, metric="planner_ids_per_s", value=ids / med, unit="ids/s",
+         baseline=ids / bmed, ratio=bmed / med, cpu_ids_per_s=ids / med_cpu)
+    emit(**common, metric="planner_ms_per_global_batch", value=med * 1e3, unit="ms",
+         baseline=bmed * 1e3, ratio=med / bmed, cpu_ms=med_cpu * 1e3, target_ms=21.0)
+
+
+def part_overhead(args) -> None:
+    """Controller per-step time with an in-process PS: oracle cache vs no cache (read_mode ps)."""
+    rows = args.rows
+    trace = make_trace("zipf1.05", rows, args.overhead_steps, args.overhead_batch, seed=3)
+    cap = max(1, rows // 100 // ROWS_PER_CACHE_UNIT)
+    results = {}
+    for name, cfg in (
+        ("no_cache", BagPipeConfig(read_mode="ps", gradient_division=True)),
+        ("oracle", BagPipeConfig(optimization_cache_capacity=cap, lookahead=8,
+                                 gradient_division=True)),
+    ):
+        walls = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            simulate(cfg, trace, num_keys=rows, dim=args.dim, lr=0.01)
+            walls.append((time.perf_counter() - t0) / args.overhead_steps)
+        results[name] = float(np.median(walls))
+    emit(bench="cache_policy", metric="controller_step_ms", policy="oracle", lookahead=8,
+         value=results["oracle"] * 1e3, unit="ms", baseline=results["no_cache"] * 1e3,
+         ratio=results["oracle"] / results["no_cache"], dim=args.dim,
+         ids_per_step=args.overhead_batch, rows=rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI-sized run (well under a minute)")
+    p.add_argument("--part", choices=["all", "hit_rate", "planner", "overhead"], default="all")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.steps, args.batch, args.lookaheads = 20_000, 40, 1024, [4, 32]
+        args.samples, args.planner_rows, args.planner_steps = 16384, 2_000_000, 6
+        args.overhead_steps, args.overhead_batch, args.repeats = 20, 2048, 2
+    else:
+        args.rows, args.steps, args.batch, args.lookaheads = 100_000, 150, 4096, [4, 16, 64]
+        args.samples, args.planner_rows, args.planner_steps = 16384, 10_000_000, 12
+        args.overhead_steps, args.overhead_batch, args.repeats = 50, 8192, 3
+    args.dim = 4
+    if args.part in ("all", "planner"):
+        part_planner(args)
+    if args.part in ("all", "overhead"):
+        part_overhead(args)
+    if args.part in ("all", "hit_rate"):
+        part_hit_rate(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""End-to-end DLRM on power-law data: stock TorchRec vs the BagPipe PS, on this machine.
+
+Configurations (same model, data and cache capacity; world size 2, gloo, CPU):
+
+* ``stock``: TorchRec's own sharders, tables local to the trainers (the upper bound);
+* ``ps_nocache``: BagPipe with ``--read-mode ps``: every row fetched from the PS every step;
+* ``lru``: a bounded LRU cache without lookahead (``--eviction-policy lru --lookahead 0``);
+* ``bagpipe_prescan`` / ``bagpipe_online``: the oracle cache with lookahead prefetch.
+
+Each configuration runs `examples/dlrm/dlrm_main.py` in its own 2-rank process group. For
+each it prints one JSON line per metric: samples/s (measured), cache hit rate, PS rows and
+bytes per step, and the modelled step time and samples/s under a link model for each preset
+(25 GbE TCP, 100 Gb RDMA): ``step = compute + exposed network time``, where compute is the
+stock configuration's measured median step time and the network time comes from the
+run's deterministic counters (see `model_step`). Baselines are measured in the same run.
+A PNG plots samples/s and hit rate per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = "e2e_dlrm"
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network between a trainer and the PS: one-way latency, bandwidth, window."""
+
+    name: str
+    rtt_s: float
+    bytes_per_s: float
+    window: int  # requests in flight before waiting for replies
+
+
+PRESETS = [
+    Link("25GbE-TCP", rtt_s=50e-6, bytes_per_s=25e9 / 8 * 0.9, window=8),
+    Link("100Gb-RDMA", rtt_s=5e-6, bytes_per_s=100e9 / 8 * 0.95, window=32),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world: int, port: int, argv: list[str], out: Any) -> None:
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
+        import dlrm_main
+        import torch.distributed as dist
+
+        results = dlrm_main.main(argv)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        out.put((rank, "ok", results if rank == 0 else None))
+    except BaseException:
+        import traceback
+
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_config(argv: list[str], world: int, timeout: float) -> dict[str, Any]:
+    """Runs the DLRM example on `world` spawned ranks; rank 0's results."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, argv, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[str, Any] | None = None
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = out.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"{argv}: no result within {timeout}s") from None
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            if rank == 0:
+                results = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert results is not None
+    return results
+
+
+def model_step(compute_s: float, counters: dict[str, float], steps: int, world: int,
+               link: Link) -> tuple[float, float]:
+    """(exposed network time, modelled step time) of one rank: compute plus the network
+    time left exposed.
+
+    Per rank and step, from the runtime's counters: demand gets (blocking: a round trip per
+    get plus their bytes), prefetch traffic (overlaps the step's compute; only its excess is
+    exposed) and the gradient commit (on the critical path in the measured fraction of steps
+    whose reads waited for the previous commit: `dependency_waits / steps`).
+    """
+    per = 1.0 / max(1, steps * world)
+    row_bytes = counters.get("fetched_bytes", 0.0) * per
+    demand = counters.get("demand_fetched", 0.0) * per
+    prefetched = counters.get("prefetched", 0.0) * per
+    rows = max(1.0, demand + prefetched)
+    demand_bytes = row_bytes * demand / rows
+    prefetch_bytes = row_bytes * prefetched / rows
+    demand_gets = counters.get("demand_gets", 0.0) * per
+    prefetch_gets = counters.get("prefetch_gets", 0.0) * per
+    grad_bytes = (counters.get("gradient_payload_bytes", 0.0)
+                  + counters.get("allreduce_payload_bytes", 0.0)) * per
+    # Keys travel with each get: 8 bytes per requested row.
+    demand_time = demand_gets * link.rtt_s + (demand_bytes + 8 * demand) / link.bytes_per_s
+    prefetch_time = (prefetch_gets * link.rtt_s / link.window
+                     + (prefetch_bytes + 8 * prefetched) / link.bytes_per_s)
+    commit_time = link.rtt_s + grad_bytes / link.bytes_per_s
+    waits = counters.get("dependency_waits", 0.0) / max(1.0, counters.get("steps", 1.0))
+    commit_exposed = waits * commit_time
+    exposed = demand_time + max(0.0, prefetch_time - compute_s) + commit_exposed
+    return exposed, compute_s + exposed
+
+
+def _bytes_per_step(r: dict[str, Any], world: int) -> float:
+    c = r["bagpipe"].get("counters", {})
+    total = (c.get("fetched_bytes", 0.0) + c.get("gradient_payload_bytes", 0.0)
+             + c.get("allreduce_payload_bytes", 0.0))
+    return total / max(1, r["steps"] * world)
+
+
+def emit(metric: str, value: float, unit: str, baseline: float | None, **extra: Any) -> None:
+    line = {"bench": BENCH, "metric": metric, "value": value, "unit": unit,
+            "baseline": baseline,
+            "ratio": (value / baseline) if baseline else None, "threads": 1, **extra}
+    print(json.dumps(line), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short run (< 3 min)")
+    p.add_argument("--steps", type=int, default=None, help="training batches per rank")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--num-embeddings", type=int, default=None, help="rows per table (26)")
+    p.add_argument("--dim", type=int, default=64, help="embedding dim (TorchRec's default)")
+    p.add_argument("--zipf", type=float, default=1.05)
+    p.add_argument("--cache-fraction", type=float, default=0.05,
+                   help="cache rows as a fraction of all table rows")
+    p.add_argument("--lookahead", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=None, help="runs per configuration")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--configs", default="stock,ps_nocache,lru,bagpipe_prescan,bagpipe_online")
+    p.add_argument("--png", default=None, help="plot path (default: benchmarks/e2e_dlrm.png)")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--compute-ms", type=float, default=None,
+                   help="compute time per step for the link model (default: the stock run's "
+                        "measured median step); set it to model a faster device (an "
+                        "assumption, reported as such)")
+    args = p.parse_args(argv)
+    steps = args.steps or (40 if args.quick else 200)
+    batch = args.batch_size or (256 if args.quick else 1024)
+    rows = args.num_embeddings or (20_000 if args.quick else 200_000)
+    repeats = args.repeats or (1 if args.quick else 3)
+    world = args.world_size
+    cache_units = max(1, int(26 * rows * args.cache_fraction) // 64)
+    common = [
+        "--batch_size", str(batch), "--limit_train_batches", str(steps),
+        "--limit_val_batches", "2", "--limit_test_batches", "2",
+        "--num_embeddings", str(rows), "--embedding_dim", str(args.dim),
+        "--dense_arch_layer_sizes", f"64,{args.dim}", "--over_arch_layer_sizes", "64,32,1",
+        "--learning_rate", "0.05", "--zipf_alpha", str(args.zipf), "--seed", "1",
+        "--no_progress",
+    ]
+    bagpipe = ["--optimization-cache-capacity", str(cache_units)]
+    configs = {
+        "stock": ["--sharder", "torchrec"],
+        "ps_nocache": ["--read-mode", "ps"],
+        "lru": [*bagpipe, "--eviction-policy", "lru", "--lookahead", "0"],
+        "bagpipe_prescan": [*bagpipe, "--optimization-prescan",
+                            "--lookahead", str(args.lookahead)],
+        "bagpipe_online": [*bagpipe, "--lookahead", str(args.lookahead)],
+    }
+    chosen = [c for c in args.configs.split(",") if c]
+    for c in chosen:
+        if c not in configs:
+            p.error(f"unknown configuration {c!r}")
+    results: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    # Round-robin over repeats, so machine noise and warm-up spread over every configuration.
+    for _ in range(repeats):
+        for name in chosen:
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[name].append(run_config([*common, *configs[name],
+                                              "--metrics_json", os.path.join(tmp, "m.json")],
+                                             world, args.timeout))
+    for name in chosen:
+        step_medians = [statistics.median(r["step_times"]) for r in runs[name]
+                        if r["step_times"]]
+        results[name] = {
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in runs[name]),
+            "step_s": statistics.median(step_medians) if step_medians else float("nan"),
+            "bagpipe": runs[name][-1].get("bagpipe", {}),
+            "steps": runs[name][-1]["steps"],
+        }
+    base = results.get("stock")
+    compute_s = base["step_s"] if base else None
+    if args.compute_ms is not None:
+        compute_s = args.compute_ms / 1e3
+        emit("assumed_compute_ms", args.compute_ms, "ms/step", None, config="all")
+    nocache = results.get("ps_nocache")
+    nocache_bytes = None
+    exposed_nocache: dict[str, float] = {}
+    model_nocache: dict[str, float] = {}
+    if nocache and nocache["bagpipe"]:
+        nocache_bytes = _bytes_per_step(nocache, world)
+        if compute_s:
+            for link in PRESETS:
+                e, t = model_step(compute_s, nocache["bagpipe"]["counters"], nocache["steps"],
+                                  world, link)
+                exposed_nocache[link.name] = e
+                model_nocache[link.name] = world * batch / t
+    modelled_25g: dict[str, float] = {}
+    for name, r in results.items():
+        if name == "stock" and compute_s:
+            modelled_25g[name] = world * batch / compute_s
+        extra = {"config": name, "dim": args.dim, "transport": "local", "world_size": world,
+                 "batch_size": batch, "rows_per_table": rows, "cache_units": cache_units}
+        emit("samples_per_s", r["samples_per_s"], "samples/s",
+             base["samples_per_s"] if base else None, baseline_config="stock", **extra)
+        s = r["bagpipe"]
+        if not s:
+            continue
+        counters = s.get("counters", {})
+        emit("hit_rate", s.get("hit_rate", 0.0), "fraction", None, **extra)
+        emit("served_from_cache_rate", s.get("served_rate", 0.0), "fraction", None, **extra)
+        per_step = max(1, r["steps"] * world)
+        emit("ps_rows_per_step", s.get("fetched_rows", 0.0) / per_step, "rows/rank/step",
+             None, **extra)
+        emit("ps_bytes_per_step", _bytes_per_step(r, world), "bytes/rank/step", nocache_bytes,
+             baseline_config="ps_nocache", **extra)
+        if not compute_s:
+            continue
+        for link in PRESETS:
+            exposed, t = model_step(compute_s, counters, r["steps"], world, link)
+            emit("exposed_network_ms", 1e3 * exposed, "ms/step",
+                 1e3 * exposed_nocache[link.name] if link.name in exposed_nocache else None,
+                 link=link.name, baseline_config="ps_nocache", **extra)
+            emit("modelled_step_s", t, "s", compute_s, link=link.name, baseline_config="stock",
+                 **extra)
+            if link is PRESETS[0]:
+                modelled_25g[name] = world * batch / t
+            emit("modelled_samples_per_s", world * batch / t, "samples/s",
+                 model_nocache.get(link.name), link=link.name, baseline_config="ps_nocache",
+                 **extra)
+    emit("wall_s", time.perf_counter() - started, "s", None, config="all")
+    _plot(results, modelled_25g, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
+    return 0
+
+
+def _plot(results: dict[str, dict[str, Any]], modelled: dict[str, float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(results)
+    x = np.arange(len(names))
+    sps = [results[n]["samples_per_s"] for n in names]
+    mod = [modelled.get(n, float("nan")) for n in names]
+    hit = [100.0 * (results[n]["bagpipe"] or {}).get("hit_rate", 0.0) for n in names]
+    served = [100.0 * (results[n]["bagpipe"] or {}).get("served_rate", 0.0) for n in names]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].bar(x - 0.2, sps, 0.4, label="measured (this machine)")
+    ax[0].bar(x + 0.2, mod, 0.4, label=f"modelled, {PRESETS[0].name}")
+    ax[0].set_ylabel("samples/s (2 ranks)")
+    ax[0].legend(fontsize=8)
+    ax[1].bar(x - 0.2, hit, 0.4, label="hits")
+    ax[1].bar(x + 0.2, served, 0.4, label="hits + prefetch-served")
+    ax[1].set_ylabel("unique row accesses (%)")
+    ax[1].legend(fontsize=8)
+    for a in ax:
+        a.set_xticks(x, names, rotation=25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(json.dumps({"bench": BENCH, "metric": "plot", "value": path, "unit": "path",
+                      "baseline": None, "ratio": None}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Benchmark of the PS storage engine (torchrec_bagpipe.ps.EmbeddingStore).
+
+Workloads: 10M keys of dim 32 and 2M keys of dim 128, every key stored; batches of 4096 keys
+drawn from Zipf(1.05) over key ranks, ranks scattered over the key space by a fixed random
+permutation (hot keys are not neighbours). Measured with 1 and 2 store threads:
+
+* lookup       M keys/s   store.lookup(keys, out=preallocated)
+* apply_sgd    M rows/s   store.apply_sgd(keys, grads, lr)   (input rows, duplicates included)
+* bytes/row    bytes      (resident + spilled bytes) / rows, maps included
+
+Baseline, measured in the same run over the same keys: fbgemm's pruned hash map (int64
+table, load factor 0.5) -- torch.ops.fbgemm.pruned_hashmap_lookup to remap keys to dense row
+ids, then torch.index_select(weights, 0, ids, out=out) for lookup and
+weights.index_add_(0, ids, grads, alpha=-lr) for apply_sgd -- with torch.set_num_threads equal
+to the store's thread count. ratio = store / baseline (bytes/row: baseline / store).
+
+Prints one JSON line per result; medians over repeats. --quick: fewer batches and repeats
+(same table sizes), under 60 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+from torchrec_bagpipe.ps import EmbeddingStore
+
+BATCH = 4096
+ZIPF_S = 1.05
+
+
+def zipf_batches(num_keys: int, num_batches: int, seed: int) -> list[torch.Tensor]:
+    """Batches of keys: Zipf(1.05) ranks over [0, num_keys), scattered by a permutation."""
+    rng = np.random.default_rng(seed)
+    weights = np.arange(1, num_keys + 1, dtype=np.float64) ** -ZIPF_S
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    del weights
+    perm = rng.permutation(num_keys).astype(np.int64)
+    u = rng.random(num_batches * BATCH)
+    ranks = np.minimum(np.searchsorted(cdf, u, side="right"), num_keys - 1)
+    keys = perm[ranks]
+    return [torch.from_numpy(keys[i * BATCH : (i + 1) * BATCH].copy()) for i in range(num_batches)]
+
+
+def timed_pair(fa: Callable[[], None], fb: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Median seconds of fa() and of fb(), run alternately (one warm-up each), so that load
+    changes on a shared machine hit both sides alike."""
+    fa()
+    fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, acc in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def run_workload(
+    num_keys: int, dim: int, threads_list: list[int], args: argparse.Namespace
+) -> None:
+    batches = zipf_batches(num_keys, args.batches, seed=dim)
+    total = len(batches) * BATCH
+    distinct = sum(int(torch.unique(b).numel()) for b in batches)
+    out = torch.empty((BATCH, dim), dtype=torch.float32)
+    grads = torch.randn((BATCH, dim), generator=torch.Generator().manual_seed(0))
+    all_keys = torch.arange(num_keys, dtype=torch.int64)
+
+    # Baseline table: fbgemm pruned hash map (int64, load 0.5) + a dense weight matrix.
+    cap = 2 * num_keys
+    table = torch.full((cap, 2), -1, dtype=torch.int64)
+    table_offsets = torch.tensor([0, cap], dtype=torch.int64)
+    torch.ops.fbgemm.pruned_hashmap_insert(
+        all_keys, all_keys, torch.tensor([0, num_keys], dtype=torch.int64), table, table_offsets
+    )
+    weights = torch.zeros((num_keys, dim), dtype=torch.float32)
+    bag = torch.tensor([0, BATCH], dtype=torch.int64)
+    baseline_bytes = (table.numel() * 8 + weights.numel() * 4) / num_keys
+
+    common = {"dim": dim, "keys": num_keys, "batch": BATCH, "zipf": ZIPF_S, "transport": "none"}
+
+    def base_lookup() -> None:
+        for b in batches:
+            ids = torch.ops.fbgemm.pruned_hashmap_lookup(b, bag, table, table_offsets)
+            torch.index_select(weights, 0, ids, out=out)
+
+    def base_sgd() -> None:
+        for b in batches:
+            ids = torch.ops.fbgemm.pruned_hashmap_lookup(b, bag, table, table_offsets)
+            weights.index_add_(0, ids, grads, alpha=-0.01)
+
+    for threads in threads_list:
+        store = EmbeddingStore(dim, num_threads=threads, init="uniform", init_bound=0.01)
+        store.reserve(num_keys)
+        chunk = 1 << 20
+        for i in range(0, num_keys, chunk):
+            k = all_keys[i : i + chunk]
+            store.lookup(k, out=torch.empty((k.numel(), dim)))  # inserts every key
+        torch.set_num_threads(threads)
+
+        def store_lookup(store: EmbeddingStore = store) -> None:
+            for b in batches:
+                store.lookup(b, out=out)
+
+        def store_sgd(store: EmbeddingStore = store) -> None:
+            for b in batches:
+                store.apply_sgd(b, grads, 0.01)
+
+        t_store, t_base = timed_pair(store_lookup, base_lookup, args.repeats)
+        ours, base = total / t_store / 1e6, total / t_base / 1e6
+        emit(
+            bench="ps_store",
+            metric="lookup",
+            value=round(ours, 2),
+            unit="M keys/s",
+            baseline=round(base, 2),
+            ratio=round(ours / base, 3),
+            threads=threads,
+            **common,
+        )
+        t_store, t_base = timed_pair(store_sgd, base_sgd, args.repeats)
+        ours, base = total / t_store / 1e6, total / t_base / 1e6
+        emit(
+            bench="ps_store",
+            metric="apply_sgd",
+            value=round(ours, 2),
+            unit="M rows/s",
+            baseline=round(base, 2),
+            ratio=round(ours / base, 3),
+            threads=threads,
+            distinct_rows_per_batch=round(distinct / len(batches), 1),
+            **common,
+        )
+        st = store.stats()
+        per_row = (st["bytes_resident"] + st["bytes_spilled"]) / st["rows"]
+        emit(
+            bench="ps_store",
+            metric="bytes_per_row",
+            value=round(per_row, 2),
+            unit="bytes",
+            baseline=round(baseline_bytes, 2),
+            ratio=round(baseline_bytes / per_row, 3),
+            threads=threads,
+            target=dim * 4 + 32,
+            **common,
+        )
+        del store, store_lookup, store_sgd
+        gc.collect()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches and repeats")
+    parser.add_argument("--batches", type=int, default=None, help="batches per pass")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes (median)")
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument(
+        "--workload", choices=["all", "d32", "d128"], default="all", help="which table(s)"
+    )
+    args = parser.parse_args()
+    if args.batches is None:
+        args.batches = 64 if args.quick else 256
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 7
+    if args.workload in ("all", "d32"):
+        run_workload(10_000_000, 32, args.threads, args)
+    if args.workload in ("all", "d128"):
+        run_workload(2_000_000, 128, args.threads, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

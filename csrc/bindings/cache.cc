@@ -1,0 +1,301 @@
+// Python bindings of the BagPipe cache metadata and step planner (torchrec_bagpipe._C).
+//
+// Every call borrows its input arrays (1-D, C-contiguous numpy; torch CPU tensors cross as
+// tensor.numpy(), zero-copy), releases the GIL around the native work, and returns compact
+// numpy arrays that own their memory.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bindings/buffers.h"
+#include "bindings/registry.h"
+#include "cache/cache_metadata.h"
+#include "cache/step_planner.h"
+#include "common/errors.h"
+
+namespace py = pybind11;
+
+namespace bagpipe::bindings {
+namespace {
+
+using cache::CacheMetadata;
+using cache::RankPlan;
+using cache::StepPlanner;
+
+template <typename T>
+py::array_t<T> ToArray(std::vector<T>&& v) {
+  auto* heap = new std::vector<T>(std::move(v));
+  py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>({static_cast<py::ssize_t>(heap->size())},
+                        {static_cast<py::ssize_t>(sizeof(T))}, heap->data(), owner);
+}
+
+template <typename T>
+py::array_t<T> CopyArray(const std::vector<T>& v) {
+  return ToArray(std::vector<T>(v));
+}
+
+void SameLength(size_t n, size_t m, const char* a, const char* b) {
+  if (n != m) {
+    throw ValueError(std::string(b) + " must have the length of " + a + " (" +
+                     std::to_string(n) + "), got " + std::to_string(m));
+  }
+}
+
+py::tuple PlaceTuple(cache::PlaceResult&& r) {
+  return py::make_tuple(ToArray(std::move(r.pos)), ToArray(std::move(r.slots)),
+                        ToArray(std::move(r.evicted_keys)), ToArray(std::move(r.bypassed)));
+}
+
+// Runs fn over three equally long int64 arrays with the GIL released.
+template <typename Fn>
+auto WithTriple(const py::array& a, const char* an, const py::array& b, const char* bn,
+                const py::array& c, const char* cn, Fn&& fn) {
+  auto va = Vec<int64_t>(a, an);
+  auto vb = Vec<int64_t>(b, bn);
+  auto vc = Vec<int64_t>(c, cn);
+  SameLength(va.size, vb.size, an, bn);
+  SameLength(va.size, vc.size, an, cn);
+  py::gil_scoped_release release;
+  return fn(va.data, vb.data, vc.data, va.size);
+}
+
+py::dict StatsDict(const cache::MetadataStats& s) {
+  py::dict d;
+  d["capacity_rows"] = s.capacity_rows;
+  d["resident"] = s.resident;
+  d["pinned"] = s.pinned;
+  d["admitted"] = s.admitted;
+  d["bypassed"] = s.bypassed;
+  d["evictions"] = s.evictions;
+  d["invalidations"] = s.invalidations;
+  d["stale"] = s.stale;
+  d["memory_bytes"] = s.memory_bytes;
+  return d;
+}
+
+py::dict PlanDict(const RankPlan& p) {
+  py::dict d;
+  d["step"] = p.step;
+  d["unique"] = CopyArray(p.unique);
+  d["inverse"] = CopyArray(p.inverse);
+  d["dep"] = CopyArray(p.dep);
+  d["next_use"] = CopyArray(p.next_use);
+  d["prev_use"] = CopyArray(p.prev_use);
+  d["shared"] = CopyArray(p.shared);
+  d["union_pos"] = CopyArray(p.union_pos);
+  d["others"] = CopyArray(p.others);
+  d["union_keys"] = CopyArray(p.union_keys);
+  d["s_now"] = CopyArray(p.s_now);
+  d["global_ids"] = p.global_ids;
+  d["union_size"] = p.union_size;
+  return d;
+}
+
+}  // namespace
+}  // namespace bagpipe::bindings
+
+BAGPIPE_BINDING(cache) {
+  using namespace bagpipe;
+  using namespace bagpipe::bindings;
+
+  py::class_<CacheMetadata>(m, "BagPipeCacheMetadata", R"doc(
+Metadata of one rank's bounded embedding cache: key -> slot, per-slot version (the step whose
+commit the cached values reflect), pins, and the eviction order (lru or oracle).
+Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
+)doc")
+      .def(py::init([](int64_t capacity_units, const std::string& policy) {
+             return new CacheMetadata(capacity_units, cache::ParseEvictionPolicy(policy));
+           }),
+           py::arg("capacity_units"), py::arg("policy") = "oracle")
+      .def_property_readonly("capacity_rows", &CacheMetadata::capacity_rows)
+      .def_property_readonly("policy",
+                             [](const CacheMetadata& c) {
+                               return c.policy() == cache::EvictionPolicy::kLru ? "lru"
+                                                                                : "oracle";
+                             })
+      .def_property_readonly("current_step", &CacheMetadata::current_step)
+      .def("__len__", &CacheMetadata::size)
+      .def(
+          "advance",
+          [](CacheMetadata& c, int64_t step) {
+            py::gil_scoped_release release;
+            c.Advance(step);
+          },
+          py::arg("step"), "Moves to `step`: expired pins are released, stale next uses cleared.")
+      .def(
+          "query",
+          [](CacheMetadata& c, const py::array& keys, const py::array& versions,
+             const py::array& next_uses) {
+            auto r = WithTriple(keys, "keys", versions, "versions", next_uses, "next_uses",
+                                [&](const int64_t* k, const int64_t* v, const int64_t* nu,
+                                    size_t n) { return c.Query(k, v, nu, n); });
+            return py::make_tuple(ToArray(std::move(r.hit_pos)), ToArray(std::move(r.hit_slots)),
+                                  ToArray(std::move(r.miss_pos)), r.stale);
+          },
+          py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
+          "-> (hit_pos, hit_slots, miss_pos, stale)")
+      .def(
+          "admit",
+          [](CacheMetadata& c, const py::array& keys, const py::array& versions,
+             const py::array& next_uses) {
+            return PlaceTuple(WithTriple(keys, "keys", versions, "versions", next_uses,
+                                         "next_uses",
+                                         [&](const int64_t* k, const int64_t* v,
+                                             const int64_t* nu,
+                                             size_t n) { return c.Admit(k, v, nu, n); }));
+          },
+          py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
+          "-> (pos, slots, evicted_keys, bypassed): pos[i] is the source row of slots[i]")
+      .def(
+          "lookup",
+          [](CacheMetadata& c, const py::array& keys) {
+            auto v = Vec<int64_t>(keys, "keys");
+            std::vector<int64_t> out(v.size);
+            {
+              py::gil_scoped_release release;
+              c.Lookup(v.data, v.size, out.data());
+            }
+            return ToArray(std::move(out));
+          },
+          py::arg("keys"), "-> slot of each key, else -1")
+      .def(
+          "resident",
+          [](CacheMetadata& c, const py::array& keys, const py::array& versions) {
+            auto k = Vec<int64_t>(keys, "keys");
+            auto v = Vec<int64_t>(versions, "versions");
+            SameLength(k.size, v.size, "keys", "versions");
+            std::vector<int64_t> out(k.size);
+            {
+              py::gil_scoped_release release;
+              c.Resident(k.data, v.data, k.size, out.data());
+            }
+            return ToArray(std::move(out));
+          },
+          py::arg("keys"), py::arg("versions"),
+          "-> slot of each key if resident at that version, else -1 (no state change)")
+      .def(
+          "set_version",
+          [](CacheMetadata& c, const py::array& slots, int64_t version) {
+            auto v = Vec<int64_t>(slots, "slots");
+            py::gil_scoped_release release;
+            c.SetVersion(v.data, v.size, version);
+          },
+          py::arg("slots"), py::arg("version"))
+      .def(
+          "pin",
+          [](CacheMetadata& c, const py::array& slots, int64_t pin_step) {
+            auto v = Vec<int64_t>(slots, "slots");
+            py::gil_scoped_release release;
+            c.Pin(v.data, v.size, pin_step);
+          },
+          py::arg("slots"), py::arg("pin_step"))
+      .def(
+          "note_uses",
+          [](CacheMetadata& c, const py::array& keys, int64_t step) {
+            auto v = Vec<int64_t>(keys, "keys");
+            py::gil_scoped_release release;
+            c.NoteUses(v.data, v.size, step);
+          },
+          py::arg("keys"), py::arg("step"))
+      .def(
+          "invalidate",
+          [](CacheMetadata& c, const py::array& keys) {
+            auto v = Vec<int64_t>(keys, "keys");
+            std::vector<int64_t> freed;
+            {
+              py::gil_scoped_release release;
+              freed = c.Invalidate(v.data, v.size);
+            }
+            return ToArray(std::move(freed));
+          },
+          py::arg("keys"), "-> slots freed")
+      .def("clear", &CacheMetadata::Clear)
+      .def("stats", [](const CacheMetadata& c) { return StatsDict(c.Stats()); })
+      .def(
+          "slot",
+          [](const CacheMetadata& c, int64_t slot) {
+            auto s = c.Slot(slot);
+            const char* state = s.state == cache::SlotState::kFree ? "free" : "ready";
+            return py::make_tuple(s.key, state, s.version,
+                                  s.next_use == cache::kNever ? -1 : s.next_use, s.pin_step);
+          },
+          py::arg("slot"), "-> (key, state, version, next_use (-1: none), pin_step)")
+      .def("victim_order", [](const CacheMetadata& c) { return ToArray(c.VictimOrder()); });
+
+  py::class_<StepPlanner>(m, "StepPlanner", R"doc(
+Global facts of every step's accesses seen from one rank: unique keys + inverse, dependency
+steps, next/previous reads inside the lookahead window, keys other ranks touch, and (collective
+aggregation) the global union with its S_now rows. Not thread-safe.
+)doc")
+      .def(py::init([](int world_size, int rank, int64_t lookahead, int64_t num_keys,
+                       bool collective) {
+             cache::PlannerOptions o;
+             o.world_size = world_size;
+             o.rank = rank;
+             o.lookahead = lookahead;
+             o.num_keys = num_keys;
+             o.collective = collective;
+             return new StepPlanner(o);
+           }),
+           py::arg("world_size"), py::arg("rank"), py::arg("lookahead"), py::arg("num_keys"),
+           py::arg("collective") = false)
+      .def_property_readonly("num_steps", &StepPlanner::num_steps)
+      .def_property_readonly("first_retained", &StepPlanner::first_retained)
+      .def_property_readonly("distinct_keys", &StepPlanner::distinct_keys)
+      .def("memory_bytes", &StepPlanner::MemoryBytes)
+      .def(
+          "add_step",
+          [](StepPlanner& p, const py::array& keys, const py::array& offsets) {
+            auto k = Vec<int64_t>(keys, "keys");
+            auto o = Vec<int64_t>(offsets, "offsets");
+            const size_t w = static_cast<size_t>(p.options().world_size);
+            if (o.size != w + 1) {
+              throw ValueError("offsets must have world_size + 1 = " + std::to_string(w + 1) +
+                               " entries, got " + std::to_string(o.size));
+            }
+            if (o.data[w] != static_cast<int64_t>(k.size) || o.data[0] != 0) {
+              throw ValueError("offsets must run from 0 to len(keys) = " +
+                               std::to_string(k.size));
+            }
+            py::gil_scoped_release release;
+            return p.AddStep(k.data, o.data);
+          },
+          py::arg("keys"), py::arg("offsets"),
+          "Adds the next step; rank q's keys are keys[offsets[q]:offsets[q+1]]. -> step")
+      .def(
+          "add_steps",
+          [](StepPlanner& p, const py::array& keys, const py::array& offsets) {
+            auto k = Vec<int64_t>(keys, "keys");
+            auto o = Vec<int64_t>(offsets, "offsets");
+            const size_t w = static_cast<size_t>(p.options().world_size);
+            if (o.size < 1 || (o.size - 1) % w != 0) {
+              throw ValueError("offsets must have steps * world_size + 1 entries, got " +
+                               std::to_string(o.size));
+            }
+            if (o.data[0] != 0 || o.data[o.size - 1] != static_cast<int64_t>(k.size)) {
+              throw ValueError("offsets must run from 0 to len(keys) = " +
+                               std::to_string(k.size));
+            }
+            const size_t steps = (o.size - 1) / w;
+            py::gil_scoped_release release;
+            std::vector<int64_t> local(w + 1);
+            for (size_t s = 0; s < steps; ++s) {
+              const int64_t base = o.data[s * w];
+              for (size_t q = 0; q <= w; ++q) local[q] = o.data[s * w + q] - base;
+              p.AddStep(k.data + base, local.data());
+            }
+            return steps;
+          },
+          py::arg("keys"), py::arg("offsets"),
+          "Adds several steps: offsets[s*W + q] is where step s, rank q starts. -> steps added")
+      .def(
+          "plan", [](const StepPlanner& p, int64_t step) { return PlanDict(p.Plan(step)); },
+          py::arg("step"), "-> dict of numpy arrays (copies) for `step`")
+      .def("release", &StepPlanner::Release, py::arg("upto"),
+           "Drops the plans of steps < upto.");
+}

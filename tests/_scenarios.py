@@ -1,0 +1,350 @@
+"""Models, data and training loops shared by the multi-process TorchRec tests.
+
+Every scenario trains a DMP with BagPipe on W ranks and the same model unsharded in one
+process on the concatenated global batch (mean loss), then compares every weight.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed import (
+    BagPipeEmbeddingBagCollectionSharder,
+    BagPipeShardingPlanner,
+    BagPipeTrainPipeline,
+    bagpipe_plan,
+    close_model,
+    prescan_model,
+)
+
+DENSE_IN = 4
+EMB_LR = 0.5
+DENSE_LR = 0.1
+
+
+# ---- models ------------------------------------------------------------------------------
+def tables_for(kind: str) -> tuple[list[EmbeddingBagConfig], bool]:
+    """(tables, is_weighted) of a test model."""
+    if kind == "dlrm":
+        return [
+            EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=40, feature_names=["f0"]),
+            EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=30, feature_names=["f1"]),
+            EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=25, feature_names=["f2"],
+                               pooling=PoolingType.MEAN),
+        ], False
+    if kind == "weighted":
+        return [
+            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
+                               feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=20, feature_names=["f1"]),
+            EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=35, feature_names=["f2"]),
+        ], True
+    if kind == "mixed":  # "local" stays on TorchRec's stock kernel (a second EBC)
+        return [
+            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
+                               feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="local", embedding_dim=4, num_embeddings=30,
+                               feature_names=["f2"]),
+        ], False
+    if kind == "mean":
+        return [
+            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
+                               feature_names=["f0", "f1"], pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=20, feature_names=["f1"]),
+            EmbeddingBagConfig(name="c", embedding_dim=6, num_embeddings=70, feature_names=["f2"],
+                               pooling=PoolingType.MEAN),
+        ], False
+    raise ValueError(kind)
+
+
+class TwoTower(nn.Module):
+    """EBCs and a dense tower joined by a linear head (loss: mean BCE)."""
+
+    def __init__(self, ebc: EmbeddingBagCollection,
+                 other: EmbeddingBagCollection | None = None) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.other = other
+        width = sum(c.embedding_dim * len(c.feature_names)
+                    for e in (ebc, other) if e is not None for c in e.embedding_bag_configs())
+        self.dense = nn.Linear(DENSE_IN, 4)
+        self.over = nn.Linear(width + 4, 1)
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        parts = [self.ebc(batch.sparse_features).values()]
+        if self.other is not None:
+            parts.append(self.other(batch.sparse_features).values())
+        x = torch.cat([*parts, torch.relu(self.dense(batch.dense_features))], dim=1)
+        logits = self.over(x).squeeze(-1)
+        loss = self.loss_fn(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+def build_model(kind: str, seed: int, meta: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    tables, weighted = tables_for(kind)
+    device = torch.device("meta") if meta else None
+    if kind == "mixed":
+        first = EmbeddingBagCollection(tables=tables[:1], is_weighted=weighted, device=device)
+        second = EmbeddingBagCollection(tables=tables[1:], is_weighted=weighted, device=device)
+        torch.manual_seed(seed + 1)  # dense layers: the same whether the tables are meta
+        return TwoTower(first, second)
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=device)
+    torch.manual_seed(seed + 1)
+    if kind == "dlrm":
+        return DLRMTrain(
+            DLRM(
+                embedding_bag_collection=ebc,
+                dense_in_features=DENSE_IN,
+                dense_arch_layer_sizes=[8, 8],
+                over_arch_layer_sizes=[8, 1],
+            )
+        )
+    return TwoTower(ebc)
+
+
+# ---- data ------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    ids: dict[str, list[int]]
+    weights: dict[str, list[float]]
+    dense: list[float]
+    label: float
+
+
+def _sample(rng: random.Random, sizes: dict[str, int], multi_hot: int) -> Sample:
+    ids: dict[str, list[int]] = {}
+    weights: dict[str, list[float]] = {}
+    for f, n in sizes.items():
+        k = rng.randint(0, multi_hot)
+        # Skewed ids so batches share rows (cache hits, duplicate ids within a bag).
+        ids[f] = [min(n - 1, int(n * rng.random() ** 3)) for _ in range(k)]
+        weights[f] = [round(rng.uniform(0.5, 1.5), 3) for _ in range(k)]
+    return Sample(ids, weights, [rng.uniform(-1, 1) for _ in range(DENSE_IN)],
+                  float(rng.random() < 0.4))
+
+
+def feature_sizes(kind: str) -> dict[str, int]:
+    """Every feature of the model with its smallest table size, plus an unused feature."""
+    tables, _ = tables_for(kind)
+    sizes: dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            sizes[f] = min(sizes.get(f, t.num_embeddings), t.num_embeddings)
+    sizes["unused"] = 1000
+    return sizes
+
+
+def make_samples(kind: str, steps: int, world: int, batch: int, seed: int,
+                 multi_hot: int = 3) -> list[list[list[Sample]]]:
+    """samples[step][rank] = that rank's local batch."""
+    rng = random.Random(seed)
+    sizes = feature_sizes(kind)
+    return [[[_sample(rng, sizes, multi_hot) for _ in range(batch)] for _ in range(world)]
+            for _ in range(steps)]
+
+
+def to_batch(samples: list[Sample], keys: list[str], weighted: bool) -> Batch:
+    lengths, values, weights = [], [], []
+    for k in keys:
+        for s in samples:
+            lengths.append(len(s.ids[k]))
+            values.extend(s.ids[k])
+            weights.extend(s.weights[k])
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int32),
+        weights=torch.tensor(weights, dtype=torch.float32) if weighted else None,
+    )
+    return Batch(
+        dense_features=torch.tensor([s.dense for s in samples], dtype=torch.float32),
+        sparse_features=kjt,
+        labels=torch.tensor([s.label for s in samples], dtype=torch.float32),
+    )
+
+
+def batches_for(kind: str, samples: list[list[list[Sample]]], rank: int | None,
+                seed: int, shuffle_keys: bool = True) -> list[Batch]:
+    """Local batches of `rank` (None: the global batches), keys in a shuffled order
+    (TorchRec's stock sharded EBC needs one fixed key order: shuffle_keys=False)."""
+    _, weighted = tables_for(kind)
+    rng = random.Random(seed + 7)
+    keys = list(feature_sizes(kind))
+    out = []
+    for step in samples:
+        if shuffle_keys:
+            rng.shuffle(keys)
+        chosen = step[rank] if rank is not None else [s for r in step for s in r]
+        out.append(to_batch(chosen, list(keys), weighted))
+    return out
+
+
+# ---- training --------------------------------------------------------------------------------
+@dataclass
+class Case:
+    kind: str = "dlrm"
+    config: dict[str, Any] = field(default_factory=dict)
+    loop: str = "plain"  # plain | pipeline
+    steps: int = 20
+    batch: int = 8
+    seed: int = 0
+    planner: str = "planner"  # planner | hand
+    meta: bool = False
+
+    @property
+    def shuffle_keys(self) -> bool:
+        # TorchRec's stock sharded EBC (in the mixed model) needs one fixed key order.
+        return self.kind != "mixed"
+
+    def label(self) -> str:
+        return f"{self.kind}/{self.loop}/{self.config}"
+
+
+def make_dmp(case: Case, model: nn.Module, world: int) -> tuple[DistributedModelParallel, Any]:
+    config = BagPipeConfig(**case.config)
+    initial = None if case.meta else {k: v.clone() for k, v in model.state_dict().items()}
+    sharder = BagPipeEmbeddingBagCollectionSharder(
+        config, fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": EMB_LR}
+    )
+    constraints = None
+    if case.kind == "mixed":
+        constraints = {"local": ParameterConstraints(sharding_types=["table_wise"],
+                                                     compute_kernels=["fused"])}
+    if case.planner == "hand" and constraints is None:
+        plan = bagpipe_plan(model, world)
+    else:
+        planner = BagPipeShardingPlanner(
+            topology=Topology(world_size=world, compute_device="cpu"), batch_size=case.batch,
+            constraints=constraints,
+        )
+        plan = planner.collective_plan(model, [sharder])
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
+                                   sharders=[sharder])
+    if case.kind == "mixed":
+        # TorchRec's stock kernels do not keep the module's weights; BagPipe tables do.
+        dmp.load_state_dict(initial)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=DENSE_LR),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = build_model(case.kind, case.seed, meta=case.meta)
+    dmp, opt = make_dmp(case, model, world)
+    samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
+    batches = batches_for(case.kind, samples, rank, case.seed, case.shuffle_keys)
+    prescan = bool(case.config.get("optimization_prescan"))
+    losses: list[float] = []
+    if case.loop == "plain":
+        if prescan:
+            prescan_model(dmp, batches)
+        for b in batches:
+            opt.zero_grad()
+            loss, _ = dmp(b)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    else:
+        pipe = BagPipeTrainPipeline(dmp, opt, torch.device("cpu"),
+                                    prescan_batches=batches if prescan else None)
+        it = iter(batches)
+        while True:
+            try:
+                output = pipe.progress(it)
+            except StopIteration:
+                break
+            losses.append(float(output[0]))
+    state = full_state(dmp, rank)
+    close_model(dmp)
+    return state, losses
+
+
+def full_state(dmp: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """The DMP's state dict with stock ShardedTensors gathered on rank 0."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for k, v in dmp.state_dict().items():
+        if isinstance(v, ShardedTensor):
+            full = torch.empty(v.size()) if rank == 0 else None
+            v.gather(0, full)
+            v = full
+        if v is not None:
+            out[k] = v.detach().clone()
+    return out
+
+
+def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    model = build_model(case.kind, case.seed)
+    if init is not None:
+        # The dense layers start from the same seed; the tables from `init`.
+        model.load_state_dict({**model.state_dict(),
+                               **{k: v for k, v in init.items() if "embedding_bags" in k}})
+    samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
+    batches = batches_for(case.kind, samples, None, case.seed, case.shuffle_keys)
+    emb = [p for n, p in model.named_parameters() if "embedding_bags" in n]
+    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+    # Without TorchRec's gradient division the PS sums the ranks' gradients: W times the
+    # gradient of the global mean loss.
+    emb_lr = EMB_LR * (world if case.config.get("gradient_division") is False else 1)
+    opt = torch.optim.SGD([{"params": emb, "lr": emb_lr}, {"params": dense, "lr": DENSE_LR}])
+    for b in batches:
+        opt.zero_grad()
+        loss, _ = model(b)
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str,
+            rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
+    problems = []
+    if set(got) != set(want):
+        problems.append(f"{label}: keys differ: {sorted(set(got) ^ set(want))}")
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k], want[k]
+        if a.shape != b.shape:
+            problems.append(f"{label}: {k} shape {tuple(a.shape)} != {tuple(b.shape)}")
+            continue
+        if not torch.allclose(a, b, rtol=rtol, atol=atol):
+            err = (a - b).abs().max().item()
+            problems.append(f"{label}: {k} differs (max abs err {err:.3g})")
+    return problems
+
+
+def equivalence_worker(rank: int, world: int, cases: list[Case],
+                       setup: Any = None) -> list[str]:
+    """Trains every case on this rank; rank 0 compares each with the reference."""
+    if setup is not None:
+        setup(rank, world)
+    problems: list[str] = []
+    for case in cases:
+        state, losses = train_dmp(case, rank, world)
+        if rank == 0:
+            want = train_reference(case, world)
+            problems.extend(compare(state, want, case.label()))
+            if any(x != x for x in losses):
+                problems.append(f"{case.label()}: NaN loss")
+    return problems

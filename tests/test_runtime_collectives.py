@@ -1,0 +1,174 @@
+"""ThreadCollectives (W ranks as threads) and the DeviceCache's bitwise SGD."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchrec_bagpipe.ps import EmbeddingStore
+from torchrec_bagpipe.runtime.collectives import (
+    CollectiveAborted,
+    Collectives,
+    ThreadCollectives,
+    ThreadGroup,
+)
+from torchrec_bagpipe.runtime.device_cache import DeviceCache
+from torchrec_bagpipe.runtime.reference_ps import reference_sgd_step
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def run_ranks(world: int, fn, timeout: float = 5.0):
+    group = ThreadGroup(world, timeout=timeout)
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def main(r: int) -> None:
+        try:
+            results[r] = fn(group.collectives(r))
+        except BaseException as e:
+            errors[r] = e
+            group.abort(e)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout * 3)
+    return results, errors
+
+
+def test_thread_collectives_satisfy_the_protocol() -> None:
+    assert isinstance(ThreadGroup(2).collectives(1), Collectives)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 2**31))
+def test_all_gather_and_rank_order_all_reduce(world: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    payloads = [torch.from_numpy(rng.integers(0, 100, int(rng.integers(0, 6)))) for _ in
+                range(world)]
+    values = [torch.from_numpy(rng.standard_normal((3, 2)).astype(np.float32)) for _ in
+              range(world)]
+
+    def fn(c: ThreadCollectives):
+        got = c.all_gather(payloads[c.rank])
+        t = values[c.rank].clone()
+        c.all_reduce_sum_(t)
+        c.barrier()
+        return got, t
+
+    results, errors = run_ranks(world, fn)
+    assert errors == [None] * world
+    want = values[0].clone()
+    for v in values[1:]:
+        want += v  # rank order, rank 0 copied
+    for got, t in results:
+        assert [g.tolist() for g in got] == [p.tolist() for p in payloads]
+        assert torch.equal(t.view(torch.int32), want.view(torch.int32))
+
+
+def test_mismatched_calls_and_shapes_fail_every_rank() -> None:
+    def fn(c: ThreadCollectives):
+        if c.rank == 0:
+            c.barrier()
+        else:
+            c.all_gather(torch.zeros(1, dtype=torch.int64))
+
+    _, errors = run_ranks(2, fn)
+    assert all(isinstance(e, RuntimeError) for e in errors)
+    assert any("mismatch" in str(e) for e in errors)
+
+    def shapes(c: ThreadCollectives):
+        c.all_reduce_sum_(torch.zeros(c.rank + 1))
+
+    _, errors = run_ranks(2, shapes)
+    assert all(isinstance(e, ValueError) and "rank 1 sent (2,)" in str(e) for e in errors)
+
+
+def test_dead_peer_times_out_naming_the_missing_rank() -> None:
+    group = ThreadGroup(3, timeout=0.3)
+    errors = []
+
+    def main(r: int) -> None:
+        try:
+            group.collectives(r).barrier()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(5)
+    assert len(errors) == 2
+    assert all(isinstance(e, TimeoutError) and "ranks [2]" in str(e) for e in errors)
+
+
+def test_abort_wakes_waiting_ranks() -> None:
+    group = ThreadGroup(2, timeout=30)
+    box: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            group.collectives(0).barrier()
+        except CollectiveAborted as e:
+            box.append(e)
+
+    th = threading.Thread(target=wait)
+    th.start()
+    group.abort("rank 1 crashed")
+    th.join(5)
+    assert not th.is_alive() and box
+    with pytest.raises(CollectiveAborted, match="rank 1 crashed"):
+        group.collectives(1).barrier()
+    with pytest.raises(ValueError, match="rank must lie"):
+        group.collectives(2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), world=st.integers(1, 5), divide=st.booleans(),
+       lr=st.sampled_from([0.1, 0.01, 1.0 / 3.0, 2.5e-3]))
+def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divide, lr) -> None:
+    """DeviceCache.sgd_ == the numpy reference == EmbeddingStore.apply_sgd, bit for bit."""
+    rng = np.random.default_rng(seed)
+    n, dim = 37, 5
+    w = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+    g = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-4, 4)).astype(np.float32)
+    cache = DeviceCache(64, dim, device, lr=lr, world_size=world, divide=divide)
+    slots = rng.permutation(64)[:n]
+    cache.fill(slots, torch.from_numpy(w))
+    cache.sgd_(slots, torch.from_numpy(g))
+    ref = w.copy()
+    reference_sgd_step(ref, [np.arange(n)], [g], lr, world, divide)
+    got = cache.gather(slots).cpu().numpy()
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # ... and what the PS's native store computes.
+    store = EmbeddingStore(dim, init="zeros")
+    keys = torch.arange(n)
+    store.assign(keys, torch.from_numpy(w))
+    store.apply_sgd(keys, torch.from_numpy(g), lr, world if divide else 1)
+    ps_rows = store.lookup(keys).numpy()
+    assert np.array_equal(got.view(np.uint32), ps_rows.view(np.uint32))
+
+
+def test_device_cache_prepared_queue_and_errors() -> None:
+    cache = DeviceCache(64, 2, "cpu", lr=0.1, world_size=2, divide=True, max_prepared=2)
+    assert cache.can_prepare(5, 3) and not cache.can_prepare(6, 3)
+    cache.put_prepared(5, np.array([1, 2]), torch.ones(2, 2), current=3)
+    cache.put_prepared(5, np.array([3]), torch.zeros(1, 2), current=4)
+    with pytest.raises(ValueError, match=r"step 6 is outside \[3, 5\]"):
+        cache.put_prepared(6, np.array([1]), torch.ones(1, 2), current=3)
+    assert cache.prepared_steps == 1 and cache.prepared_bytes == 3 * 2 * 4
+    keys, rows = cache.take_prepared(5)
+    assert keys.tolist() == [1, 2, 3] and rows.shape == (3, 2)
+    assert cache.take_prepared(5) is None
+    assert cache.resident_bytes == 64 * 2 * 4
+    with pytest.raises(ValueError, match="dim must be >= 1"):
+        DeviceCache(64, 0, "cpu", lr=0.1, world_size=1, divide=True)

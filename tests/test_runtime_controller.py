@@ -1,0 +1,370 @@
+"""BagPipeController end to end: W simulated ranks, an in-process PS, random traces.
+
+The PS is the real one (PSShard + PSClient over the local transport, 1-3 shards, every
+partitioner) or the exact numpy reference PS (with commits applied asynchronously late); in
+both cases the plain reference SGD (`reference_run`) is the oracle.
+
+The property test checks the coherence invariants of DESIGN §2 on every example:
+  1 freshness: every row a forward reads is bitwise the PS's value after the previous step;
+  final PS equals a plain reference SGD (bitwise);
+  2 capacity: resident rows never exceed the cache;
+  3 unique destinations: every scatter into the cache writes distinct slots;
+  4 dependency gating: a prefetch is issued only once its dependency committed (the truth
+    is read from the PS at the moment of the call) and with the true dependency steps;
+  7 accounting: hits + demand + prefetch-served = accesses = sum of unique keys.
+"""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from runtime_ps_backends import local_backend
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.runtime import controller as controller_mod
+from torchrec_bagpipe.runtime.collectives import ThreadGroup
+from torchrec_bagpipe.runtime.controller import BagPipeController, ControllerError
+from torchrec_bagpipe.runtime.device_cache import DeviceCache
+from torchrec_bagpipe.runtime.planner import PlanMismatchError
+from torchrec_bagpipe.runtime.reference_ps import ReferencePS
+from torchrec_bagpipe.runtime.simulate import reference_run, simulate
+
+DIM = 3
+LR = 0.05
+
+
+def make_trace(seed: int, world: int, steps: int, universe: int, max_batch: int, skew: float):
+    """Skewed ids over a small universe, hot ids scattered by a permutation."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(universe)
+    trace = []
+    for _ in range(steps):
+        per_rank = []
+        for _ in range(world):
+            n = int(rng.integers(0, max_batch + 1))
+            ranks = np.floor(universe * rng.random(n) ** skew).astype(np.int64)
+            per_rank.append(perm[ranks].astype(np.int64))
+        trace.append(per_rank)
+    return trace
+
+
+def true_deps(trace, t: int, keys: np.ndarray) -> np.ndarray:
+    out = np.full(keys.size, -1, dtype=np.int64)
+    for i, k in enumerate(keys.tolist()):
+        for s in range(t - 1, -1, -1):
+            if any(k in set(per.tolist()) for per in trace[s]):
+                out[i] = s
+                break
+    return out
+
+
+class CheckingDeviceCache(DeviceCache):
+    """DeviceCache that asserts unique, in-range scatter destinations (invariant 3)."""
+
+    def fill(self, slots, rows):
+        _check_slots(self, slots)
+        super().fill(slots, rows)
+
+    def sgd_(self, slots, grads):
+        _check_slots(self, slots)
+        super().sgd_(slots, grads)
+
+
+def _check_slots(cache: DeviceCache, slots) -> None:
+    s = np.asarray(slots)
+    assert np.unique(s).size == s.size, "a scatter wrote one slot twice"
+    assert s.size == 0 or (s.min() >= 0 and s.max() < cache.capacity_rows)
+
+
+@st.composite
+def scenarios(draw):
+    world = draw(st.integers(1, 4))
+    universe = draw(st.sampled_from([12, 40, 150, 400]))
+    steps = draw(st.integers(1, 14))
+    max_batch = draw(st.sampled_from([6, 30, 90]))  # 90 ids > a one-unit (64-row) cache
+    skew = draw(st.sampled_from([1.0, 2.0, 4.0]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    read_mode = draw(st.sampled_from(["bagpipe"] * 5 + ["ps"]))
+    policy = draw(st.sampled_from(["oracle", "lru"]))
+    lookahead = draw(st.integers(0, 8))
+    cfg = BagPipeConfig(
+        read_mode=read_mode,
+        optimization_prescan=draw(st.booleans()),
+        optimization_cache_capacity=draw(st.sampled_from([1, 1, 2, 4, 16])),
+        bagpipe_aggregation=draw(st.sampled_from(["ps", "collective"])),
+        lookahead=lookahead,
+        eviction_policy=policy,
+        prepared_batches=draw(st.integers(1, 3)),
+        gradient_division=draw(st.booleans()),
+        ps_timeout=30.0,
+    )
+    if draw(st.integers(0, 3)) == 0:
+        backend = ("reference", draw(st.sampled_from([0.0, 0.001])))
+    else:
+        backend = ("local", draw(st.integers(1, 3)),
+                   draw(st.sampled_from(["modulo", "hash", "fast_range"])))
+    return cfg, make_trace(seed, world, steps, universe, max_batch, skew), universe, backend
+
+
+def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 0.0)):
+    init = np.random.default_rng(5).uniform(-1, 1, (universe, DIM)).astype(np.float32)
+    violations: list[str] = []
+    lock = threading.Lock()
+    box: dict = {}
+    cap_rows = cfg.cache_rows(universe)
+
+    def observer(rank, kind, keys, deps, uses, at_step):
+        committed = box["ps"].committed_step() if "ps" in box else -1
+        with lock:
+            if kind == "prefetch" and at_step > committed:
+                violations.append(f"prefetch at step {at_step} while committed {committed}")
+            for u in np.unique(uses):
+                m = uses == u
+                want = true_deps(trace, int(u), keys[m])
+                if not np.array_equal(want, deps[m]):
+                    violations.append(f"{kind} of step {u} with wrong deps")
+            if deps.size and at_step != deps.max():
+                violations.append("at_step is not the largest dependency")
+
+    def step_hook(rank, ctl):
+        if ctl._meta is not None:
+            st_ = ctl._meta.stats()
+            if st_["resident"] > cap_rows or st_["stale"] != 0:
+                with lock:
+                    violations.append(f"capacity/stale violated: {st_}")
+
+    orig_init = ReferencePS.__init__
+
+    def capture_init(self, *a, **k):
+        orig_init(self, *a, **k)
+        box["ps"] = self
+
+    factory = None
+    delay = 0.0
+    if backend[0] == "local":
+        make = local_backend(backend[1], backend[2])
+
+        def factory(*a):
+            box["ps"] = make(*a)
+            return box["ps"]
+    else:
+        delay = backend[1]
+    with mock.patch.object(controller_mod, "DeviceCache", CheckingDeviceCache), \
+            mock.patch.object(ReferencePS, "__init__", capture_init):
+        res = simulate(cfg, trace, num_keys=universe, dim=DIM, lr=LR, init=init,
+                       record_reads=True, timeout=30.0, ps_apply_delay=delay,
+                       observer=observer, step_hook=step_hook, backend=factory)
+    assert not violations, violations[:5]
+    divide = cfg.resolved_gradient_division()
+    ref = reference_run(trace, init=init, lr=LR, divide=divide, reads=res.reads)
+    assert np.array_equal(ref.view(np.uint32), res.final.view(np.uint32)), "final PS != reference"
+    for r, m in enumerate(res.metrics):
+        accesses = sum(np.unique(trace[t][r]).size for t in range(len(trace)))
+        assert m["accesses"] == accesses
+        assert m["hits"] + m["demand_fetched"] + m["prefetch_served"] == m["accesses"]
+        assert m["stale"] == 0
+        assert m["resident_rows"] <= m["capacity_rows"]
+        assert m["committed_step"] == len(trace) - 1
+        assert m["steps"] == len(trace)
+        if cfg.read_mode == "ps":
+            assert m["hits"] == 0 and m["prefetch_served"] == 0
+    return res
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_controller_invariants_on_random_traces(scenario) -> None:
+    cfg, trace, universe, backend = scenario
+    run_checked(cfg, trace, universe, backend)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_cache_decisions_are_deterministic_across_runs_and_modes(scenario) -> None:
+    cfg, trace, universe, backend = scenario
+    a = run_checked(cfg, trace, universe, backend)
+    b = run_checked(cfg.replace(optimization_prescan=not cfg.optimization_prescan), trace,
+                    universe, ("reference", 0.001))
+    for ma, mb in zip(a.metrics, b.metrics):
+        for key in ("accesses", "hits", "evictions", "invalidations", "local_updates",
+                    "bypassed", "resident_rows"):
+            assert ma[key] == mb[key], key
+        assert ma["demand_fetched"] + ma["prefetch_served"] == (
+            mb["demand_fetched"] + mb["prefetch_served"]
+        )
+    assert np.array_equal(a.final.view(np.uint32), b.final.view(np.uint32))
+
+
+def test_large_skewed_run_prefetches_and_hits() -> None:
+    """A longer run where lookahead visibly pays: prefetches serve most misses."""
+    trace = make_trace(11, 2, 40, 300, 60, 3.0)
+    cfg = BagPipeConfig(optimization_cache_capacity=2, lookahead=4, ps_timeout=30.0)
+    res = run_checked(cfg, trace, 300, ("local", 2, "modulo"))
+    m = res.metrics[0]
+    assert m["prefetched"] > 0 and m["prefetch_served"] > 0 and m["hits"] > 0
+    assert m["evictions"] > 0 and m["invalidations"] > 0 and m["local_updates"] > 0
+    base = run_checked(cfg.replace(eviction_policy="lru", lookahead=0), trace, 300)
+    assert base.metrics[0]["prefetch_served"] == 0
+    assert base.metrics[0]["demand_fetched"] > m["demand_fetched"]
+
+
+def test_collective_mode_splits_s_now_and_s_later() -> None:
+    trace = make_trace(3, 3, 12, 80, 20, 2.0)
+    cfg = BagPipeConfig(bagpipe_aggregation="collective", optimization_cache_capacity=1,
+                        lookahead=3, ps_timeout=30.0)
+    res = run_checked(cfg, trace, 80, ("local", 3, "hash"))
+    m = res.metrics[0]
+    assert m["invalidations"] == 0  # every affected resident row is updated locally
+    unions = [np.unique(np.concatenate(per)) for per in trace]
+    reduced = sum(u.size for u in unions) * DIM * 4
+    assert m["allreduce_payload_bytes"] == reduced
+    # Two all-reduces per step where both S_now and S_later are non-empty.
+    both = sum(
+        1 for t in range(len(trace) - 1)
+        if 0 < np.intersect1d(unions[t], unions[t + 1]).size < unions[t].size
+    )
+    assert both > 0
+    ids_sent = sum(per[0].size for per in trace) * 8
+    assert m["id_exchange_bytes"] == ids_sent
+
+
+# ---- API behaviour and errors ---------------------------------------------------------------
+def _single(cfg: BagPipeConfig | None = None, universe: int = 50, world: int = 1, rank: int = 0,
+            group: ThreadGroup | None = None, ps: ReferencePS | None = None):
+    cfg = cfg or BagPipeConfig(optimization_cache_capacity=1, lookahead=2, ps_timeout=5.0)
+    ps = ps or ReferencePS(universe, DIM, world, LR, timeout=5.0)
+    group = group or ThreadGroup(world, timeout=2.0)
+    ctl = BagPipeController(cfg, rank=rank, world_size=world, dim=DIM, num_keys=universe, lr=LR,
+                            ps=ps.client(rank), collectives=group.collectives(rank))
+    return ctl, ps
+
+
+def test_submit_and_step_errors_are_clear() -> None:
+    ctl, _ = _single()
+    with pytest.raises(ValueError, match=r"key 50 at position 1 is outside \[0, 50\)"):
+        ctl.submit(torch.tensor([1, 50]))
+    with pytest.raises(TypeError, match=r"torch\.int64"):
+        ctl.submit(torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="1-D"):
+        ctl.submit(torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="batch 0 has not been submitted"):
+        ctl.next_step()
+    ctl.submit(torch.tensor([3, 4, 3]))
+    step = ctl.next_step()
+    assert step.rows.shape == (2, DIM) and step.rows.requires_grad and step.rows.is_leaf
+    assert step.unique_keys.tolist() == [3, 4] and step.inverse.tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="still running"):
+        ctl.next_step()
+    with pytest.raises(ValueError, match=r"grad must have shape \(2, 3\)"):
+        ctl.finish_step(step, torch.zeros(3, DIM))
+    with pytest.raises(TypeError, match="float32"):
+        ctl.finish_step(step, torch.zeros(2, DIM, dtype=torch.float64))
+    ctl.finish_step(step, torch.ones(2, DIM))
+    with pytest.raises(ValueError, match="not the step returned by next_step"):
+        ctl.finish_step(step, torch.ones(2, DIM))
+    ctl.close()
+    with pytest.raises(ControllerError, match="closed"):
+        ctl.submit(torch.tensor([1]))
+
+
+def test_constructor_rejects_mismatched_arguments() -> None:
+    ps = ReferencePS(10, DIM, 2, LR)
+    group = ThreadGroup(2)
+    cfg = BagPipeConfig()
+    with pytest.raises(ValueError, match="collectives is rank 1 of 2, the controller rank 0"):
+        BagPipeController(cfg, rank=0, world_size=2, dim=DIM, num_keys=10, lr=LR,
+                          ps=ps.client(0), collectives=group.collectives(1))
+    with pytest.raises(ValueError, match="the PS client has dim 3, the controller dim 4"):
+        BagPipeController(cfg, rank=0, world_size=2, dim=4, num_keys=10, lr=LR,
+                          ps=ps.client(0), collectives=group.collectives(0))
+    with pytest.raises(TypeError, match="BagPipeConfig"):
+        BagPipeController({}, rank=0, world_size=2, dim=DIM, num_keys=10, lr=LR,  # type: ignore
+                          ps=ps.client(0), collectives=group.collectives(0))
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        BagPipeController(cfg, rank=0, world_size=2, dim=DIM, num_keys=10, lr=float("nan"),
+                          ps=ps.client(0), collectives=group.collectives(0))
+
+
+def test_prescan_mismatch_names_step_and_rank() -> None:
+    cfg = BagPipeConfig(optimization_prescan=True, optimization_cache_capacity=1, lookahead=1,
+                        ps_timeout=5.0)
+    ctl, _ = _single(cfg)
+    ctl.prescan([torch.tensor([1, 2]), torch.tensor([2, 3])], progress=False)
+    assert ctl.metrics()["prescan_startup_s"] > 0
+    ctl.submit(torch.tensor([1, 2]))
+    with pytest.raises(PlanMismatchError, match=r"step 1 on rank 0: position 1: id 4"):
+        ctl.submit(torch.tensor([2, 4]))
+    with pytest.raises(ValueError, match="prescan must be called once"):
+        ctl.prescan([torch.tensor([1])])
+    ctl.close()
+
+
+def test_dead_peer_times_out_and_fails_the_controller() -> None:
+    group = ThreadGroup(2, timeout=0.5)
+    ps = ReferencePS(20, DIM, 2, LR, timeout=1.0)
+    cfg = BagPipeConfig(optimization_cache_capacity=1, lookahead=1, ps_timeout=1.0)
+    ctl, _ = _single(cfg, universe=20, world=2, group=group, ps=ps)
+    ctl.submit(torch.tensor([1, 2]))  # rank 1 never joins the exchange
+    with pytest.raises(TimeoutError):
+        ctl.next_step()
+    with pytest.raises(ControllerError, match="failed earlier"):
+        ctl.next_step()
+    ctl.close(close_ps=False)
+
+
+def test_invalidate_all_rereads_external_writes_and_close_drains() -> None:
+    ctl, ps = _single(BagPipeConfig(optimization_cache_capacity=1, lookahead=2, ps_timeout=5.0))
+    for keys in ([1, 2], [1, 2], [1, 2], [1, 2]):
+        ctl.submit(torch.tensor(keys))
+    for _ in range(2):
+        step = ctl.next_step()
+        ctl.finish_step(step, torch.ones(2, DIM))
+    assert ctl.metrics()["hits"] == 2
+    ctl.flush()
+    new = np.full((2, DIM), 7.0, dtype=np.float32)
+    ps.assign(np.array([1, 2]), new)
+    ctl.invalidate_all()
+    step = ctl.next_step()
+    assert np.array_equal(step.rows.detach().numpy(), new)
+    ctl.finish_step(step, torch.ones(2, DIM))
+    step = ctl.next_step()
+    ctl.finish_step(step, torch.ones(2, DIM))
+    ctl.close()
+    assert ps.committed_step() == 3
+    assert ps.closed_ranks == {0}
+    m = ctl.metrics()
+    assert m["shutdown_s"] > 0 and m["committed_step"] == 3
+    assert all(isinstance(v, (int, float)) for v in m.values())
+
+
+def test_metrics_report_every_counter() -> None:
+    trace = make_trace(2, 2, 6, 100, 30, 2.0)
+    res = simulate(BagPipeConfig(optimization_cache_capacity=1, lookahead=2), trace,
+                   num_keys=100, dim=DIM)
+    m = res.metrics[1]
+    for key in ("hits", "demand_fetched", "prefetched", "prefetch_served", "evictions",
+                "invalidations", "resident_bytes", "skipped_dependency_waits", "commit_wait_s",
+                "gradient_payload_bytes", "prescan_startup_s", "shutdown_s", "hit_rate",
+                "fetched_bytes", "plan_memory_bytes"):
+        assert key in m
+    assert m["resident_bytes"] == 64 * DIM * 4
+    sent = sum(np.unique(per[1]).size for per in trace)
+    assert m["gradient_payload_bytes"] == sent * (8 + DIM * 4)
+
+
+def test_oracle_without_lookahead_is_exactly_lru() -> None:
+    """Belady where the window knows the future, LRU where it does not: with no window the
+    oracle policy makes LRU's decisions, row for row."""
+    trace = make_trace(21, 1, 30, 500, 120, 2.0)
+    base = BagPipeConfig(optimization_cache_capacity=1, lookahead=0, ps_timeout=30.0)
+    lru = run_checked(base.replace(eviction_policy="lru"), trace, 500).metrics[0]
+    orc = run_checked(base.replace(eviction_policy="oracle"), trace, 500).metrics[0]
+    for key in ("hits", "evictions", "bypassed", "demand_fetched", "resident_rows"):
+        assert lru[key] == orc[key], key
+    assert lru["evictions"] > 0

@@ -1,0 +1,343 @@
+"""Single-process tests of the TorchRec layer: planner, sharder, optimizer checks, datasets,
+launcher helpers and metrics (the multi-process behaviour is in test_torchrec_dist.py)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.datasets import (
+    CriteoNPYDataset,
+    CriteoTSVDataset,
+    PowerLawCriteoDataset,
+    power_law_ranks,
+    scatter_ids,
+)
+from torchrec_bagpipe.distributed import (
+    BAGPIPE_KERNEL,
+    BagPipeEmbeddingBagCollectionSharder,
+    BagPipeShardingPlanner,
+    UnsupportedOptimizerError,
+    bagpipe_plan,
+)
+from torchrec_bagpipe.distributed.fused_optimizer import sgd_lr_from
+from torchrec_bagpipe.distributed.planner import BagPipeParameterSharding
+from torchrec_bagpipe.launch import parse_args, rewrite_ps_type
+from torchrec_bagpipe.metrics_table import format_table, summarize
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ebc(device: str = "meta", sizes=(1000, 800, 50), dims=(8, 8, 4)) -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=n,
+                               feature_names=[f"f{i}"])
+            for i, (n, d) in enumerate(zip(sizes, dims))
+        ],
+        device=torch.device(device),
+    )
+
+
+class _Two(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = _ebc()
+        self.small = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="s0", embedding_dim=4, num_embeddings=100,
+                                       feature_names=["g0"])],
+            device=torch.device("meta"),
+        )
+
+
+# ---- planner ---------------------------------------------------------------------------------
+def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stock():
+    planner = BagPipeShardingPlanner(
+        topology=Topology(world_size=2, compute_device="cpu"),
+        constraints={"s0": ParameterConstraints(sharding_types=["table_wise"],
+                                                compute_kernels=["fused"])},
+    )
+    sharder = BagPipeEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    plan = planner.plan(_Two(), [sharder])
+    for name in ("t0", "t1", "t2"):
+        ps = plan.plan["big"][name]
+        assert ps.compute_kernel == BAGPIPE_KERNEL
+        assert ps.sharding_type == "data_parallel"
+        assert ps.ranks == [0, 1]
+        assert isinstance(ps, BagPipeParameterSharding)
+    assert plan.plan["small"]["s0"].compute_kernel == "fused"
+    assert plan.plan["small"]["s0"].sharding_type == "table_wise"
+
+
+def test_planner_charges_only_cache_and_metadata():
+    config = BagPipeConfig(optimization_cache_capacity=2)
+    topo = Topology(world_size=2, compute_device="cpu")
+    planner = BagPipeShardingPlanner(topology=topo, batch_size=16)
+    module = _ebc(sizes=(1_000_000, 500_000, 50))
+    planner.plan(module, [BagPipeEmbeddingBagCollectionSharder(config, {"learning_rate": 1.0})])
+    options = planner.get_selected_options()
+    by_name = {so.name: so for so in options}
+    big = by_name["t0"].shards[0].storage
+    full_table = 1_000_000 * 8 * 4
+    # Two cache units (128 rows) shared by the 1.5M-row dim-8 fused table: t0's share is
+    # ~85 rows, far below the table itself.
+    assert big.ddr < full_table / 100
+    assert big.hbm == 0
+    # The stock planner cannot estimate the BagPipe kernel at all.
+    with pytest.raises(ValueError, match="customized_kernel"):
+        EmbeddingShardingPlanner(topology=topo).plan(
+            _ebc(), [BagPipeEmbeddingBagCollectionSharder(config, {"learning_rate": 1.0})]
+        )
+
+
+def test_bagpipe_plan_by_hand():
+    plan = bagpipe_plan(_Two(), world_size=3)
+    assert set(plan.plan) == {"big", "small"}
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            assert ps.compute_kernel == BAGPIPE_KERNEL and ps.ranks == [0, 1, 2]
+    # The plan of a bare EBC is keyed by the root path, as DMP expects.
+    assert set(bagpipe_plan(_ebc(), 2).plan) == {""}
+    with pytest.raises(ValueError, match="no EmbeddingBagCollection"):
+        bagpipe_plan(torch.nn.Linear(2, 2), 2)
+    # A plan naming the BagPipe kernel refuses TorchRec's stock sharder with a clear error.
+    with pytest.raises(ValueError, match="BagPipeEmbeddingBagCollectionSharder"):
+        plan.plan["big"]["t0"].get_additional_fused_params()
+
+
+def test_sharder_is_picklable_and_offers_the_bagpipe_kernel():
+    config = BagPipeConfig(optimization_prescan=True, lookahead=3)
+    sharder = BagPipeEmbeddingBagCollectionSharder(config, {"learning_rate": 0.5})
+    again = pickle.loads(pickle.dumps(sharder))
+    assert again.config == config and again.fused_params == {"learning_rate": 0.5}
+    assert again.module_type is EmbeddingBagCollection
+    assert again.compute_kernels("data_parallel", "cpu")[0] == BAGPIPE_KERNEL
+    assert BAGPIPE_KERNEL not in again.compute_kernels("table_wise", "cpu")
+    usage = again.storage_usage(torch.empty(10_000, 16, device="meta"), "cuda", BAGPIPE_KERNEL)
+    assert set(usage) == {"hbm"} and usage["hbm"] < 10_000 * 16 * 4
+    with pytest.raises(TypeError, match="BagPipeConfig"):
+        BagPipeEmbeddingBagCollectionSharder(config={"lookahead": 2})  # type: ignore[arg-type]
+    import torchrec_bagpipe
+
+    assert torchrec_bagpipe.BagPipeEmbeddingBagCollectionSharder is type(sharder)
+    assert torchrec_bagpipe.BagPipeShardingPlanner is BagPipeShardingPlanner
+
+
+# ---- optimizer checks -----------------------------------------------------------------------
+def _param_with(cls, **kwargs) -> torch.nn.Parameter:
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    _apply_optimizer_in_backward(cls, [p], kwargs)
+    return p
+
+
+def test_learning_rate_sources_and_unsupported_optimizers():
+    assert sgd_lr_from(None, {"learning_rate": 0.25}, "x") == 0.25
+    assert sgd_lr_from(_param_with(torch.optim.SGD, lr=0.5), {"learning_rate": 0.25}, "x") == 0.5
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    exact = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 2.0}
+    assert sgd_lr_from(None, exact, "x") == 2.0
+    with pytest.raises(UnsupportedOptimizerError, match="Adagrad"):
+        sgd_lr_from(_param_with(torch.optim.Adagrad, lr=0.1), None, "table t0")
+    with pytest.raises(UnsupportedOptimizerError, match="momentum"):
+        sgd_lr_from(_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "t")
+    with pytest.raises(UnsupportedOptimizerError, match="EXACT_ROWWISE_ADAGRAD"):
+        sgd_lr_from(None, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 1},
+                    "t")
+    with pytest.raises(UnsupportedOptimizerError, match="eps"):
+        sgd_lr_from(None, {"learning_rate": 1.0, "eps": 1e-8}, "t")
+    with pytest.raises(ValueError, match="no learning rate"):
+        sgd_lr_from(None, None, "t")
+    with pytest.raises(ValueError, match="> 0"):
+        sgd_lr_from(None, {"learning_rate": 0.0}, "t")
+
+
+# ---- datasets ---------------------------------------------------------------------------------
+def test_power_law_dataset_is_deterministic_per_rank_and_skewed():
+    sizes = [10_000] * 26
+    a0 = PowerLawCriteoDataset(sizes, 256, 3, zipf_alpha=1.2, seed=5, rank=0, world_size=2)
+    a0_again = PowerLawCriteoDataset(sizes, 256, 3, zipf_alpha=1.2, seed=5, rank=0, world_size=2)
+    a1 = PowerLawCriteoDataset(sizes, 256, 3, zipf_alpha=1.2, seed=5, rank=1, world_size=2)
+    b0, b0_again, b1 = list(a0), list(a0_again), list(a1)
+    assert len(b0) == 3
+    for x, y in zip(b0, b0_again):
+        assert torch.equal(x.sparse_features.values(), y.sparse_features.values())
+        assert torch.equal(x.dense_features, y.dense_features)
+        assert torch.equal(x.labels, y.labels)
+    assert not torch.equal(b0[0].sparse_features.values(), b1[0].sparse_features.values())
+    kjt = b0[0].sparse_features
+    assert kjt.keys()[0] == "cat_0" and len(kjt.keys()) == 26 and kjt.stride() == 256
+    assert b0[0].dense_features.shape == (256, 13)
+    ids = kjt["cat_0"].values()
+    assert ids.min() >= 0 and ids.max() < 10_000
+    # Skew: the most frequent id is far above the uniform expectation of 256 / 10000.
+    assert int(torch.bincount(ids).max()) > 20
+    # Hot ids are scattered, not the smallest ids.
+    top = int(torch.bincount(ids).argmax())
+    assert top != 0
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 5000), salt=st.integers(0, 2**40))
+def test_scatter_ids_is_a_bijection(n: int, salt: int):
+    ids = scatter_ids(torch.arange(n), n, salt)
+    assert torch.equal(torch.sort(ids).values, torch.arange(n))
+
+
+@settings(deadline=None, max_examples=30)
+@given(n=st.integers(1, 10**7), alpha=st.floats(0.0, 3.0))
+def test_power_law_ranks_stay_in_range_and_decrease(n: int, alpha: float):
+    u = torch.linspace(0, 1 - 1e-12, 2001, dtype=torch.float64)
+    r = power_law_ranks(u, n, alpha)
+    assert int(r.min()) >= 0 and int(r.max()) < n
+    assert bool((r[1:] >= r[:-1]).all())  # monotone inverse CDF
+
+
+def test_power_law_frequencies_follow_the_exponent():
+    r = power_law_ranks(torch.rand(400_000, generator=torch.Generator().manual_seed(0)),
+                        1000, 1.0)
+    counts = torch.bincount(r, minlength=1000).double()
+    # P(k) ∝ 1/(k+1): rank 0 about twice rank 1, about 10x rank 9 (continuous approx.).
+    assert 1.5 < counts[0] / counts[1] < 2.6
+    assert 6.0 < counts[0] / counts[9] < 14.0
+
+
+def _criteo_rows(n: int, rng: np.random.Generator) -> list[str]:
+    lines = []
+    for _ in range(n):
+        label = str(int(rng.integers(0, 2)))
+        dense = [str(int(x)) if rng.random() > 0.1 else "" for x in rng.integers(0, 100, 13)]
+        cats = [format(int(x), "x") if rng.random() > 0.1 else "" for x in
+                rng.integers(0, 2**32, 26)]
+        lines.append("\t".join([label, *dense, *cats]))
+    return lines
+
+
+def test_criteo_tsv_and_npy_readers(tmp_path):
+    rng = np.random.default_rng(0)
+    lines = _criteo_rows(50, rng)
+    tsv = tmp_path / "day_0.tsv"
+    tsv.write_text("\n".join(lines) + "\n")
+    sizes = [97] * 26
+    per_rank = [list(CriteoTSVDataset([str(tsv)], 8, sizes, rank=r, world_size=2))
+                for r in range(2)]
+    # 50 rows = 6 full batches of 8 = 3 rounds of 2 ranks; the partial round is dropped.
+    assert [len(b) for b in per_rank] == [3, 3]
+    first = per_rank[0][0]
+    fields = lines[0].split("\t")
+    want_cat0 = int(fields[14] or "0", 16) % 97
+    assert int(first.sparse_features["cat_0"].values()[0]) == want_cat0
+    assert float(first.labels[0]) == float(fields[0])
+    assert first.dense_features[0, 0] == pytest.approx(np.log(int(fields[1] or "0") + 1.0))
+    # Rank 1's first batch is rows 8..15.
+    second_fields = lines[8].split("\t")
+    assert float(per_rank[1][0].labels[0]) == float(second_fields[0])
+
+    # The same rows as NPY files give the same batches.
+    dense = np.array([[int(x or "0") for x in ln.split("\t")[1:14]] for ln in lines], np.int32)
+    sparse = np.array([[int(x or "0", 16) for x in ln.split("\t")[14:]] for ln in lines],
+                      np.int64)
+    labels = np.array([int(ln.split("\t")[0]) for ln in lines], np.int32)
+    np.save(tmp_path / "day_0_dense.npy", dense[:30])
+    np.save(tmp_path / "day_0_sparse.npy", sparse[:30])
+    np.save(tmp_path / "day_0_labels.npy", labels[:30])
+    np.save(tmp_path / "day_1_dense.npy", dense[30:])
+    np.save(tmp_path / "day_1_sparse.npy", sparse[30:])
+    np.save(tmp_path / "day_1_labels.npy", labels[30:])
+    days = [str(tmp_path / f"day_{d}_{{}}.npy") for d in (0, 1)]
+    for r in range(2):
+        ds = CriteoNPYDataset([d.format("dense") for d in days], [d.format("sparse") for d in days],
+                              [d.format("labels") for d in days], 8, sizes, rank=r, world_size=2)
+        got = list(ds)
+        assert len(got) == len(ds) == 3
+        for a, b in zip(got, per_rank[r]):
+            assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+            assert torch.allclose(a.dense_features, b.dense_features)
+            assert torch.equal(a.labels, b.labels)
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t2\t3\n")
+    with pytest.raises(ValueError, match=r"bad\.tsv:1"):
+        list(CriteoTSVDataset([str(bad)], 1))
+
+
+# ---- launcher and example CLI ----------------------------------------------------------------
+def test_launcher_uses_the_local_backend_on_one_node():
+    cmd, kind = rewrite_ps_type(["train.py", "--ps-type", "rdma", "--x", "1"], True, None)
+    assert cmd == ["train.py", "--ps-type", "local", "--x", "1"] and kind == "local"
+    cmd, kind = rewrite_ps_type(["train.py", "--ps-type=RDMA"], True, None)
+    assert cmd == ["train.py", "--ps-type=local"] and kind == "local"
+    cmd, kind = rewrite_ps_type(["train.py", "--ps-type", "rdma"], False, None)
+    assert cmd[-1] == "rdma" and kind == "rdma"
+    assert rewrite_ps_type(["train.py"], False, "tcp")[1] == "tcp"
+    args = parse_args(["--nproc-per-node", "2", "--ps-servers", "1", "t.py", "--lr", "3"])
+    assert args.command == ["t.py", "--lr", "3"] and args.nproc_per_node == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc-per-node", "2"])
+
+
+def test_dlrm_example_maps_bagpipe_flags_onto_the_config():
+    sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
+    try:
+        import dlrm_main
+    finally:
+        sys.path.pop(0)
+    args = dlrm_main.parse_args([
+        "--batch_size", "64", "--read-mode", "bagpipe", "--optimization-prescan",
+        "--optimization-cache-capacity", "128", "--bagpipe-aggregation", "collective",
+        "--ps-type", "tcp", "--lookahead", "4", "--num_embeddings_per_feature",
+        ",".join(["100"] * 26),
+    ])
+    config = BagPipeConfig.from_args(args)
+    assert config == BagPipeConfig(
+        read_mode="bagpipe", optimization_prescan=True, optimization_cache_capacity=128,
+        bagpipe_aggregation="collective", ps_type="tcp", lookahead=4,
+    )
+    assert args.batch_size == 64 and args.num_embeddings_per_feature == [100] * 26
+    # TorchRec's dlrm_main defaults where they apply.
+    defaults = dlrm_main.parse_args([])
+    assert (defaults.epochs, defaults.batch_size, defaults.learning_rate,
+            defaults.embedding_dim, defaults.num_embeddings) == (1, 32, 15.0, 64, 100_000)
+    assert defaults.dense_arch_layer_sizes == [512, 256, 64]
+    assert defaults.over_arch_layer_sizes == [512, 512, 256, 1]
+
+
+def test_metrics_summary_and_table():
+    per_rank = [
+        {"ebc/t": {"accesses": 100, "hits": 60, "prefetch_served": 20, "demand_fetched": 20,
+                   "prefetched": 25, "commit_wait_s": 0.5}},
+        {"ebc/t": {"accesses": 50, "hits": 30, "prefetch_served": 10, "demand_fetched": 10,
+                   "prefetched": 5, "commit_wait_s": 1.5}},
+    ]
+    s = summarize(per_rank, steps=10)
+    assert s["hit_rate"] == pytest.approx(90 / 150)
+    assert s["served_rate"] == pytest.approx(120 / 150)
+    assert s["fetched_rows"] == 60 and s["fetched_rows_per_step"] == 6
+    assert s["commit_wait_s_per_rank"] == pytest.approx(1.0)
+    text = format_table({"steps": 10, "samples_per_s": 123.4}, s)
+    assert "60.0 %" in text and "80.0 %" in text and "123.4" in text and "commit wait" in text
+    assert summarize([{}, {}], 3) == {}
+
+
+def test_launcher_console_entry_point_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "torchrec_bagpipe.launch", "--help"], capture_output=True,
+        text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode == 0 and "--ps-servers" in out.stdout
+
+

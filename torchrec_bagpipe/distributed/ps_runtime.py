@@ -1,0 +1,295 @@
+"""Process-level wiring between the TorchRec layer, the runtime and the PS.
+
+One `BagPipeJob` per trainer process owns what every BagPipe module of that process shares:
+the dedicated gloo group the runtime's collectives run on, the PS shard hosted inside this
+process in the zero-config default, and clean shutdown. `build_fused_table` opens one PS
+session and one `BagPipeController` for a fused table.
+
+Thread-safety: `job_for` and `build_fused_table` run on the training thread during
+sharding; every rank calls them in the same order (they may run collectives).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import secrets
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.types import ShardingEnv
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.collectives import TorchDistCollectives, new_runtime_group
+from torchrec_bagpipe.distributed.types import FusedTableSpec
+
+__all__ = ["BagPipeJob", "FusedTableRuntime", "build_fused_table", "job_for"]
+
+
+@dataclass
+class FusedTableRuntime:
+    """The runtime pieces of one fused table on this rank."""
+
+    spec: FusedTableSpec
+    client: Any  # PSClientLike + lookup/assign
+    controller: Any  # BagPipeController
+    lazy_init: bool
+
+    def close(self) -> None:
+        try:
+            self.controller.close()
+        finally:
+            self.client.close()  # idempotent; the controller closed it unless it failed
+
+
+class BagPipeJob:
+    """Per-process state shared by every BagPipe module (see module docstring).
+
+    Deployment (decided once per process, identically on every rank):
+    * `ps_addresses` (or the launcher's ``BAGPIPE_PS_ADDRESSES``) given: the shards are
+      those servers, reached over TCP.
+    * otherwise (zero-config): rank r < S hosts shard r (S = `ps_shards` or the world size)
+      in this process, serves it on loopback TCP for the other ranks, and reaches it
+      in-process itself (``ps_type="local"``) or over loopback too (``"tcp"``); the shards'
+      addresses go through torch.distributed's store.
+    """
+
+    def __init__(self, config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> None:
+        self.config = config
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.device = device
+        # Two groups: the controllers run their collectives on a worker thread of their own
+        # (runtime/controller.py), so the TorchRec layer's barriers and broadcasts use a
+        # second group and never interleave with them.
+        self.collectives = TorchDistCollectives(new_runtime_group(config.ps_timeout))
+        self.control = TorchDistCollectives(new_runtime_group(config.ps_timeout))
+        if self.collectives.world_size != self.world_size:
+            raise ValueError(
+                f"BagPipe needs the sharding env to span the default process group "
+                f"(env world size {self.world_size}, default group {self.collectives.world_size})"
+            )
+        self._modules: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._next_session = 0
+        self.closed = False
+        self.shard: Any = None
+        self.server: Any = None
+        self._store = dist.distributed_c10d._get_default_store()
+        self.job_token = self._agree_token()
+        self.endpoints = self._deploy()
+
+    # ---- deployment -------------------------------------------------------------------------
+    def _agree_token(self) -> str:
+        token = self.config.job_token or os.environ.get("BAGPIPE_JOB_TOKEN")
+        if token:
+            return token
+        mine = secrets.token_hex(16) if self.rank == 0 else None
+        return str(self.control.broadcast_object(mine, src=0))
+
+    def _deploy(self) -> list[Any]:
+        from torchrec_bagpipe.ps.shard import PSShard
+
+        config = self.config
+        kind = config.ps_type
+        addresses = list(config.ps_addresses)
+        if not addresses and os.environ.get("BAGPIPE_PS_ADDRESSES"):
+            addresses = [a for a in os.environ["BAGPIPE_PS_ADDRESSES"].split(",") if a]
+        if kind == "rdma":
+            raise ValueError(
+                "BagPipeConfig.ps_type='rdma' needs the UCX transport, which this build does "
+                "not have; use 'tcp' (or 'local' on one node: torchrec-bagpipe-launch "
+                "selects it automatically)"
+            )
+        if addresses:
+            if config.ps_shards is not None and config.ps_shards != len(addresses):
+                raise ValueError(
+                    f"BagPipeConfig.ps_shards ({config.ps_shards}) does not match the "
+                    f"{len(addresses)} PS addresses"
+                )
+            return [f"tcp://{a}" if "://" not in a else a for a in addresses]
+        shards = config.ps_shards if config.ps_shards is not None else self.world_size
+        if shards > self.world_size:
+            raise ValueError(
+                f"BagPipeConfig.ps_shards={shards}: without ps_addresses each shard lives in "
+                f"a trainer process, so at most world_size={self.world_size} shards"
+            )
+        if self.rank < shards:
+            self.shard = PSShard(
+                self.rank, shards,
+                store_threads=config.store_threads,
+                memory_budget=config.memory_budget,
+                spill_dir=config.spill_dir,
+            )
+            self.server = self.shard.serve("127.0.0.1", 0, job_token=self.job_token)
+            self._store.set(self._key(f"addr/{self.rank}"), self.server.address)
+        keys = [self._key(f"addr/{r}") for r in range(shards)]
+        self._store.wait(keys, datetime.timedelta(seconds=self.config.connect_timeout))
+        endpoints: list[Any] = []
+        for r, key in enumerate(keys):
+            if r == self.rank and kind == "local":
+                endpoints.append(self.shard)
+            else:
+                endpoints.append("tcp://" + self._store.get(key).decode())
+        return endpoints
+
+    def _key(self, name: str) -> str:
+        return f"torchrec_bagpipe/{self.job_token}/{name}"
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def next_session_id(self) -> int:
+        sid = self._next_session
+        self._next_session += 1
+        return sid
+
+    def register(self, module: Any) -> None:
+        self._modules.add(module)
+
+    def unregister(self, module: Any) -> None:
+        self._modules.discard(module)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drains and closes every module of this process, waits (bounded) until every rank
+        is done with the PS, then stops this process's shard (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        errors: list[BaseException] = []
+        for module in list(self._modules):
+            try:
+                module.close()
+            except Exception as e:  # keep closing the others
+                errors.append(e)
+        if self.shard is not None:
+            try:
+                self._store_barrier("closed")
+            except Exception as e:
+                errors.append(e)
+            finally:
+                self.shard.close(drain_timeout=1.0)
+                self.shard = None
+                self.server = None
+        if errors:
+            raise errors[0]
+
+    def _store_barrier(self, name: str) -> None:
+        """Every rank reached `name` (bounded by ps_timeout). The store may vanish once rank 0,
+        which hosts it, has seen everyone: that also means everyone arrived."""
+        key = self._key(f"barrier/{name}")
+        self._store.add(key, 1)
+        deadline = time.monotonic() + self.config.ps_timeout
+        while True:
+            try:
+                if int(self._store.add(key, 0)) >= self.world_size:
+                    return
+            except Exception:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"BagPipe shutdown: not every rank finished with the PS within "
+                    f"{self.config.ps_timeout} s; stopping this rank's shard anyway"
+                )
+            time.sleep(0.01)
+
+
+_JOB: BagPipeJob | None = None
+
+
+# Fields fixed by the first module a process shards: where the PS is and how it is reached.
+_DEPLOYMENT_FIELDS = ("ps_type", "ps_addresses", "ps_shards", "job_token", "memory_budget",
+                      "spill_dir", "store_threads", "ps_timeout", "connect_timeout")
+
+
+def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> BagPipeJob:
+    """The process's job, created on first use (a collective: every rank calls it).
+
+    Every BagPipe module of a process shares the job, so they must agree on the deployment
+    fields (ValueError naming the first that differs).
+    """
+    global _JOB
+    if _JOB is None or _JOB.closed:
+        _JOB = BagPipeJob(config, env, device)
+        return _JOB
+    if (_JOB.rank, _JOB.world_size) != (env.rank, env.world_size):
+        raise ValueError(
+            "every BagPipe module of a process must use the same sharding env "
+            f"(rank {env.rank}/{env.world_size} vs {_JOB.rank}/{_JOB.world_size})"
+        )
+    for name in _DEPLOYMENT_FIELDS:
+        mine, theirs = getattr(config, name), getattr(_JOB.config, name)
+        if mine != theirs:
+            raise ValueError(
+                f"BagPipeConfig.{name}={mine!r} differs from {theirs!r}, which the first "
+                "BagPipe module of this process fixed; every module of a process shares one "
+                "PS deployment"
+            )
+    return _JOB
+
+
+def current_job() -> BagPipeJob | None:
+    return _JOB if _JOB is not None and not _JOB.closed else None
+
+
+def build_fused_table(
+    spec: FusedTableSpec, *, job: BagPipeJob, config: BagPipeConfig, lazy_init: bool
+) -> FusedTableRuntime:
+    """Opens the PS session of one fused table and its controller on this rank.
+
+    Rows never written read as TorchRec's default init, uniform in ±bound of their own
+    table (deterministic, computed on the PS); `lazy_init=False` tables are written by the
+    caller right after.
+    """
+    from torchrec_bagpipe.ps.client import PSClient
+    from torchrec_bagpipe.runtime.controller import BagPipeController
+
+    client = PSClient(
+        job.endpoints,
+        table=spec.name,
+        dim=spec.dim,
+        lr=spec.lr,
+        rank=job.rank,
+        world_size=job.world_size,
+        gradient_division=config.resolved_gradient_division(),
+        partitioner=config.partitioner,
+        job_token=job.job_token,
+        max_packet_rows=config.max_packet_rows,
+        inflight_packets=config.inflight_packets,
+        timeout=config.ps_timeout,
+        connect_timeout=config.connect_timeout,
+        init="uniform",
+        init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
+        seed=config.init_seed,
+        key_bound=spec.num_keys,
+    )
+    try:
+        controller = BagPipeController(
+            config,
+            rank=job.rank,
+            world_size=job.world_size,
+            dim=spec.dim,
+            num_keys=spec.num_keys,
+            lr=spec.lr,
+            ps=client,
+            collectives=job.collectives,
+            device=job.device,
+        )
+    except BaseException:
+        client.close()
+        raise
+    return FusedTableRuntime(spec, client, controller, lazy_init)
+
+
+def _close_at_exit() -> None:
+    job = _JOB
+    if job is not None and not job.closed and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            job.close()
+
+
+atexit.register(_close_at_exit)

@@ -1,0 +1,87 @@
+"""Plain descriptions of what a BagPipe-sharded EmbeddingBagCollection holds.
+
+A *slot* is one (table, feature) pair of the EBC, in the EBC's own order (tables in
+order, each table's features in order); slots define the output `KeyedTensor`'s keys
+(`feature`, or `feature@table` when several tables read the feature, as TorchRec names
+them). Tables with the same embedding dim and learning rate are *fused* into one key
+space (`fused key = table offset + id`), one PS session and one runtime controller each.
+
+Invariants:
+1. Within a fused table, table offsets are increasing and disjoint:
+   `offset[t+1] = offset[t] + num_embeddings[t]`; `num_keys` is their sum.
+2. `FusedTableSpec.slots` lists the fused table's slots in EBC order; a slot belongs to
+   exactly one fused table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torchrec.distributed.types import Multistreamable
+
+__all__ = [
+    "BagPipeEBCContext",
+    "FusedTableSpec",
+    "SlotSpec",
+    "TableSpec",
+]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_embeddings: int
+    dim: int
+    feature_names: tuple[str, ...]
+    pooling: str  # "sum" | "mean"
+    lr: float
+    init_min: float
+    init_max: float
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    index: int  # position in the EBC's output order
+    table: str
+    feature: str
+    key: str  # output KeyedTensor key
+    dim: int
+    mean: bool
+
+
+@dataclass
+class FusedTableSpec:
+    """One fused key space: the tables of one (dim, lr), one PS session, one controller."""
+
+    name: str  # PS session table name, unique per job
+    dim: int
+    lr: float
+    tables: list[TableSpec]
+    offsets: dict[str, int]
+    num_keys: int
+    slots: list[SlotSpec] = field(default_factory=list)
+
+    def table_range(self, table: str) -> tuple[int, int]:
+        start = self.offsets[table]
+        spec = next(t for t in self.tables if t.name == table)
+        return start, start + spec.num_embeddings
+
+
+@dataclass
+class BagPipeEBCContext(Multistreamable):
+    """Carries one batch from `input_dist` to `compute`.
+
+    training: whether the batch was submitted to the runtime (a training step) or is
+    looked up directly from the PS (eval / no-grad forward).
+    keys: per fused table, the batch's fused keys in slot order.
+    """
+
+    training: bool = True
+    batch_size: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for k in self.keys:
+            if k.device.type == "cuda":
+                k.record_stream(stream)  # type: ignore[arg-type]

@@ -1,0 +1,871 @@
+"""BagPipeController: one rank's bounded, coherent, lookahead-prefetched cache of one fused table.
+
+The TorchRec layer drives it (ARCHITECTURE §4)::
+
+    ctl.prescan(local_trace)     # optional, before training (a collective)
+    ctl.submit(keys)             # each batch entering the lookahead window (online: a collective)
+    step = ctl.next_step()       # oldest submitted batch: unique keys, inverse, rows (|U| x dim)
+    ctl.finish_step(step, grad)  # |U| x dim row gradient: commit + keep the cache coherent
+    ctl.flush(); ctl.metrics(); ctl.invalidate_all(); ctl.close()
+
+Step order: steps run strictly one after another (next_step(t), finish_step(t),
+next_step(t + 1), ...); batch t must have been submitted before next_step(t). Every rank
+makes the same sequence of calls (the same number of submits before each next_step): the
+window a step sees, and hence every cache decision, is a function of that sequence, so the
+cache contents are deterministic. Only *when* a fetch is issued depends on commit timing.
+
+Coherence (PS-owned BagPipe, DESIGN §2). A resident row carries a version: the step whose
+commit its values reflect (-1: initial). Step t reads row k at version dep(k, t), the last
+global step < t that touched k.
+  * ps aggregation: after step t a rank updates the resident rows only it touched with its own
+    gradient (u = g / W, u = u * lr, w = w - u: bitwise the PS's result) and sets their version
+    to t; resident rows another rank touched are invalidated (it knows them from the exchanged
+    ids). The rank commits its unique-row gradients to the PS.
+  * collective aggregation: the step's gradients are all-reduced over the global union of keys
+    (every rank knows it), rows the next step reads (S_now) first and synchronously, the rest
+    (S_later) on the communication worker, overlapping the next forward; every rank updates all
+    of its resident affected rows; the row's designated rank (union index mod W) submits it.
+  * Prefetch: when a step enters the window its keys become candidates. A candidate (k, u) is
+    placed once the rank has finished step dep(k, u) (its own invalidations are done) and at
+    most `prepared_batches` steps before u. If k is then not resident at version dep(k, u),
+    its get is issued as soon as ``committed_step() >= dep(k, u)`` (checked at issue time:
+    invariant 4) and the row waits in the device cache's bounded prepared-batch queue; one
+    whose dependency has not committed by step u is fetched on demand.
+  * Eviction (oracle): at step t the misses are admitted soonest-next-use first, evicting the
+    resident row whose next use in the window is furthest or absent, and bypassing the cache
+    when no resident row is needed later than the candidate: Belady's MIN with bypass over
+    the lookahead window (rows another rank will update before our next read count as
+    absent). Prefetched rows enter the cache only through this admission, so prefetching
+    changes when rows are fetched, never what is cached.
+  * A forward waits for a commit only through a fetch whose dependency is that commit; each
+    commit is submitted only after its predecessor committed.
+
+Threading: call the controller from one thread. It runs collectives and commit submissions
+on a worker thread per `Collectives` instance (shared by the controllers of one rank, FIFO),
+so the `Collectives` instance must not be used by anything else while controllers are open.
+PS client calls are serialized by a lock; handles are waited outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from torchrec_bagpipe._native import C
+from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
+from torchrec_bagpipe.runtime.collectives import Collectives
+from torchrec_bagpipe.runtime.device_cache import DeviceCache
+from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
+from torchrec_bagpipe.runtime.planner import (
+    OnlinePlanner,
+    PrescanPlanner,
+    StepPlan,
+    as_key_array,
+)
+from torchrec_bagpipe.runtime.worker import acquire_worker, release_worker
+
+__all__ = ["BagPipeController", "ControllerError", "Handle", "PSClientLike", "Step"]
+
+
+class Handle(Protocol):
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+    def done(self) -> bool: ...
+
+
+class PSClientLike(Protocol):
+    dim: int
+
+    def get_async(self, keys: torch.Tensor, at_step: int) -> Handle: ...
+
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> Handle: ...
+
+    def committed_step(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class ControllerError(RuntimeError):
+    """The controller failed earlier (a PS or collective error); it cannot continue."""
+
+
+@dataclass
+class Step:
+    """One rank's batch at one global step, ready for the forward."""
+
+    step: int
+    keys: torch.Tensor         # the batch's fused keys (CPU int64), as submitted
+    unique_keys: torch.Tensor  # CPU int64 [U], first-occurrence order
+    inverse: torch.Tensor      # int64 [B] on the device: batch position -> row of `rows`
+    rows: torch.Tensor         # fp32 [U, dim] on the device, a leaf that requires grad
+    plan: StepPlan
+
+
+@dataclass
+class _Fetch:
+    """One issued prefetch get; its rows go to the prepared-batch queue."""
+
+    handle: Handle
+    keys: np.ndarray
+    uses: np.ndarray   # use step of each key
+    max_use: int
+    done: bool = False
+
+
+def _i64(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class BagPipeController:
+    """One rank's BagPipe runtime for one fused table (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: BagPipeConfig,
+        *,
+        rank: int,
+        world_size: int,
+        dim: int,
+        num_keys: int,
+        lr: float,
+        ps: PSClientLike,
+        collectives: Collectives,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(config, BagPipeConfig):
+            raise TypeError(f"config must be a BagPipeConfig, got {type(config).__name__}")
+        config.validate()
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must lie in [0, {world_size}), got {rank}")
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        if num_keys < 1:
+            raise ValueError(f"num_keys must be >= 1, got {num_keys}")
+        if not (isinstance(lr, (int, float)) and np.isfinite(lr)):
+            raise ValueError(f"lr must be a finite number, got {lr!r}")
+        if getattr(collectives, "rank", rank) != rank or getattr(
+            collectives, "world_size", world_size
+        ) != world_size:
+            raise ValueError(
+                f"collectives is rank {collectives.rank} of {collectives.world_size}, the "
+                f"controller rank {rank} of {world_size}"
+            )
+        ps_dim = getattr(ps, "dim", dim)
+        if ps_dim != dim:
+            raise ValueError(f"the PS client has dim {ps_dim}, the controller dim {dim}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.dim = dim
+        self.num_keys = num_keys
+        self.lr = float(lr)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._ps = ps
+        self._coll = collectives
+        self._timeout = float(config.ps_timeout)
+        self._collective = config.bagpipe_aggregation == "collective"
+        self._cached = config.read_mode == "bagpipe"
+        self._lookahead = config.lookahead if self._cached else 0
+        self._distance = min(config.prepared_batches, self._lookahead)
+        self._divide = config.resolved_gradient_division()
+        self.metrics_ = RuntimeMetrics()
+
+        if self._cached:
+            rows = config.cache_rows(num_keys)
+            self._meta = C.BagPipeCacheMetadata(rows // ROWS_PER_CACHE_UNIT, config.eviction_policy)
+            self._dev = DeviceCache(
+                self._meta.capacity_rows,
+                dim,
+                self.device,
+                lr=self.lr,
+                world_size=world_size,
+                divide=self._divide,
+                max_prepared=config.prepared_batches,
+            )
+        else:
+            self._meta = None
+            self._dev = DeviceCache(0, dim, self.device, lr=self.lr, world_size=world_size,
+                                    divide=self._divide)
+        planner_kw = dict(
+            world_size=world_size,
+            rank=rank,
+            lookahead=self._lookahead,
+            num_keys=num_keys,
+            collective=self._collective,
+        )
+        self._online = OnlinePlanner(**planner_kw)
+        self._prescan: PrescanPlanner | None = None
+        self._planner_kw = planner_kw
+
+        self._lock = threading.RLock()      # metadata + device values (caller vs worker)
+        self._ps_lock = threading.Lock()    # serializes PS client calls
+        self._worker = acquire_worker(collectives)
+        self._failed: BaseException | None = None
+        self._closed = False
+
+        self._submitted = 0
+        self._next = 0
+        self._active: Step | None = None
+        self._local_keys: deque[np.ndarray] = deque()          # submitted, not yet run
+        self._exchanges: deque[tuple[int, Future]] = deque()   # online, not yet planned
+        self._entered = -1                                     # last step in the window
+        self._ready: list[tuple[np.ndarray, np.ndarray, int]] = []       # candidates to place
+        self._deferred: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # by step
+        # Unissued prefetches: keys, deps, use steps.
+        self._pend: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._fetches: dict[int, _Fetch] = {}
+        self._next_fid = 0
+        self._staged_fids: dict[int, list[int]] = {}  # use step -> fetches holding its rows
+        self._tasks: deque[tuple[int, Future]] = deque()
+        self._last_commit: Handle | None = None  # owned by the worker thread
+        self._later_pins: dict[int, Future] = {}  # collective: step -> its S_later task
+        self._last_committed = -1
+        # Test hook: called as (kind, keys, deps, uses, at_step) before each get.
+        self.fetch_observer: Callable[[str, np.ndarray, np.ndarray, np.ndarray, int], None] | None
+        self.fetch_observer = None
+
+    # ---- public API ---------------------------------------------------------------------
+    @property
+    def capacity_rows(self) -> int:
+        return self._meta.capacity_rows if self._meta is not None else 0
+
+    @property
+    def next_step_index(self) -> int:
+        return self._next
+
+    def prescan(self, local_trace: Sequence[torch.Tensor | np.ndarray], *,
+                progress: bool = True) -> None:
+        """Plans every step from the whole trace of all ranks before training.
+
+        `local_trace[t]` is this rank's fused keys at step t. One collective (every rank
+        calls it with the same number of steps); afterwards each submitted batch is checked
+        against the trace (PlanMismatchError naming step and rank).
+        REQUIRES: nothing submitted yet.
+        """
+        self._check_usable()
+        if self._submitted or self._prescan is not None:
+            raise ValueError("prescan must be called once, before the first submit")
+        t0 = time.perf_counter()
+        local = [as_key_array(k, f"prescan trace step {t}") for t, k in enumerate(local_trace)]
+        for t, arr in enumerate(local):
+            self._check_range(arr, f"prescan trace step {t}")
+        lens = np.array([len(local)] + [a.size for a in local], dtype=np.int64)
+        packed = torch.from_numpy(np.concatenate([lens, *local]) if local else lens)
+        parts = self._collect(self._coll.all_gather, packed)
+        self.metrics_.add(id_exchange_bytes=packed.numel() * 8, collectives_issued=1)
+        per_rank: list[list[np.ndarray]] = []
+        steps = len(local)
+        for q, part in enumerate(parts):
+            arr = part.numpy()
+            n = int(arr[0])
+            if n != steps:
+                raise ValueError(
+                    f"prescan: rank {q} has {n} steps in its trace, rank {self.rank} has {steps}"
+                )
+            sizes = arr[1 : 1 + n]
+            bounds = np.concatenate([[0], np.cumsum(sizes)]) + 1 + n
+            per_rank.append([arr[bounds[t] : bounds[t + 1]] for t in range(n)])
+        trace = [[per_rank[q][t] for q in range(self.world_size)] for t in range(steps)]
+        planner = PrescanPlanner(**self._planner_kw)
+        planner.build(trace, progress=progress)
+        self._prescan = planner
+        self.metrics_.add(prescan_startup_s=time.perf_counter() - t0)
+
+    def submit(self, keys: torch.Tensor | np.ndarray) -> None:
+        """The next batch's fused keys (1-D int64, CPU) enter the lookahead window."""
+        self._check_usable()
+        s = self._submitted
+        arr = as_key_array(keys, f"keys of step {s}")
+        self._check_range(arr, f"keys of step {s}")
+        arr = arr.copy()
+        if self._prescan is not None:
+            self._prescan.check(s, arr)
+        else:
+            t = torch.from_numpy(arr)
+            self._exchanges.append((s, self._worker.submit(self._coll.all_gather, t)))
+            self.metrics_.add(id_exchange_bytes=arr.size * 8, collectives_issued=1)
+        self._local_keys.append(arr)
+        self._submitted += 1
+
+    def next_step(self) -> Step:
+        """Prepares the oldest submitted batch: its rows, bitwise the PS after the last commit."""
+        self._check_usable()
+        if self._active is not None:
+            raise ValueError(
+                f"next_step: step {self._active.step} is still running; call finish_step first"
+            )
+        t = self._next
+        if t >= self._submitted:
+            raise ValueError(f"next_step: batch {t} has not been submitted")
+        try:
+            step = self._prepare(t)
+        except BaseException as e:
+            self._failed = e
+            raise
+        self._active = step
+        return step
+
+    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
+        """Commits the step's row gradient (|U| x dim fp32) and keeps the cache coherent."""
+        self._check_usable()
+        if self._active is None or step is not self._active:
+            raise ValueError("finish_step: `step` is not the step returned by next_step")
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError("finish_step: grad must be a torch.Tensor")
+        n = step.plan.unique_keys.size
+        if grad.dtype != torch.float32:
+            raise TypeError(f"finish_step: grad must be float32, got {grad.dtype}")
+        if tuple(grad.shape) != (n, self.dim):
+            raise ValueError(
+                f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
+            )
+        try:
+            self._finish(step, grad.detach())
+        except BaseException as e:
+            self._failed = e
+            raise
+        self._active = None
+        self._next += 1
+        self.metrics_.add(steps=1)
+
+    def flush(self) -> None:
+        """Waits until every submitted commit is committed (bounded by ps_timeout)."""
+        self._check_usable()
+        if self._active is not None:
+            raise ValueError(f"flush: step {self._active.step} is still running")
+        try:
+            self._drain()
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def invalidate_all(self) -> None:
+        """Forgets every cached and prefetched row (after an external write to the PS)."""
+        self._check_usable()
+        if self._active is not None:
+            raise ValueError(f"invalidate_all: step {self._active.step} is still running")
+        self.flush()
+        with self._lock:
+            self._drop_fetches()
+            if self._meta is not None:
+                self._meta.clear()
+            self._dev.clear()
+            self._ready = []
+            self._deferred.clear()
+            self._pend = []
+
+    def close(self, *, close_ps: bool = True) -> None:
+        """Drains pending commits, waits for outstanding gets, closes the PS client."""
+        if self._closed:
+            return
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            if self._failed is None and self._active is None:
+                self._drain()
+                self._committed()
+        except BaseException as e:
+            error = e
+        finally:
+            self._closed = True
+            try:
+                with self._lock:
+                    self._drop_fetches()
+            except BaseException as e:
+                error = error or e
+            for _, fut in list(self._exchanges) + list(self._tasks):
+                fut.cancel()
+            release_worker(self._coll)
+            if close_ps:
+                with self._ps_lock:
+                    self._ps.close()
+            self.metrics_.add(shutdown_s=time.perf_counter() - t0)
+        if error is not None:
+            raise error
+
+    def metrics(self) -> dict[str, float]:
+        d = self.metrics_.snapshot()
+        d["planner_s"] = self._online.plan_seconds + (
+            self._prescan.plan_seconds if self._prescan is not None else 0.0
+        )
+        planner = self._prescan if self._prescan is not None else self._online
+        d["plan_memory_bytes"] = planner.memory_bytes()
+        d["capacity_rows"] = self.capacity_rows
+        d["resident_bytes"] = self._dev.resident_bytes
+        d["prepared_bytes"] = self._dev.prepared_bytes
+        if self._meta is not None:
+            with self._lock:
+                st = self._meta.stats()
+            d["resident_rows"] = st["resident"]
+            d["metadata_bytes"] = st["memory_bytes"]
+        else:
+            d["resident_rows"] = 0
+            d["metadata_bytes"] = 0
+        d["committed_step"] = self._committed()
+        return d
+
+    snapshot = metrics
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ControllerError("the BagPipe controller is closed")
+        if self._failed is not None:
+            raise ControllerError(f"the BagPipe controller failed earlier: {self._failed!r}")
+
+    def _check_range(self, arr: np.ndarray, what: str) -> None:
+        if arr.size == 0:
+            return
+        bad = (arr < 0) | (arr >= self.num_keys)
+        if bad.any():
+            pos = int(np.nonzero(bad)[0][0])
+            raise ValueError(
+                f"{what} (rank {self.rank}): key {int(arr[pos])} at position {pos} is outside "
+                f"[0, {self.num_keys})"
+            )
+
+    def _collect(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs a collective on the worker and waits for it (bounded)."""
+        t0 = time.perf_counter()
+        try:
+            return self._worker.submit(fn, *args).result(timeout=self._timeout)
+        finally:
+            self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
+
+    def _index(self, positions: np.ndarray) -> torch.Tensor:
+        """int64 positions as an index tensor on the device."""
+        t = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64))
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _committed(self) -> int:
+        if self._closed:
+            return self._last_committed
+        with self._ps_lock:
+            self._last_committed = int(self._ps.committed_step())
+        return self._last_committed
+
+    def _get(self, kind: str, keys: np.ndarray, deps: np.ndarray, uses: np.ndarray) -> Handle:
+        at_step = int(deps.max()) if deps.size else -1
+        if self.fetch_observer is not None:
+            self.fetch_observer(kind, keys, deps, uses, at_step)
+        with self._ps_lock:
+            return self._ps.get_async(torch.from_numpy(keys), at_step)
+
+    def _wait_rows(self, handle: Handle, n: int) -> torch.Tensor:
+        rows = handle.wait(self._timeout)
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.as_tensor(np.asarray(rows))
+        if rows.dtype != torch.float32 or tuple(rows.shape) != (n, self.dim):
+            raise ValueError(
+                f"the PS returned rows of shape {tuple(rows.shape)} {rows.dtype}, expected "
+                f"({n}, {self.dim}) float32"
+            )
+        self.metrics_.add(fetched_bytes=n * self.dim * 4)
+        return rows
+
+    def _poll_tasks(self) -> None:
+        """Raises the error of a failed background task; forgets finished ones."""
+        while self._tasks and self._tasks[0][1].done():
+            _, fut = self._tasks.popleft()
+            fut.result()
+
+    def _drain(self) -> None:
+        t0 = time.perf_counter()
+        while self._tasks:
+            _, fut = self._tasks[0]
+            fut.result(timeout=self._timeout)
+            self._tasks.popleft()
+        self._later_pins.clear()
+        last = self._last_commit
+        if last is not None:
+            last.wait(self._timeout)
+        self.metrics_.add(commit_wait_s=time.perf_counter() - t0)
+
+    def _drop_fetches(self) -> None:
+        """Waits for every outstanding prefetch and forgets it (REQUIRES: self._lock)."""
+        errors = []
+        for f in self._fetches.values():
+            if not f.done:
+                try:
+                    f.handle.wait(self._timeout)
+                except BaseException as e:  # keep draining the rest
+                    errors.append(e)
+        self._fetches.clear()
+        self._staged_fids.clear()
+        if errors:
+            raise errors[0]
+
+    # ---- planning ---------------------------------------------------------------------
+    def _plan(self, s: int) -> StepPlan:
+        planner = self._prescan if self._prescan is not None else self._online
+        return planner.plan(s)
+
+    def _absorb(self, upto: int) -> None:
+        """Online: plans every exchanged batch with step <= upto, in order."""
+        while self._exchanges and self._exchanges[0][0] <= upto:
+            s, fut = self._exchanges[0]
+            t0 = time.perf_counter()
+            parts = fut.result(timeout=self._timeout)
+            self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
+            self._exchanges.popleft()
+            added = self._online.add_step([p.numpy() for p in parts])
+            if added != s:
+                raise RuntimeError(f"planner out of step: added {added}, expected {s}")
+
+    def _enter_window(self, t: int) -> None:
+        """Steps up to t + lookahead that were submitted enter the window (REQUIRES: lock)."""
+        last = min(t + self._lookahead, self._submitted - 1)
+        for s in range(self._entered + 1, last + 1):
+            self._entered = s
+            if s <= t or self._meta is None:
+                continue
+            p = self._plan(s)
+            noted = (p.prev_use >= 0) & (p.prev_use < t)
+            if noted.any():
+                self._meta.note_uses(_i64(p.unique_keys[noted]), s)
+            # A candidate is placed at step max(dep + 1, s - distance): once this rank has
+            # finished its dependency, and at most `distance` steps before its use.
+            when = np.maximum(p.deps + 1, s - self._distance)
+            ready = when <= t
+            if ready.any():
+                self._ready.append((p.unique_keys[ready], p.deps[ready], s))
+            if not ready.all():
+                keys, deps, at = p.unique_keys[~ready], p.deps[~ready], when[~ready]
+                for w in np.unique(at):
+                    m = at == w
+                    self._deferred.setdefault(int(w), []).append((keys[m], deps[m], s))
+
+    def _place_candidates(self, t: int) -> None:
+        """Queues prefetches for candidates placed at step t (REQUIRES: lock)."""
+        groups = self._deferred.pop(t, [])
+        groups = [g for g in self._ready + groups if g[2] > t]  # the step's own keys are misses
+        self._ready = []
+        if not groups:
+            return
+        keys = _i64(np.concatenate([g[0] for g in groups]))
+        deps = _i64(np.concatenate([g[1] for g in groups]))
+        uses = np.concatenate([np.full(g[0].size, g[2], dtype=np.int64) for g in groups])
+        # Rows resident at the wanted version are expected hits; the rest are prefetched.
+        need = self._meta.resident(keys, deps) < 0
+        if need.any():
+            self._pend.append((keys[need], deps[need], uses[need]))
+
+    def _issue_ready(self) -> None:
+        """Issues one get for every queued prefetch whose dependency has committed."""
+        if not self._pend:
+            return
+        keys = np.concatenate([p[0] for p in self._pend])
+        deps = np.concatenate([p[1] for p in self._pend])
+        uses = np.concatenate([p[2] for p in self._pend])
+        go = deps <= self._committed()
+        if not go.any():
+            self._pend = [(keys, deps, uses)]
+            return
+        stay = ~go
+        self._pend = [(keys[stay], deps[stay], uses[stay])] if stay.any() else []
+        k, d, u = _i64(keys[go]), deps[go], uses[go]
+        handle = self._get("prefetch", k, d, u)
+        fid = self._next_fid
+        self._next_fid += 1
+        self._fetches[fid] = _Fetch(handle, k, u, int(u.max()))
+        for use in np.unique(u):
+            self._staged_fids.setdefault(int(use), []).append(fid)
+        self.metrics_.add(prefetched=int(k.size), prefetch_gets=1)
+
+    def _materialize(self, fid: int) -> None:
+        """Waits for a prefetch and moves its rows to the prepared-batch queue."""
+        f = self._fetches[fid]
+        if f.done:
+            return
+        t0 = time.perf_counter()
+        rows = self._wait_rows(f.handle, f.keys.size)
+        self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
+        for use in np.unique(f.uses):
+            m = f.uses == use
+            idx = torch.from_numpy(np.nonzero(m)[0])
+            self._dev.put_prepared(int(use), f.keys[m], rows.index_select(0, idx),
+                                   current=self._next)
+        self.metrics_.add(staged_rows=int(f.keys.size))
+        f.done = True
+
+    def _materialize_ready(self, t: int) -> None:
+        """Moves finished prefetches for the next prepared_batches steps to the device."""
+        horizon = t + self._dev.max_prepared
+        for fid, f in list(self._fetches.items()):
+            if not f.done and int(f.uses.min()) <= horizon and f.handle.done():
+                self._materialize(fid)
+
+    # ---- the step ---------------------------------------------------------------------
+    def _prepare(self, t: int) -> Step:
+        self._poll_tasks()
+        upto = min(t + self._lookahead, self._submitted - 1)
+        if self._prescan is None:
+            self._absorb(upto)
+            self._online.release(t)
+        # Collective: S_later updates of steps <= t - 2 must land before their pins expire.
+        for s in [s for s in self._later_pins if s <= t - 2]:
+            self._later_pins.pop(s).result(timeout=self._timeout)
+        batch = self._local_keys.popleft()
+        if self._meta is None:
+            self._entered = max(self._entered, upto)
+            plan = self._plan(t)
+            return self._prepare_uncached(t, batch, plan)
+        with self._lock:
+            self._meta.advance(t)
+            self._enter_window(t)
+            plan = self._plan(t)
+            return self._prepare_cached(t, batch, plan)
+
+    def _record_dependency(self, t: int, demand_deps: np.ndarray) -> None:
+        if t == 0:
+            return
+        if self._committed() < t - 1:
+            if demand_deps.size and int(demand_deps.max()) >= t - 1:
+                self.metrics_.add(dependency_waits=1)
+            else:
+                self.metrics_.add(skipped_dependency_waits=1)
+
+    def _make_step(self, t: int, batch: np.ndarray, plan: StepPlan, rows: torch.Tensor) -> Step:
+        inverse = torch.from_numpy(plan.inverse)
+        if self.device.type != "cpu":
+            inverse = inverse.to(self.device, non_blocking=True)
+        rows.requires_grad_(True)
+        return Step(
+            step=t,
+            keys=torch.from_numpy(batch),
+            unique_keys=torch.from_numpy(plan.unique_keys),
+            inverse=inverse,
+            rows=rows,
+            plan=plan,
+        )
+
+    def _prepare_uncached(self, t: int, batch: np.ndarray, plan: StepPlan) -> Step:
+        n = plan.unique_keys.size
+        keys = _i64(plan.unique_keys)
+        deps = plan.deps
+        self._record_dependency(t, deps)
+        rows = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        if n:
+            handle = self._get("demand", keys, deps, np.full(n, t, dtype=np.int64))
+            t0 = time.perf_counter()
+            fetched = self._wait_rows(handle, n)
+            self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
+            rows.copy_(fetched.to(self.device, non_blocking=True))
+        self.metrics_.add(accesses=n, demand_fetched=n, demand_gets=int(n > 0))
+        return self._make_step(t, batch, plan, rows)
+
+    def _prepare_cached(self, t: int, batch: np.ndarray, plan: StepPlan) -> Step:
+        meta, dev = self._meta, self._dev
+        U = _i64(plan.unique_keys)
+        deps = _i64(plan.deps)
+        n = U.size
+        next_use = np.where(plan.next_use <= self._entered, plan.next_use, -1).astype(np.int64)
+        hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
+        rows = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        if hit_pos.size:
+            rows.index_copy_(0, self._index(hit_pos), dev.gather(hit_slots))
+
+        # Prefetches of this step still queued (dependency not committed) become demand.
+        if self._pend:
+            keys = np.concatenate([p[0] for p in self._pend])
+            dps = np.concatenate([p[1] for p in self._pend])
+            uses = np.concatenate([p[2] for p in self._pend])
+            keep = uses != t
+            self._pend = [(keys[keep], dps[keep], uses[keep])] if keep.any() else []
+        # Prefetched rows of this step (the prepared-batch queue).
+        for fid in self._staged_fids.pop(t, []):
+            self._materialize(fid)
+        staged = dev.take_prepared(t)
+        miss_keys = U[miss_pos]
+        from_queue = np.zeros(miss_pos.size, dtype=bool)
+        queue_rows: torch.Tensor | None = None
+        if staged is not None and miss_pos.size:
+            skeys, srows = staged
+            order = np.argsort(skeys)
+            loc = np.minimum(np.searchsorted(skeys, miss_keys, sorter=order), skeys.size - 1)
+            src = order[loc]
+            from_queue = skeys[src] == miss_keys
+            queue_rows = srows.index_select(0, torch.from_numpy(src[from_queue]))
+        d_pos = miss_pos[~from_queue]
+        d_keys = U[d_pos]
+        d_deps = deps[d_pos]
+        self._record_dependency(t, d_deps)
+        handle = None
+        if d_keys.size:
+            handle = self._get("demand", d_keys, d_deps, np.full(d_keys.size, t, np.int64))
+        # Admission, soonest next use first (none last): admitted rows are pinned for the
+        # step, so the rows worth keeping claim slots before the ones worth less (Belady).
+        miss_nu = next_use[miss_pos]
+        order = np.argsort(np.where(miss_nu < 0, np.iinfo(np.int64).max, miss_nu), kind="stable")
+        a_pos, a_slots, evicted, a_bypassed = meta.admit(
+            _i64(miss_keys[order]), _i64(deps[miss_pos][order]), _i64(miss_nu[order])
+        )
+        a_pos = order[a_pos]
+        self.metrics_.add(evictions=int(evicted.size), bypassed=int(a_bypassed.size),
+                          stale=int(stale))
+        self._place_candidates(t)
+        self._issue_ready()
+        miss_rows = torch.empty(miss_pos.size, self.dim, dtype=torch.float32, device=self.device)
+        if queue_rows is not None and queue_rows.shape[0]:
+            miss_rows.index_copy_(0, self._index(np.nonzero(from_queue)[0]), queue_rows)
+        if handle is not None:
+            t0 = time.perf_counter()
+            fetched = self._wait_rows(handle, d_keys.size).to(self.device, non_blocking=True)
+            self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
+            miss_rows.index_copy_(0, self._index(np.nonzero(~from_queue)[0]), fetched)
+        if miss_pos.size:
+            rows.index_copy_(0, self._index(miss_pos), miss_rows)
+            if a_slots.size:
+                dev.fill(a_slots, miss_rows.index_select(0, self._index(a_pos)))
+        for fid in [fid for fid, f in self._fetches.items() if f.max_use <= t and f.done]:
+            del self._fetches[fid]
+        self._materialize_ready(t)
+        self.metrics_.add(
+            accesses=n,
+            hits=int(hit_pos.size),
+            prefetch_served=int(from_queue.sum()),
+            demand_fetched=int(d_keys.size),
+            demand_gets=int(d_keys.size > 0),
+        )
+        return self._make_step(t, batch, plan, rows)
+
+    def _finish(self, step: Step, grad: torch.Tensor) -> None:
+        t = step.step
+        plan = step.plan
+        U = _i64(plan.unique_keys)
+        if grad.device != self.device and self._meta is not None:
+            grad = grad.to(self.device)
+        if not self._collective:
+            if self._meta is not None:
+                with self._lock:
+                    local = np.nonzero(~plan.shared)[0]
+                    slots = self._meta.lookup(U[local])
+                    have = slots >= 0
+                    if have.any():
+                        idx = torch.from_numpy(local[have]).to(grad.device)
+                        self._dev.sgd_(slots[have], grad.index_select(0, idx))
+                        self._meta.set_version(_i64(slots[have]), t)
+                    freed = self._meta.invalidate(_i64(plan.others)) if plan.others.size else _EMPTY
+                    self.metrics_.add(local_updates=int(have.sum()),
+                                      invalidations=int(freed.size))
+            keys_t = torch.from_numpy(U)
+            # A private copy: the caller may reuse its gradient buffer before the commit runs.
+            grads_cpu = grad.detach().to("cpu", copy=True).contiguous()
+            fut = self._worker.submit(self._commit_task, t, keys_t, grads_cpu, None)
+            self._tasks.append((t, fut))
+            self._issue_ready_locked()
+            return
+        self._finish_collective(step, grad)
+
+    def _finish_collective(self, step: Step, grad: torch.Tensor) -> None:
+        t = step.step
+        plan = step.plan
+        union = _i64(plan.union_keys)
+        nu = union.size
+        s_now = plan.s_now if self._entered >= t + 1 else np.ones(nu, dtype=bool)
+        now_idx = np.nonzero(s_now)[0]
+        later_idx = np.nonzero(~s_now)[0]
+        row_of = np.empty(nu, dtype=np.int64)
+        row_of[now_idx] = np.arange(now_idx.size)
+        row_of[later_idx] = np.arange(later_idx.size)
+        mine_now = s_now[plan.union_pos]
+        dev = grad.device
+
+        def dense(idx: np.ndarray, mine: np.ndarray) -> torch.Tensor:
+            buf = torch.zeros(idx.size, self.dim, dtype=torch.float32, device=dev)
+            src = np.nonzero(mine)[0]
+            if src.size:
+                dst = torch.from_numpy(row_of[plan.union_pos[src]]).to(dev)
+                buf.index_copy_(0, dst, grad.index_select(0, torch.from_numpy(src).to(dev)))
+            return buf
+
+        g_now = dense(now_idx, mine_now)
+        g_later = dense(later_idx, ~mine_now)
+        if now_idx.size:
+            self._collect(self._coll.all_reduce_sum_, g_now)
+            self.metrics_.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
+        later_slots = _EMPTY
+        if self._meta is not None:
+            with self._lock:
+                slots = self._meta.lookup(union[now_idx])
+                have = slots >= 0
+                if have.any():
+                    sel = torch.from_numpy(np.nonzero(have)[0]).to(dev)
+                    self._dev.sgd_(slots[have], g_now.index_select(0, sel))
+                    self._meta.set_version(_i64(slots[have]), t)
+                lslots = self._meta.lookup(union[later_idx])
+                lhave = lslots >= 0
+                later_slots = _i64(lslots[lhave])
+                later_sel = np.nonzero(lhave)[0]
+                if later_slots.size:
+                    self._meta.set_version(later_slots, t)
+                    self._meta.pin(later_slots, t + 1)
+                self.metrics_.add(local_updates=int(have.sum() + lhave.sum()))
+        designated = (np.arange(nu) % self.world_size) == self.rank
+        d_now = designated[now_idx]
+        d_later = designated[later_idx]
+        keys_t = torch.from_numpy(
+            np.concatenate([union[now_idx][d_now], union[later_idx][d_later]])
+        )
+        g_now_cpu = g_now.index_select(0, torch.from_numpy(np.nonzero(d_now)[0]).to(dev)).cpu()
+
+        def later_part() -> torch.Tensor:
+            if later_idx.size:
+                self._coll.all_reduce_sum_(g_later)
+                self.metrics_.add(allreduce_payload_bytes=g_later.numel() * 4,
+                                  collectives_issued=1)
+                if later_slots.size:
+                    # No lock: these slots are pinned through t + 1 and nobody else touches
+                    # them until next_step(t + 2) joins this task (the caller may hold the
+                    # lock while it waits for this very commit).
+                    sel = torch.from_numpy(later_sel).to(dev)
+                    self._dev.sgd_(later_slots, g_later.index_select(0, sel))
+            g_later_cpu = g_later.index_select(
+                0, torch.from_numpy(np.nonzero(d_later)[0]).to(dev)).cpu()
+            return torch.cat([g_now_cpu, g_later_cpu]).contiguous()
+
+        fut = self._worker.submit(self._commit_task, t, keys_t, None, later_part)
+        self._tasks.append((t, fut))
+        if later_slots.size:
+            self._later_pins[t] = fut
+        self._issue_ready_locked()
+
+    def _issue_ready_locked(self) -> None:
+        if self._meta is None:
+            return
+        with self._lock:
+            self._issue_ready()
+
+    def _commit_task(
+        self,
+        t: int,
+        keys: torch.Tensor,
+        grads: torch.Tensor | None,
+        produce: Callable[[], torch.Tensor] | None,
+    ) -> None:
+        """Runs on the worker: [S_later reduce], wait for the predecessor, commit step t."""
+        if produce is not None:
+            grads = produce()
+        assert grads is not None
+        prev = self._last_commit
+        if prev is not None:
+            t0 = time.perf_counter()
+            prev.wait(self._timeout)
+            self.metrics_.add(commit_wait_s=time.perf_counter() - t0)
+        with self._ps_lock:
+            handle = self._ps.commit_async(t, keys, grads)
+        self._last_commit = handle
+        self.metrics_.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)

@@ -1,0 +1,63 @@
+"""Counters of one BagPipe controller; `snapshot()` returns a plain dict.
+
+Accounting unit: one access = one unique key of one rank's batch at one step. Every access is
+exactly one of: a hit (read from the cache, not fetched for this step), prefetch-served (its
+row was fetched by a get issued before the step began) or demand-fetched (fetched at use).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, fields
+
+__all__ = ["RuntimeMetrics"]
+
+
+@dataclass
+class RuntimeMetrics:
+    steps: int = 0
+    accesses: int = 0
+    hits: int = 0
+    prefetch_served: int = 0
+    demand_fetched: int = 0
+    prefetched: int = 0          # ids fetched by prefetch gets (issued ahead of use)
+    prefetch_gets: int = 0
+    demand_gets: int = 0
+    staged_rows: int = 0         # prefetched rows moved to the prepared-batch queue
+    evictions: int = 0
+    invalidations: int = 0
+    bypassed: int = 0            # misses that found no cache slot (served, not cached)
+    stale: int = 0               # resident rows found at a wrong version (must stay 0)
+    local_updates: int = 0       # resident rows updated by local SGD after a step
+    dependency_waits: int = 0    # steps whose fetch waited for the previous commit
+    skipped_dependency_waits: int = 0  # steps that did not, although it was pending
+    fetch_wait_s: float = 0.0    # time the caller waited for rows from the PS
+    commit_wait_s: float = 0.0   # time spent waiting for commits (predecessors, flush)
+    collective_wait_s: float = 0.0
+    gradient_payload_bytes: int = 0   # keys + fp32 gradients this rank sent to the PS
+    allreduce_payload_bytes: int = 0  # fp32 gradients this rank all-reduced (collective)
+    fetched_bytes: int = 0            # rows received from the PS
+    id_exchange_bytes: int = 0        # ids this rank sent in exchanges
+    collectives_issued: int = 0
+    planner_s: float = 0.0
+    prescan_startup_s: float = 0.0
+    shutdown_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            d = {f.name: getattr(self, f.name) for f in fields(self)}
+        acc = d["accesses"]
+        d["hit_rate"] = d["hits"] / acc if acc else 0.0
+        d["cache_served_rate"] = (d["hits"] + d["prefetch_served"]) / acc if acc else 0.0
+        return d
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)

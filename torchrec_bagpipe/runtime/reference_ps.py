@@ -1,0 +1,318 @@
+"""An exact, in-process reference parameter server (numpy), used as the oracle in tests.
+
+It implements the semantics of ARCHITECTURE §1/§3 with the simplest possible code:
+  * every rank commits every step (possibly zero rows); once all W ranks' payloads for step
+    t are in, the gradients are concatenated in rank order, duplicate keys summed in that
+    order (the first one copied), divided by W when gradient division is on (fp32 true
+    division), multiplied by lr (fp32), and subtracted: the bitwise arithmetic of §1;
+  * the committed step advances to t; a retry of a committed step is a no-op, a conflicting
+    payload or an out-of-order step fails the session (`ReferenceSessionError`);
+  * ``get_async(keys, at_step)`` reads once ``committed_step >= at_step`` (immediately when it
+    already is, otherwise as soon as the commit lands), bounded by a timeout.
+
+`ReferencePSClient` (one per rank) satisfies the runtime's ``PSClientLike`` protocol. The
+server records every get (at_step and the committed step when it was issued) so tests can
+check dependency gating against the truth.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ReferencePS", "ReferencePSClient", "ReferenceSessionError", "reference_sgd_step"]
+
+
+class ReferenceSessionError(RuntimeError):
+    """The reference PS session failed (conflicting retry, out-of-order step, closed)."""
+
+
+def reference_sgd_step(
+    values: np.ndarray,
+    keys_by_rank: list[np.ndarray],
+    grads_by_rank: list[np.ndarray],
+    lr: float,
+    world_size: int,
+    divide: bool,
+) -> None:
+    """Applies one synchronous SGD step in place with the bitwise arithmetic of §1."""
+    keys = np.concatenate([np.asarray(k, dtype=np.int64) for k in keys_by_rank])
+    if keys.size == 0:
+        return
+    dim = values.shape[1]
+    grads = np.concatenate(
+        [np.asarray(g, dtype=np.float32).reshape(-1, dim) for g in grads_by_rank]
+    )
+    uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    acc = grads[first].copy()  # the first occurrence is copied, not added to zero
+    rest = np.ones(keys.size, dtype=bool)
+    rest[first] = False
+    idx = np.nonzero(rest)[0]  # ascending: input order
+    np.add.at(acc, inv[idx], grads[idx])
+    u = acc
+    if divide and world_size != 1:
+        u = u / np.float32(world_size)
+    u = u * np.float32(lr)
+    values[uniq] = values[uniq] - u
+
+
+class _Handle:
+    def __init__(self, what: str, timeout: float) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._what = what
+        self._timeout = timeout
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value = value
+        self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        limit = self._timeout if timeout is None else timeout
+        if not self._event.wait(limit):
+            raise TimeoutError(f"reference PS: {self._what} not done after {limit:.1f}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+@dataclass
+class GetRecord:
+    rank: int
+    at_step: int
+    committed_at_issue: int
+    keys: np.ndarray
+
+
+class ReferencePS:
+    """W ranks' view of one fused table held in a numpy array."""
+
+    def __init__(
+        self,
+        num_keys: int,
+        dim: int,
+        world_size: int,
+        lr: float,
+        *,
+        divide: bool = True,
+        seed: int = 0,
+        init: np.ndarray | None = None,
+        timeout: float = 60.0,
+        apply_delay: float = 0.0,
+        record_gets: bool = True,
+    ) -> None:
+        if init is not None:
+            init = np.asarray(init, dtype=np.float32)
+            if init.shape != (num_keys, dim):
+                raise ValueError(f"init must have shape {(num_keys, dim)}, got {init.shape}")
+            self.values = init.copy()
+        else:
+            rng = np.random.default_rng(seed)
+            self.values = rng.uniform(-0.5, 0.5, size=(num_keys, dim)).astype(np.float32)
+        self.num_keys = num_keys
+        self.dim = dim
+        self.world_size = world_size
+        self.lr = float(lr)
+        self.divide = divide
+        self.timeout = float(timeout)
+        self.apply_delay = float(apply_delay)
+        self.record_gets = record_gets
+        self._cv = threading.Condition()
+        self._committed = -1
+        self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._history: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._commit_handles: dict[int, list[_Handle]] = {}
+        self._waiting_gets: list[tuple[int, np.ndarray, _Handle]] = []
+        self._failed: BaseException | None = None
+        self._apply_queue: deque[int] = deque()
+        self._applier: threading.Thread | None = None
+        self.gets: list[GetRecord] = []
+        self.rows_served = 0
+        self.rows_committed = 0
+        self.closed_ranks: set[int] = set()
+        if self.apply_delay > 0:
+            self._applier = threading.Thread(target=self._apply_loop, daemon=True)
+            self._applier.start()
+
+    def client(self, rank: int) -> ReferencePSClient:
+        return ReferencePSClient(self, rank)
+
+    def committed_step(self) -> int:
+        with self._cv:
+            return self._committed
+
+    def snapshot(self) -> np.ndarray:
+        with self._cv:
+            return self.values.copy()
+
+    def assign(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        with self._cv:
+            self.values[np.asarray(keys, dtype=np.int64)] = np.asarray(rows, dtype=np.float32)
+
+    # ---- protocol ---------------------------------------------------------------------
+    def _check_keys(self, keys: Any, what: str) -> np.ndarray:
+        if isinstance(keys, torch.Tensor):
+            if keys.dtype != torch.int64 or keys.dim() != 1:
+                raise TypeError(f"{what}: keys must be a 1-D int64 tensor")
+            keys = keys.detach().cpu().numpy()
+        keys = np.asarray(keys)
+        if keys.dtype != np.int64 or keys.ndim != 1:
+            raise TypeError(f"{what}: keys must be 1-D int64")
+        if keys.size and (keys.min() < 0 or keys.max() >= self.num_keys):
+            raise ValueError(f"{what}: keys outside [0, {self.num_keys})")
+        return keys
+
+    def commit(self, rank: int, step: int, keys: Any, grads: Any) -> _Handle:
+        keys = self._check_keys(keys, "commit")
+        if isinstance(grads, torch.Tensor):
+            if grads.dtype != torch.float32:
+                raise TypeError("commit: grads must be float32")
+            grads = grads.detach().cpu().numpy()
+        grads = np.asarray(grads, dtype=np.float32)
+        if grads.shape != (keys.size, self.dim):
+            raise ValueError(f"commit: grads must have shape {(keys.size, self.dim)}")
+        handle = _Handle(f"commit of step {step} by rank {rank}", self.timeout)
+        with self._cv:
+            if self._failed is not None:
+                raise ReferenceSessionError(f"session failed: {self._failed}")
+            if rank in self.closed_ranks:
+                raise ReferenceSessionError(f"rank {rank} closed its session")
+            done_payload = self._history.get(step, {}).get(rank)
+            receiving = self._committed + 1
+            if done_payload is not None or (step == receiving and rank in self._pending):
+                prev = done_payload if done_payload is not None else self._pending[rank]
+                if not (np.array_equal(prev[0], keys) and np.array_equal(prev[1], grads)):
+                    self._fail(f"conflicting retry of step {step} by rank {rank}")
+                    raise ReferenceSessionError(f"conflicting retry of step {step} by rank {rank}")
+                if step <= self._committed:
+                    handle._set(step)
+                else:
+                    self._commit_handles.setdefault(step, []).append(handle)
+                return handle
+            # Strict order: step t is accepted only once step t - 1 is applied.
+            if step != receiving or receiving in self._history:
+                self._fail(f"rank {rank} committed step {step}, expected {receiving}")
+                raise ReferenceSessionError(
+                    f"out-of-order commit: rank {rank} sent step {step} while the committed "
+                    f"step is {self._committed}"
+                )
+            self._pending[rank] = (keys.copy(), grads.copy())
+            self._commit_handles.setdefault(step, []).append(handle)
+            if len(self._pending) == self.world_size:
+                self._history[step] = self._pending
+                self._pending = {}
+                if self._applier is not None:
+                    self._apply_queue.append(step)
+                    self._cv.notify_all()
+                else:
+                    self._apply(step)
+        return handle
+
+    def _apply(self, step: int) -> None:
+        # REQUIRES: self._cv held.
+        payload = self._history[step]
+        order = sorted(payload)
+        reference_sgd_step(
+            self.values,
+            [payload[r][0] for r in order],
+            [payload[r][1] for r in order],
+            self.lr,
+            self.world_size,
+            self.divide,
+        )
+        self.rows_committed += sum(payload[r][0].size for r in order)
+        # Keep only what a retry of a recent step needs.
+        for old in [s for s in self._history if s < step - 4]:
+            del self._history[old]
+        self._committed = step
+        for h in self._commit_handles.pop(step, []):
+            h._set(step)
+        still = []
+        for at_step, keys, h in self._waiting_gets:
+            if at_step <= self._committed:
+                self.rows_served += keys.size
+                h._set(torch.from_numpy(self.values[keys].copy()))
+            else:
+                still.append((at_step, keys, h))
+        self._waiting_gets = still
+        self._cv.notify_all()
+
+    def _apply_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._apply_queue:
+                    self._cv.wait()
+                step = self._apply_queue[0]
+            time.sleep(self.apply_delay)
+            with self._cv:
+                self._apply_queue.popleft()
+                self._apply(step)
+
+    def _fail(self, why: str) -> None:
+        self._failed = ReferenceSessionError(why)
+        for hs in self._commit_handles.values():
+            for h in hs:
+                h._set(error=self._failed)
+        self._commit_handles.clear()
+
+    def get(self, rank: int, keys: Any, at_step: int) -> _Handle:
+        keys = self._check_keys(keys, "get")
+        handle = _Handle(f"get of {keys.size} rows at step {at_step} by rank {rank}", self.timeout)
+        with self._cv:
+            if self._failed is not None:
+                raise ReferenceSessionError(f"session failed: {self._failed}")
+            if self.record_gets:
+                self.gets.append(GetRecord(rank, int(at_step), self._committed, keys.copy()))
+            if at_step <= self._committed:
+                self.rows_served += keys.size
+                handle._set(torch.from_numpy(self.values[keys].copy()))
+            else:
+                self._waiting_gets.append((int(at_step), keys.copy(), handle))
+        return handle
+
+    def lookup(self, keys: Any) -> torch.Tensor:
+        keys = self._check_keys(keys, "lookup")
+        with self._cv:
+            return torch.from_numpy(self.values[keys].copy())
+
+    def close_rank(self, rank: int) -> None:
+        with self._cv:
+            self.closed_ranks.add(rank)
+
+
+class ReferencePSClient:
+    """Rank `rank`'s client of a `ReferencePS` (the runtime's PSClientLike protocol)."""
+
+    def __init__(self, server: ReferencePS, rank: int) -> None:
+        self.server = server
+        self.rank = rank
+        self.dim = server.dim
+
+    def get_async(self, keys: torch.Tensor, at_step: int) -> _Handle:
+        return self.server.get(self.rank, keys, at_step)
+
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> _Handle:
+        return self.server.commit(self.rank, step, keys, grads)
+
+    def committed_step(self) -> int:
+        return self.server.committed_step()
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.server.lookup(keys)
+
+    def assign(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        self.server.assign(np.asarray(keys), np.asarray(rows))
+
+    def close(self) -> None:
+        self.server.close_rank(self.rank)

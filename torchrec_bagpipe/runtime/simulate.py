@@ -1,0 +1,215 @@
+"""Runs W simulated ranks (threads) of BagPipe controllers over an ID trace in one process.
+
+Used by the property tests and the cache benchmarks. Each rank thread drives its controller
+the way the TorchRec layer does: it keeps `lookahead` batches submitted ahead of the step it
+runs, reads `step.rows`, computes a row gradient and finishes the step.
+
+The parameter server is pluggable (`PSBackend`): the exact numpy `ReferencePS` by default, or
+any object with ``client(rank)``, ``committed_step()`` (the truth, min over shards),
+``snapshot()`` (every row, after the run) and ``close()`` — the tests plug the real
+in-process PS (PSShard + PSClient over the local transport) in this way.
+
+The default gradient is ``noise(t, r) + 0.5 * rows``: it depends on the values read, so a stale
+read changes the final weights, and it is a pure function of (step, rank, keys, rows), so the
+reference run (`reference_run`) reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.runtime.collectives import ThreadGroup
+from torchrec_bagpipe.runtime.controller import BagPipeController
+from torchrec_bagpipe.runtime.reference_ps import ReferencePS, reference_sgd_step
+
+__all__ = ["SimResult", "default_grad", "reference_run", "simulate"]
+
+GradFn = Callable[[int, int, np.ndarray, np.ndarray], np.ndarray]
+
+
+class PSBackend(Protocol):
+    def client(self, rank: int) -> Any: ...
+
+    def committed_step(self) -> int: ...
+
+    def snapshot(self) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+# (num_keys, dim, world_size, lr, divide, init, timeout) -> a backend holding `init`.
+BackendFactory = Callable[[int, int, int, float, bool, np.ndarray, float], PSBackend]
+Trace = Sequence[Sequence[np.ndarray]]  # trace[t][r]: rank r's fused keys at step t
+
+
+def default_grad(t: int, r: int, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """noise(t, r, position) + 0.5 * rows, fp32 (a pure function of its arguments)."""
+    rng = np.random.default_rng((t * 7919 + r * 104729 + 17) & 0xFFFFFFFF)
+    noise = rng.standard_normal(rows.shape).astype(np.float32)
+    return noise + np.float32(0.5) * rows.astype(np.float32)
+
+
+@dataclass
+class SimResult:
+    metrics: list[dict[str, Any]]
+    final: np.ndarray
+    reads: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    ps: Any = None
+
+
+def simulate(
+    config: BagPipeConfig,
+    trace: Trace,
+    *,
+    num_keys: int,
+    dim: int,
+    lr: float = 0.1,
+    world_size: int | None = None,
+    init: np.ndarray | None = None,
+    seed: int = 0,
+    grad_fn: GradFn = default_grad,
+    device: torch.device | str | None = None,
+    record_reads: bool = False,
+    timeout: float = 60.0,
+    ps_apply_delay: float = 0.0,
+    observer: Callable[[int, str, np.ndarray, np.ndarray, np.ndarray, int], None] | None = None,
+    step_hook: Callable[[int, BagPipeController], None] | None = None,
+    progress: bool = False,
+    backend: BackendFactory | None = None,
+) -> SimResult:
+    """Trains `len(trace)` steps with W rank threads against an in-process PS (default: the
+    exact `ReferencePS`; `backend` builds another one)."""
+    W = world_size if world_size is not None else len(trace[0]) if trace else 1
+    for t, per_rank in enumerate(trace):
+        if len(per_rank) != W:
+            raise ValueError(f"trace step {t} has {len(per_rank)} ranks, expected {W}")
+    divide = config.resolved_gradient_division()
+    if backend is None:
+        ps: Any = ReferencePS(num_keys, dim, W, lr, divide=divide, seed=seed, init=init,
+                              timeout=timeout, apply_delay=ps_apply_delay)
+    else:
+        if init is None:
+            init = np.random.default_rng(seed).uniform(-0.5, 0.5, (num_keys, dim))
+        ps = backend(num_keys, dim, W, lr, divide, np.asarray(init, dtype=np.float32), timeout)
+    clients = [ps.client(r) for r in range(W)]
+    group = ThreadGroup(W, timeout=timeout)
+    metrics: list[dict[str, Any]] = [{} for _ in range(W)]
+    reads: dict[tuple[int, int], np.ndarray] = {}
+    errors: list[BaseException] = []
+    final: list[np.ndarray] = []
+    done = threading.Barrier(W)
+    done2 = threading.Barrier(W)
+    steps = len(trace)
+    look = config.lookahead if config.read_mode == "bagpipe" else 0
+
+    def rank_main(r: int) -> None:
+        ctl = None
+        try:
+            ctl = BagPipeController(
+                config, rank=r, world_size=W, dim=dim, num_keys=num_keys, lr=lr,
+                ps=clients[r], collectives=group.collectives(r), device=device,
+            )
+            if observer is not None:
+                ctl.fetch_observer = lambda *a: observer(r, *a)
+            if config.optimization_prescan:
+                ctl.prescan([np.asarray(trace[t][r], dtype=np.int64) for t in range(steps)],
+                            progress=progress and r == 0)
+            submitted = 0
+            for t in range(steps):
+                while submitted < min(steps, t + look + 1):
+                    ctl.submit(torch.from_numpy(np.asarray(trace[submitted][r], dtype=np.int64)))
+                    submitted += 1
+                step = ctl.next_step()
+                rows = step.rows.detach().cpu().numpy()
+                if record_reads:
+                    reads[(t, r)] = rows.copy()
+                g = grad_fn(t, r, step.unique_keys.numpy(), rows)
+                grad = torch.from_numpy(np.ascontiguousarray(g)).to(step.rows.device)
+                ctl.finish_step(step, grad)
+                if step_hook is not None:
+                    step_hook(r, ctl)
+            ctl.flush()
+            metrics[r] = ctl.metrics()
+            done.wait(timeout)  # every rank drained: the PS holds the final values
+            if r == 0:
+                final.append(ps.snapshot())
+            done2.wait(timeout)
+            ctl.close()
+            ctl = None
+        except BaseException as e:
+            errors.append(e)
+            group.abort(e)
+            done.abort()
+            done2.abort()
+        finally:
+            if ctl is not None:
+                with contextlib.suppress(BaseException):
+                    ctl.close()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(W)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout * 4)
+        if any(th.is_alive() for th in threads):
+            raise TimeoutError("simulate: a rank thread did not finish")
+    finally:
+        if backend is not None:
+            ps.close()
+    if errors:
+        # Prefer the root cause over the aborts it triggered on other ranks.
+        from torchrec_bagpipe.runtime.collectives import CollectiveAborted
+
+        root = [e for e in errors
+                if not isinstance(e, (CollectiveAborted, threading.BrokenBarrierError))]
+        raise (root or errors)[0]
+    return SimResult(metrics=metrics, final=final[0], reads=reads, ps=ps)
+
+
+def reference_run(
+    trace: Trace,
+    *,
+    init: np.ndarray,
+    lr: float,
+    divide: bool = True,
+    grad_fn: GradFn = default_grad,
+    reads: dict[tuple[int, int], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Plain synchronous SGD over the trace (no cache, no PS, no threads).
+
+    When `reads` is given, checks that every recorded read equals the reference values
+    before that step bitwise (invariant 1), raising AssertionError naming step and rank.
+    """
+    values = np.array(init, dtype=np.float32, copy=True)
+    for t, per_rank in enumerate(trace):
+        W = len(per_rank)
+        keys_by_rank, grads_by_rank = [], []
+        for r in range(W):
+            keys = np.asarray(per_rank[r], dtype=np.int64)
+            _, first = np.unique(keys, return_index=True)
+            uniq = keys[np.sort(first)]  # first-occurrence order, as the planner
+            rows = values[uniq]
+            if reads is not None:
+                got = reads[(t, r)]
+                if got.shape != rows.shape or not np.array_equal(
+                    got.view(np.uint32), rows.view(np.uint32)
+                ):
+                    same_shape = got.shape == rows.shape
+                    bad = np.nonzero((got != rows).any(axis=1))[0] if same_shape else []
+                    raise AssertionError(
+                        f"freshness violated at step {t}, rank {r}: rows "
+                        f"{[int(uniq[i]) for i in bad[:5]]} differ from the PS after step {t - 1}"
+                    )
+            keys_by_rank.append(uniq)
+            grads_by_rank.append(grad_fn(t, r, uniq, rows))
+        reference_sgd_step(values, keys_by_rank, grads_by_rank, lr, W, divide)
+    return values
