@@ -328,13 +328,14 @@ std::shared_ptr<ClientOp> PSClient::Enqueue(std::shared_ptr<ClientOp> op) {
 }
 
 std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                                const float* grads) {
+                                                const float* grads, std::function<void()> ready) {
   if (step < 0) throw ValueError("step must be >= 0, got " + std::to_string(step));
   CheckKeys(keys, n, "keys");
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCommit, step));
   op->keys_ = keys;
   op->n_ = n;
   op->rows_ = grads;
+  op->ready_ = std::move(ready);
   return Enqueue(std::move(op));
 }
 
@@ -481,6 +482,7 @@ void PSClient::WorkerLoop() {
 }
 
 void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
+  if (op->ready_) op->ready_();
   switch (op->kind_) {
     case OpKind::kCommit:
     case OpKind::kAssign: {

@@ -30,6 +30,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -94,6 +95,7 @@ class ClientOp {
   const int64_t* keys_ = nullptr;
   size_t n_ = 0;
   const float* rows_ = nullptr;  // commit grads / assign rows
+  std::function<void()> ready_;   // runs on the worker before the inputs are read
   float* out_ = nullptr;         // get output (n x dim)
   transport::Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
@@ -129,9 +131,12 @@ class PSClient {
   const Partitioner& partitioner() const { return partitioner_; }
 
   // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0).
+  // `ready`, if set, runs on the worker thread before it reads keys/grads (e.g. waiting for
+  // the CUDA event of the stream that produced them); if it throws, the commit fails.
   // REQUIRES: step >= 0, keys within key_bound (ValueError naming the position otherwise).
   std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                        const float* grads);
+                                        const float* grads,
+                                        std::function<void()> ready = nullptr);
   // Reads n rows into out (n x dim) once every shard committed at_step (-1: now).
   std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out);
   // Writes rows (n x dim) for keys on their shards (bulk load; last duplicate wins).

@@ -314,3 +314,25 @@ TEST_CASE(tcp_dead_shard_fails_pending_work_at_once) {
   CHECK_THROWS(TransportError, client.CommitAsync(1, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
   client.Close(1);
 }
+
+TEST_CASE(client_commit_ready_hook_runs_on_the_worker_before_staging) {
+  auto shard = MakeShard(0, 1);
+  auto o = Options(0, 1);
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
+  PSClient client(o, std::move(c));
+  int64_t key = 2;
+  float grad[kDim] = {0, 0, 0, 0};
+  std::thread::id ran_on;
+  // The "producer" fills the gradient only inside the hook: the worker must read it after.
+  client.CommitAsync(0, &key, 1, grad, [&] {
+    ran_on = std::this_thread::get_id();
+    for (float& g : grad) g = 8.0f;
+  })->Wait(transport::DeadlineAfter(5));
+  CHECK(ran_on != std::this_thread::get_id());
+  float out[kDim];
+  client.GetAsync(&key, 1, 0, out)->Wait(transport::DeadlineAfter(5));
+  CHECK(out[0] == 0.5f + 2e-3f - 1.0f);
+  auto failing = client.CommitAsync(1, nullptr, 0, nullptr, [] { throw ValueError("event failed"); });
+  CHECK_THROWS(ValueError, failing->Wait(transport::DeadlineAfter(5)));
+}
