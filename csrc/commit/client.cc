@@ -879,16 +879,24 @@ void PSClient::Close(double timeout) {
     stop_worker_ = true;
     was_failed = failed_.has_value();
     work_cv_.notify_all();
+    if (err) quiet_ = true;
   }
-  if (worker_.joinable()) worker_.join();
-  std::optional<Error> close_err;
-  CloseSessions(deadline, &close_err);
-  if (!err && !was_failed) err = close_err;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    quiet_ = true;  // the channels' "closed" failures are ours, not errors
+  if (err) {
+    // The drain timed out (a shard or a rank is stuck): closing the channels first wakes a
+    // worker waiting for a slot, so the join below is prompt. No Close can be sent then.
+    for (auto& ch : channels_) ch->Close();
+    if (worker_.joinable()) worker_.join();
+  } else {
+    if (worker_.joinable()) worker_.join();
+    std::optional<Error> close_err;
+    CloseSessions(deadline, &close_err);
+    if (!was_failed) err = close_err;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quiet_ = true;  // the channels' "closed" failures are ours, not errors
+    }
+    for (auto& ch : channels_) ch->Close();
   }
-  for (auto& ch : channels_) ch->Close();
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Error e{ErrorKind::kSession,

@@ -2,6 +2,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -335,4 +336,71 @@ TEST_CASE(client_commit_ready_hook_runs_on_the_worker_before_staging) {
   CHECK(out[0] == 0.5f + 2e-3f - 1.0f);
   auto failing = client.CommitAsync(1, nullptr, 0, nullptr, [] { throw ValueError("event failed"); });
   CHECK_THROWS(ValueError, failing->Wait(transport::DeadlineAfter(5)));
+}
+
+TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
+  // A TCP "shard" that answers Hello and Open, then never answers anything else.
+  uint16_t port = 0;
+  const int lfd = transport::ListenTcp("127.0.0.1", 0, 4, &port);
+  std::thread fake([&] {
+    const int fd = ::accept(lfd, nullptr, nullptr);
+    auto reply = [&](commit::wire::MsgType type, const void* body, size_t len, uint64_t tag,
+                     uint32_t slot) {
+      std::vector<uint8_t> f(commit::wire::kHeaderBytes + len);
+      commit::wire::StoreHeader(f.data(), commit::wire::MakeHeader(type, commit::wire::TokenDigest(""),
+                                                                   len, commit::wire::Status::kOk,
+                                                                   tag, slot));
+      std::memcpy(f.data() + commit::wire::kHeaderBytes, body, len);
+      transport::WriteAll(fd, f.data(), f.size(), "fake");
+    };
+    try {
+      for (;;) {
+        uint8_t hb[commit::wire::kHeaderBytes];
+        if (!transport::ReadFull(fd, hb, sizeof(hb), true, "fake")) break;
+        const auto h = commit::wire::LoadHeader(hb);
+        std::vector<uint8_t> body(h.body_len);
+        transport::ReadFull(fd, body.data(), body.size(), false, "fake");
+        if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kHello)) {
+          commit::wire::HelloOkBody ok{0, 1, commit::wire::kDefaultMaxFrameBytes, 1};
+          reply(commit::wire::MsgType::kHelloOk, &ok, sizeof(ok), h.tag, h.slot);
+        } else if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kOpen)) {
+          commit::wire::OpenOkBody ok{-1, kDim, 0};
+          reply(commit::wire::MsgType::kOpenOk, &ok, sizeof(ok), h.tag, h.slot);
+        }
+      }
+    } catch (const std::exception&) {
+    }
+    ::close(fd);
+  });
+  auto o = Options(0, 1, /*max_rows=*/1, /*inflight=*/1);
+  o.timeout = 30;  // far longer than the Close below
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", port, "", ChannelOpts(o), 5));
+  auto client = std::make_unique<PSClient>(o, std::move(c));
+  std::vector<int64_t> keys{1, 2, 3};
+  std::vector<float> grads(3 * kDim, 1.0f);
+  auto op = client->CommitAsync(0, keys.data(), keys.size(), grads.data());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker waits for a slot
+  const auto t0 = transport::Clock::now();
+  bool timed_out = false;
+  try {
+    client->Close(0.3);
+  } catch (const TimeoutError&) {
+    timed_out = true;
+  }
+  const bool prompt = transport::Clock::now() - t0 < std::chrono::seconds(5);
+  bool failed_fast = false;  // the commit ends with the closed connection, not a timeout
+  try {
+    op->Wait(transport::DeadlineAfter(1));
+  } catch (const TransportError&) {
+    failed_fast = true;
+  } catch (const SessionError&) {
+    failed_fast = true;
+  }
+  client.reset();
+  fake.join();
+  ::close(lfd);
+  CHECK(timed_out);
+  CHECK(prompt);
+  CHECK(failed_fast);
 }
