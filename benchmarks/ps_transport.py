@@ -9,6 +9,11 @@ Prints one JSON line per result:
 * empty-commit round trip (a W=1 step with no rows: chunk, ACK, commit notification)
   against a raw TCP ping-pong of the same frame sizes; ratio = raw / transport (1 = as fast).
 * per step: packets, bytes and ACK waits (times the window of in-flight packets was full).
+* context: the shard's own store read / SGD rate for the same rows (an EmbeddingStore in this
+  process), and ``bound_gbps``: what a pipeline that must both move the bytes over loopback
+  and read/update them in the store would reach if the two ran one after the other (a serial
+  estimate, not a hard cap): 1 / (1/raw + 1/store) for tcp
+  and the store rate for local; ``ratio_vs_bound`` = transport / bound.
 
 The tcp shards run in this process on the server's native threads (the same code as the
 `torchrec-bagpipe-ps` program); client and shard therefore share the machine's cores, as they
@@ -32,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps import PSClient, PSShard
+from torchrec_bagpipe.ps import EmbeddingStore, PSClient, PSShard
 
 GB = 1e9
 
@@ -45,6 +50,29 @@ def raw_gbps(nbytes: int, repeats: int) -> float:
     """Median GB/s of one raw loopback TCP stream moving nbytes in 1 MiB writes."""
     secs = [C.raw_loopback_seconds(nbytes, 1 << 20) for _ in range(repeats)]
     return nbytes / statistics.median(secs) / GB
+
+
+def store_gbps(keys: torch.Tensor, dim: int, repeats: int) -> tuple[float, float]:
+    """(read, sgd) GB/s of an in-process EmbeddingStore on the same rows."""
+    rows = keys.shape[0]
+    store = EmbeddingStore(dim, init="zeros")
+    store.assign(keys, torch.zeros(rows, dim))
+    out = torch.empty(rows, dim)
+    grads = torch.randn(rows, dim)
+    reads, sgds = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        store.lookup(keys, out=out, insert_missing=False)
+        reads.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        store.apply_sgd(keys, grads, 0.01)
+        sgds.append(time.perf_counter() - t0)
+    payload = rows * dim * 4
+    return payload / statistics.median(reads) / GB, payload / statistics.median(sgds) / GB
+
+
+def bound(transport: str, raw: float, store: float) -> float:
+    return store if transport == "local" else 1.0 / (1.0 / raw + 1.0 / store)
 
 
 def make_job(transport: str, shards: int, dim: int, max_rows: int, window: int
@@ -73,14 +101,16 @@ def per_step(before: dict[str, int], after: dict[str, int], steps: int) -> dict[
 
 
 def bench_throughput(transport: str, shards: int, dim: int, rows: int, repeats: int,
-                     raw: dict[int, float], max_rows: int, window: int) -> None:
+                     raw: dict[int, float], stores: dict[tuple[int, int], tuple[float, float]],
+                     max_rows: int, window: int) -> None:
     client, _, servers = make_job(transport, shards, dim, max_rows, window)
     try:
-        keys = torch.randperm(rows * 4)[:rows].to(torch.int64)
+        keys = torch.randperm(rows * 4, generator=torch.Generator().manual_seed(dim))[:rows]
         grads = torch.randn(rows, dim)
         client.assign(keys, torch.zeros(rows, dim))  # materialise the rows once
         payload = rows * dim * 4
         base = raw[payload]
+        read_gbps, sgd_gbps = stores[(rows, dim)]
         common = {"threads": 1, "dim": dim, "transport": transport, "shards": shards,
                   "rows": rows, "max_packet_rows": max_rows, "inflight_packets": window,
                   "baseline_unit": "GB/s (raw loopback TCP stream)"}
@@ -97,8 +127,10 @@ def bench_throughput(transport: str, shards: int, dim: int, rows: int, repeats: 
         t = statistics.median(times)
         emit(bench="ps_transport", metric="get_rows_per_s", value=rows / t, unit="rows/s",
              baseline=None, ratio=None, **common)
+        cap = bound(transport, base, read_gbps)
         emit(bench="ps_transport", metric="get_gbps", value=payload / t / GB, unit="GB/s",
-             baseline=base, ratio=payload / t / GB / base, **common, **counts)
+             baseline=base, ratio=payload / t / GB / base, bound_gbps=cap,
+             ratio_vs_bound=payload / t / GB / cap, **common, **counts)
 
         times = []
         before = client.stats()
@@ -111,8 +143,10 @@ def bench_throughput(transport: str, shards: int, dim: int, rows: int, repeats: 
         t = statistics.median(times)
         emit(bench="ps_transport", metric="commit_rows_per_s", value=rows / t, unit="rows/s",
              baseline=None, ratio=None, **common)
+        cap = bound(transport, base, sgd_gbps)
         emit(bench="ps_transport", metric="commit_gbps", value=payload / t / GB, unit="GB/s",
-             baseline=base, ratio=payload / t / GB / base, **common, **counts,
+             baseline=base, ratio=payload / t / GB / base, bound_gbps=cap,
+             ratio_vs_bound=payload / t / GB / cap, **common, **counts,
              note="includes the shard's SGD on every row")
     finally:
         close_job(client, servers)
@@ -158,6 +192,13 @@ def main() -> int:
         emit(bench="ps_transport", metric="raw_loopback_gbps", value=raw[rows * d * 4],
              unit="GB/s", baseline=None, ratio=None, threads=1, dim=d, transport="raw-tcp",
              bytes=rows * d * 4)
+    stores = {}
+    for d in dims:
+        keys = torch.randperm(rows * 4, generator=torch.Generator().manual_seed(d))[:rows]
+        stores[(rows, d)] = store_gbps(keys, d, repeats)
+        for metric, value in zip(("store_read_gbps", "store_sgd_gbps"), stores[(rows, d)]):
+            emit(bench="ps_transport", metric=metric, value=value, unit="GB/s", baseline=None,
+                 ratio=None, threads=1, dim=d, transport="in-process store", rows=rows)
     pings = C.raw_pingpong_seconds(2000 if args.quick else 10000, 88)
     raw_us = statistics.median(pings) * 1e6
     emit(bench="ps_transport", metric="raw_pingpong_us", value=raw_us, unit="us", baseline=None,
@@ -166,7 +207,7 @@ def main() -> int:
     for transport in ("local", "tcp"):
         for shards in (1, 2):
             for d in dims:
-                bench_throughput(transport, shards, d, rows, repeats, raw,
+                bench_throughput(transport, shards, d, rows, repeats, raw, stores,
                                  args.max_packet_rows, args.inflight_packets)
         bench_round_trip(transport, 500 if args.quick else 3000, raw_us)
     emit(bench="ps_transport", metric="wall_seconds", value=time.perf_counter() - started,

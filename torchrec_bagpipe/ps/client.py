@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import numbers
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,6 +150,7 @@ class PSClient:
     ) -> None:
         self._core: Any = None
         self._closed = False
+        self._lock = threading.Lock()
         self._pending: list[PSHandle] = []
         if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
             raise TypeError("endpoints must be a sequence (one endpoint per shard, in shard order)")
@@ -248,8 +250,11 @@ class PSClient:
                 f"dim={self.dim}, shards={peers})")
 
     def _track(self, handle: PSHandle) -> PSHandle:
-        self._pending = [h for h in self._pending if not h.done()]
-        self._pending.append(handle)
+        # The client keeps every unfinished handle (and so its borrowed tensors) alive, also
+        # when the caller drops it; the lock keeps concurrent callers from losing one.
+        with self._lock:
+            self._pending = [h for h in self._pending if not h.done()]
+            self._pending.append(handle)
         return handle
 
     def _live(self) -> Any:
@@ -340,7 +345,8 @@ class PSClient:
         try:
             core.close(self.timeout if timeout is None else _float_arg(timeout, "timeout"))
         finally:
-            self._pending.clear()
+            with self._lock:
+                self._pending.clear()
 
     def __enter__(self) -> PSClient:
         return self
