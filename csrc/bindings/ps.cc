@@ -385,6 +385,7 @@ BAGPIPE_BINDING(ps) {
              transport::ChannelOptions co;
              co.num_slots = inflight_packets;
              co.slot_bytes = commit::SlotBytesFor(o);
+             co.io_timeout = timeout;
              // Collect the endpoints with the GIL, connect without it.
              std::vector<std::shared_ptr<PSShard>> locals(endpoints.size());
              std::vector<std::pair<std::string, uint16_t>> remotes(endpoints.size());

@@ -511,10 +511,11 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
       for (uint32_t k = 0; k < max_chunks; ++k) {
         for (uint32_t j = 0; j < S; ++j) {
           if (k >= chunks[j]) continue;
+          if (abort_.load()) throw SessionError("the client failed while sending");
           const size_t begin = off[j] + k * maxr;
           const size_t count = std::min(maxr, off[j + 1] - begin);
           Channel& ch = *channels_[j];
-          const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout));
+          const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
           uint8_t* f = ch.SlotBuffer(slot);
           size_t len, fixed;
           if (is_commit) {
@@ -593,10 +594,11 @@ void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {
   for (uint32_t k = 0; k < max_chunks; ++k) {
     for (uint32_t j = 0; j < S; ++j) {
       if (k >= chunks[j]) continue;
+      if (abort_.load()) throw SessionError("the client failed while sending");
       const size_t begin = off[j] + k * maxr;
       const size_t count = std::min(maxr, off[j + 1] - begin);
       Channel& ch = *channels_[j];
-      const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout));
+      const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
       uint8_t* f = ch.SlotBuffer(slot);
       wire::GetBody b{};
       b.session = options_.session;
@@ -624,7 +626,7 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
   }
   for (uint32_t j = 0; j < num_shards(); ++j) {
     Channel& ch = *channels_[j];
-    const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout));
+    const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
     uint8_t* f = ch.SlotBuffer(slot);
     wire::SessionBody b{options_.session};
     std::memcpy(f + kHeaderBytes, &b, sizeof(b));
@@ -658,6 +660,7 @@ void PSClient::MaybeFinishLocked(const std::shared_ptr<ClientOp>& op) {
 
 void PSClient::FailClientLocked(const Error& error) {
   if (!failed_) failed_ = error;
+  abort_.store(true);
   const Error e = *failed_;
   for (auto& op : queue_) {
     op->finished_ = true;
@@ -879,7 +882,10 @@ void PSClient::Close(double timeout) {
     stop_worker_ = true;
     was_failed = failed_.has_value();
     work_cv_.notify_all();
-    if (err) quiet_ = true;
+    if (err) {
+      quiet_ = true;
+      abort_.store(true);
+    }
   }
   if (err) {
     // The drain timed out (a shard or a rank is stuck): closing the channels first wakes a
@@ -889,7 +895,9 @@ void PSClient::Close(double timeout) {
   } else {
     if (worker_.joinable()) worker_.join();
     std::optional<Error> close_err;
-    CloseSessions(deadline, &close_err);
+    // A failed client closes its sessions on a best-effort basis: a shard that stopped
+    // answering must not hold it for the whole timeout.
+    CloseSessions(was_failed ? std::min(deadline, DeadlineAfter(1.0)) : deadline, &close_err);
     if (!was_failed) err = close_err;
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -27,6 +27,7 @@
 //      reachable shard and joins every thread; after it no callback runs.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -154,8 +155,9 @@ class PSClient {
   std::vector<std::string> shard_peers() const;
 
   // Drains pending work (bounded by timeout seconds), closes the session on every shard
-  // that is still reachable, closes the channels and joins the worker. Idempotent. Throws
-  // TimeoutError if draining timed out, or the error that broke a healthy drain.
+  // that is still reachable (a failed client tries for at most 1 s), closes the channels
+  // and joins the worker. Idempotent. Throws TimeoutError if draining timed out, or the
+  // error that broke a healthy drain; a client that had already failed does not throw.
   void Close(double timeout);
 
  private:
@@ -207,6 +209,7 @@ class PSClient {
   std::vector<int64_t> committed_;                // per shard
   std::optional<transport::Error> failed_;
   bool stop_worker_ = false;
+  std::atomic<bool> abort_{false};  // set when the client fails or gives up: staging stops
   bool closing_ = false;  // Close started: no new operations
   bool quiet_ = false;    // channels are being closed on purpose: their failures are not errors
   bool closed_ = false;

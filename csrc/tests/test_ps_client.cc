@@ -338,12 +338,23 @@ TEST_CASE(client_commit_ready_hook_runs_on_the_worker_before_staging) {
   CHECK_THROWS(ValueError, failing->Wait(transport::DeadlineAfter(5)));
 }
 
-TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
-  // A TCP "shard" that answers Hello and Open, then never answers anything else.
-  uint16_t port = 0;
-  const int lfd = transport::ListenTcp("127.0.0.1", 0, 4, &port);
-  std::thread fake([&] {
-    const int fd = ::accept(lfd, nullptr, nullptr);
+// A TCP "shard" that answers Hello and Open, then either never answers anything else
+// (hang) or closes the connection (die_after_open).
+class FakeShard {
+ public:
+  FakeShard(uint32_t shard_id, uint32_t num_shards, bool die_after_open)
+      : lfd_(transport::ListenTcp("127.0.0.1", 0, 4, &port_)) {
+    thread_ = std::thread([=, this] { Serve(shard_id, num_shards, die_after_open); });
+  }
+  ~FakeShard() {
+    thread_.join();
+    ::close(lfd_);
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  void Serve(uint32_t shard_id, uint32_t num_shards, bool die_after_open) {
+    const int fd = ::accept(lfd_, nullptr, nullptr);
     auto reply = [&](commit::wire::MsgType type, const void* body, size_t len, uint64_t tag,
                      uint32_t slot) {
       std::vector<uint8_t> f(commit::wire::kHeaderBytes + len);
@@ -361,21 +372,31 @@ TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
         std::vector<uint8_t> body(h.body_len);
         transport::ReadFull(fd, body.data(), body.size(), false, "fake");
         if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kHello)) {
-          commit::wire::HelloOkBody ok{0, 1, commit::wire::kDefaultMaxFrameBytes, 1};
+          commit::wire::HelloOkBody ok{shard_id, num_shards, commit::wire::kDefaultMaxFrameBytes, 1};
           reply(commit::wire::MsgType::kHelloOk, &ok, sizeof(ok), h.tag, h.slot);
         } else if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kOpen)) {
           commit::wire::OpenOkBody ok{-1, kDim, 0};
           reply(commit::wire::MsgType::kOpenOk, &ok, sizeof(ok), h.tag, h.slot);
+        } else if (die_after_open) {
+          break;
         }
       }
     } catch (const std::exception&) {
     }
     ::close(fd);
-  });
+  }
+
+  uint16_t port_ = 0;
+  int lfd_;
+  std::thread thread_;
+};
+
+TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
+  FakeShard fake(0, 1, /*die_after_open=*/false);
   auto o = Options(0, 1, /*max_rows=*/1, /*inflight=*/1);
   o.timeout = 30;  // far longer than the Close below
   std::vector<std::unique_ptr<transport::Channel>> c;
-  c.push_back(transport::TcpChannel::Connect("127.0.0.1", port, "", ChannelOpts(o), 5));
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", fake.port(), "", ChannelOpts(o), 5));
   auto client = std::make_unique<PSClient>(o, std::move(c));
   std::vector<int64_t> keys{1, 2, 3};
   std::vector<float> grads(3 * kDim, 1.0f);
@@ -398,9 +419,29 @@ TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
     failed_fast = true;
   }
   client.reset();
-  fake.join();
-  ::close(lfd);
   CHECK(timed_out);
   CHECK(prompt);
   CHECK(failed_fast);
+}
+
+TEST_CASE(client_failure_stops_a_worker_blocked_on_another_shard) {
+  FakeShard dies(0, 2, /*die_after_open=*/true);
+  FakeShard hangs(1, 2, /*die_after_open=*/false);
+  auto o = Options(0, 1, /*max_rows=*/1, /*inflight=*/1);
+  o.partition = PartitionKind::kModulo;
+  o.timeout = 30;
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", dies.port(), "", ChannelOpts(o), 5));
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", hangs.port(), "", ChannelOpts(o), 5));
+  auto client = std::make_unique<PSClient>(o, std::move(c));
+  // Odd keys go to the hanging shard: the worker blocks on its one-slot window, then shard 0
+  // dies (it closes on the first chunk) and the client fails.
+  std::vector<int64_t> keys{1, 3, 5, 0};
+  std::vector<float> grads(4 * kDim, 1.0f);
+  auto op = client->CommitAsync(0, keys.data(), keys.size(), grads.data());
+  const auto t0 = transport::Clock::now();
+  CHECK_THROWS(TransportError, op->Wait(transport::DeadlineAfter(10)));
+  client->Close(30);  // a failed client: no error, and no 30 s wait for the hung shard
+  CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));
+  client.reset();
 }
