@@ -69,7 +69,7 @@ asan-test: setup $(ASAN_DIR)/CMakeCache.txt
 	  $(ASAN_DIR)/bagpipe_native_tests
 
 lint: setup
-	$(VENV)/bin/ruff check torchrec_bagpipe tests benchmarks examples
+	$(VENV)/bin/ruff check $(wildcard torchrec_bagpipe tests benchmarks examples)
 
 # ---- the two README commands -------------------------------------------------------------
 test: build

@@ -24,7 +24,8 @@ constexpr size_t kTargetPageBytes = size_t{2} << 20;
 constexpr size_t kPrefetchDistance = 16;        // keys between probe and prefetch (writes)
 constexpr int kPoolSpinMicros = 100;             // back-to-back ops skip futex wake-ups
 constexpr size_t kReadGroup = 32;                // keys per phase of the read pipeline
-constexpr size_t kMinKeysPerTask = 256;          // below this, one thread reads alone
+constexpr size_t kMinKeysPerTask = 512;          // read tasks stay long enough to pipeline
+constexpr size_t kTasksPerThread = 4;            // dynamic claiming balances uneven threads
 constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
 
 size_t RowStride(int dim) { return RoundUp(static_cast<size_t>(dim) * sizeof(float), kRowAlign); }
@@ -158,6 +159,7 @@ class EmbeddingStore::Impl {
   template <bool kTrack>
   void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
                std::vector<uint32_t>* misses);
+  template <int kDim>
   void SgdShard(Shard& sh, uint32_t begin, uint32_t end, const float* grads, float lr,
                 int divisor);
   void Finish() { spill_.AfterOp(epoch_); }
@@ -191,11 +193,11 @@ class EmbeddingStore::Impl {
   std::vector<uint64_t> hashes_;               // KeyHash of each routed key
   std::vector<uint32_t> order_;                // routed key indices grouped by shard
   std::vector<uint32_t> shard_begin_;          // shard s owns order_[begin[s], begin[s+1])
-  std::vector<uint32_t> slots_;                // slot of each routed key after Materialize
   std::vector<std::vector<uint32_t>> task_misses_;
   std::vector<int64_t> miss_keys_;
   std::vector<uint32_t> miss_rows_;
   std::vector<uint32_t> route_pos_;
+  std::vector<uint16_t> route_shard_;          // shard of each routed key (< 4096)
 };
 
 void EmbeddingStore::Impl::CheckKeys(const int64_t* keys, size_t n) const {
@@ -220,23 +222,31 @@ void EmbeddingStore::Impl::Route(const int64_t* keys, size_t n) {
   hashes_.resize(n);
   order_.resize(n);
   shard_begin_.assign(num_shards_ + 1, 0);
+  route_shard_.resize(n);
+  uint32_t* begin = shard_begin_.data();
+  uint16_t* shard_of = route_shard_.data();
   for (size_t i = 0; i < n; ++i) {
     const uint64_t h = KeyHash(keys[i]);
     hashes_[i] = h;
-    ++shard_begin_[ShardOf(h) + 1];
+    const uint32_t s = ShardOf(h);
+    shard_of[i] = static_cast<uint16_t>(s);
+    ++begin[s + 1];
   }
-  for (uint32_t s = 0; s < num_shards_; ++s) shard_begin_[s + 1] += shard_begin_[s];
+  for (uint32_t s = 0; s < num_shards_; ++s) begin[s + 1] += begin[s];
   // Stable counting sort: within a shard, keys keep their input order.
   std::vector<uint32_t>& pos = route_pos_;
   pos.assign(shard_begin_.begin(), shard_begin_.end() - 1);
-  for (size_t i = 0; i < n; ++i) order_[pos[ShardOf(hashes_[i])]++] = static_cast<uint32_t>(i);
+  uint32_t* cursor = pos.data();
+  uint32_t* order = order_.data();
+  for (size_t i = 0; i < n; ++i) order[cursor[shard_of[i]]++] = static_cast<uint32_t>(i);
 }
 
-// One task per thread, each over a contiguous range of shards: two threads meet once per
-// call, not once per shard.
+// About kTasksPerThread tasks per thread, each over a contiguous range of shards, claimed
+// dynamically: a thread that is descheduled (shared machines) leaves its share to the others.
 void EmbeddingStore::Impl::RunShards(
     const std::function<void(Shard&, uint32_t, uint32_t)>& fn) {
-  const size_t tasks = std::min<size_t>(static_cast<size_t>(pool_.num_threads()), num_shards_);
+  const size_t threads = static_cast<size_t>(pool_.num_threads());
+  const size_t tasks = threads == 1 ? 1 : std::min<size_t>(threads * kTasksPerThread, num_shards_);
   pool_.Run(tasks, [&](size_t t) {
     const size_t first = num_shards_ * t / tasks, last = num_shards_ * (t + 1) / tasks;
     for (size_t s = first; s < last; ++s) {
@@ -249,8 +259,8 @@ void EmbeddingStore::Impl::RunShards(
 // Deduplicates the shard's routed items into groups (first-occurrence order).
 void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b, uint32_t e) {
   const uint32_t m = e - b;
-  uint32_t table_size = 16;
-  while (table_size < 2 * m) table_size <<= 1;
+  size_t table_size = 16;
+  while (table_size < 2 * static_cast<size_t>(m)) table_size <<= 1;
   const uint64_t mask = table_size - 1;
   constexpr uint32_t kFree = 0xFFFFFFFFu;
   sh.dedupe.assign(table_size, kFree);
@@ -279,6 +289,13 @@ void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b
       }
     }
   }
+  // Size the ApplySgd scratch now, while a failure can still be rolled back: nothing in
+  // the write phase allocates.
+  size_t multi = 0;
+  for (const Shard::Group& grp : sh.groups) multi += grp.count > 1;
+  sh.group_seen.resize(sh.groups.size());
+  sh.group_acc.resize(sh.groups.size());
+  if (sh.acc.size() < multi * static_cast<size_t>(dim_)) sh.acc.resize(multi * dim_);
 }
 
 // Groups every shard's routed keys and finds or inserts each distinct key: fills the
@@ -395,38 +412,42 @@ template <bool kTrack, size_t kRowBytes>
 void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out,
                                       bool record_misses, std::vector<uint32_t>* misses) {
   constexpr size_t G = kReadGroup;
-  uint64_t h[2][G];
+  // Stage state per key: its shard and home bucket (computed once), then its row.
+  uint32_t shard[2][G];
+  size_t home[2][G];
   const char* rows[2][G];
   const KeyMap::View* views = views_.data();
   char* const* page_addr = page_addr_.data();
   const int page_shift = page_shift_;
   const uint32_t page_mask = page_mask_;
-  const size_t stride = stride_;
+  constexpr size_t kStride = RoundUp(kRowBytes, kRowAlign);
+  const size_t stride = kRowBytes > 0 ? kStride : stride_;
   const size_t row_bytes = row_bytes_;
   const size_t dim = static_cast<size_t>(dim_);
   const uint64_t num_shards = num_shards_;
   const uint32_t epoch = epoch_;
   const size_t lines = std::min<size_t>(stride / 64, 4);
-  auto shard_of = [num_shards](uint64_t x) { return ((x >> 32) * num_shards) >> 32; };
-  auto hash_group = [&](size_t start, uint64_t* hh) {
+  auto hash_group = [&](size_t start, uint32_t* ss, size_t* hb) {
     const size_t n = start < end ? std::min(G, end - start) : 0;
     for (size_t j = 0; j < n; ++j) {
       const uint64_t x = KeyHash(keys[start + j]);
-      hh[j] = x;
-      const KeyMap::View& v = views[shard_of(x)];
-      __builtin_prefetch(v.table + v.Home(x));
+      const uint32_t s = static_cast<uint32_t>(((x >> 32) * num_shards) >> 32);
+      const KeyMap::View& v = views[s];
+      const size_t b = v.Home(x);
+      ss[j] = s;
+      hb[j] = b;
+      __builtin_prefetch(v.table + b);
     }
   };
-  hash_group(begin, h[0]);
+  hash_group(begin, shard[0], home[0]);
   for (size_t gi = 0;; ++gi) {
     const size_t cur = gi & 1;
     const size_t start = begin + gi * G;
     if (start >= end + G) break;
-    hash_group(start + G, h[cur ^ 1]);
+    hash_group(start + G, shard[cur ^ 1], home[cur ^ 1]);
     const size_t n = start < end ? std::min(G, end - start) : 0;
     for (size_t j = 0; j < n; ++j) {
-      const uint64_t x = h[cur][j];
-      const uint32_t slot = views[shard_of(x)].Find(keys[start + j], x);
+      const uint32_t slot = views[shard[cur][j]].FindFrom(home[cur][j], keys[start + j]);
       if (slot != KeyMap::kNotFound) {
         const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
         for (size_t l = 0; l < lines; ++l) __builtin_prefetch(r + 64 * l);
@@ -471,7 +492,8 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
   if (n == 0) return;
   ++epoch_;
   const size_t threads = static_cast<size_t>(pool_.num_threads());
-  const size_t tasks = std::max<size_t>(1, std::min(threads, n / kMinKeysPerTask));
+  const size_t tasks =
+      threads == 1 ? 1 : std::max<size_t>(1, std::min(threads * kTasksPerThread, n / kMinKeysPerTask));
   if (task_misses_.size() < tasks) task_misses_.resize(tasks);
   for (size_t t = 0; t < tasks; ++t) task_misses_[t].clear();
   const bool track = spill_.tracking();
@@ -538,8 +560,12 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
 }
 
 namespace {
+// w -= lr * (g / div): the §1 arithmetic, one fp32 op at a time (built with
+// -ffp-contract=off, so no FMA). kDim > 0 fixes the trip count at compile time.
+template <int kDim>
 inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, float div,
-                   bool divide, int dim) {
+                   bool divide, int runtime_dim) {
+  const int dim = kDim > 0 ? kDim : runtime_dim;
   if (divide) {
     for (int c = 0; c < dim; ++c) {
       float u = g[c] / div;
@@ -553,8 +579,15 @@ inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, flo
     }
   }
 }
+
+template <int kDim>
+inline void AddRow(float* __restrict a, const float* __restrict g, int runtime_dim) {
+  const int dim = kDim > 0 ? kDim : runtime_dim;
+  for (int c = 0; c < dim; ++c) a[c] = a[c] + g[c];
+}
 }  // namespace
 
+template <int kDim>
 void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const float* grads,
                                     float lr, int divisor) {
   const uint32_t m = e - b;
@@ -563,9 +596,8 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const flo
   const bool divide = divisor != 1;
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
-  const size_t dim = static_cast<size_t>(dim_);
-  sh.group_seen.assign(ng, 0);
-  sh.group_acc.resize(ng);
+  const size_t dim = static_cast<size_t>(kDim > 0 ? kDim : dim_);
+  std::fill(sh.group_seen.begin(), sh.group_seen.begin() + ng, 0u);  // sized by GroupShard
   uint32_t accs = 0;
   for (uint32_t k = 0; k < m; ++k) {
     if (k + kPrefetchDistance < m) {
@@ -577,21 +609,20 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const flo
     const Shard::Group& grp = sh.groups[g];
     const float* grad = grads + static_cast<size_t>(order_[b + k]) * dim;
     if (grp.count == 1) {
-      SgdRow(reinterpret_cast<float*>(Row(grp.slot)), grad, lr, div, divide, dim_);
+      SgdRow<kDim>(reinterpret_cast<float*>(Row(grp.slot)), grad, lr, div, divide, dim_);
       if (track) Touch(grp.slot, epoch);
       continue;
     }
     const uint32_t seen = sh.group_seen[g]++;
     if (seen == 0) {
       sh.group_acc[g] = accs++;
-      if (sh.acc.size() < accs * dim) sh.acc.resize(static_cast<size_t>(m) * dim);
-      std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, row_bytes_);
+      std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, dim * sizeof(float));
       continue;
     }
     float* a = sh.acc.data() + sh.group_acc[g] * dim;
-    for (size_t c = 0; c < dim; ++c) a[c] = a[c] + grad[c];
+    AddRow<kDim>(a, grad, dim_);
     if (seen + 1 == grp.count) {
-      SgdRow(reinterpret_cast<float*>(Row(grp.slot)), a, lr, div, divide, dim_);
+      SgdRow<kDim>(reinterpret_cast<float*>(Row(grp.slot)), a, lr, div, divide, dim_);
       if (track) Touch(grp.slot, epoch);
     }
   }
@@ -611,7 +642,13 @@ void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* 
   const uint32_t epoch = epoch_;
   RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
     Publish(sh, /*init=*/true, epoch);
-    SgdShard(sh, b, e, grads, lr, divisor);
+    switch (dim_) {
+      case 16: return SgdShard<16>(sh, b, e, grads, lr, divisor);
+      case 32: return SgdShard<32>(sh, b, e, grads, lr, divisor);
+      case 64: return SgdShard<64>(sh, b, e, grads, lr, divisor);
+      case 128: return SgdShard<128>(sh, b, e, grads, lr, divisor);
+      default: return SgdShard<0>(sh, b, e, grads, lr, divisor);
+    }
   });
   for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());
   Finish();

@@ -96,8 +96,9 @@ class KeyMap {
     size_t Home(uint64_t hash) const {
       return static_cast<size_t>((static_cast<unsigned __int128>(hash << shard_bits) * capacity) >> 64);
     }
-    uint32_t Find(int64_t key, uint64_t hash) const {
-      size_t b = Home(hash);
+    uint32_t Find(int64_t key, uint64_t hash) const { return FindFrom(Home(hash), key); }
+    // Find with the home bucket already computed (REQUIRES: b == Home(KeyHash(key))).
+    uint32_t FindFrom(size_t b, int64_t key) const {
       for (;;) {
         const Entry& e = table[b];
         if (e.tag == 0) return kNotFound;

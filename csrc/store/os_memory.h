@@ -13,7 +13,7 @@ inline constexpr size_t kOsPageBytes = 4096;
 inline constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 // Rounds n up to a multiple of `align` (a power of two).
-inline size_t RoundUp(size_t n, size_t align) { return (n + align - 1) & ~(align - 1); }
+constexpr size_t RoundUp(size_t n, size_t align) { return (n + align - 1) & ~(align - 1); }
 
 // Maps `bytes` (REQUIRES: multiple of kOsPageBytes, > 0) of zeroed private memory.
 // Throws std::bad_alloc when the kernel refuses.

@@ -11,6 +11,7 @@ _LAZY = {
     "PSHandle": "torchrec_bagpipe.ps.client",
     "PSShard": "torchrec_bagpipe.ps.shard",
     "Partitioner": "torchrec_bagpipe.ps.partitioner",
+    "SpillWarning": "torchrec_bagpipe.ps.store",
     "ServerProcess": "torchrec_bagpipe.ps.shard",
     "ShardServer": "torchrec_bagpipe.ps.shard",
     "spawn_server": "torchrec_bagpipe.ps.shard",
