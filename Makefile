@@ -94,6 +94,7 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/ps_store.py --quick
+	$(PY) benchmarks/ps_transport.py --quick
 
 clean:
 	rm -rf build torchrec_bagpipe/_C*.so

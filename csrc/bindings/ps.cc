@@ -30,6 +30,7 @@
 #include "server/frame_fuzzer.h"
 #include "server/shard_server.h"
 #include "transport/local_transport.h"
+#include "transport/loopback_probe.h"
 #include "transport/rdma.h"
 #include "transport/socket_io.h"
 #include "transport/tcp_transport.h"
@@ -385,6 +386,7 @@ BAGPIPE_BINDING(ps) {
              transport::ChannelOptions co;
              co.num_slots = inflight_packets;
              co.slot_bytes = commit::SlotBytesFor(o);
+             co.io_timeout = timeout;
              // Collect the endpoints with the GIL, connect without it.
              std::vector<std::shared_ptr<PSShard>> locals(endpoints.size());
              std::vector<std::pair<std::string, uint16_t>> remotes(endpoints.size());
@@ -495,6 +497,12 @@ BAGPIPE_BINDING(ps) {
       })
       .def("close", &PSClient::Close, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
 
+  // ---- benchmark baselines ---------------------------------------------------------------------
+  m.def("raw_loopback_seconds", &transport::RawLoopbackSeconds, py::arg("total_bytes"),
+        py::arg("chunk_bytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("raw_pingpong_seconds", &transport::RawPingPongSeconds, py::arg("iterations"),
+        py::arg("msg_bytes"), py::call_guard<py::gil_scoped_release>());
+
   // ---- fuzzing ------------------------------------------------------------------------------
   m.def(
       "fuzz_server",
@@ -511,6 +519,7 @@ BAGPIPE_BINDING(ps) {
         d["error_replies"] = st.error_replies;
         d["closed_by_server"] = st.closed_by_server;
         d["accepted_replies"] = st.accepted_replies;
+        d["timeouts"] = st.timeouts;
         d["first_accepted"] = st.first_accepted;
         return d;
       },

@@ -69,7 +69,11 @@ BAGPIPE_BINDING(staging) {
         s.device = device;
         s.event = reinterpret_cast<void*>(event);
         auto rows = stager.Stage(s);
-        return client.CommitAsync(step, k.data, k.size, std::move(rows));
+        // The worker waits for the copy before it reads the grads; the hook keeps the staged
+        // buffer alive as long as the commit op.
+        const auto deadline = transport::DeadlineAfter(client.options().timeout);
+        return client.CommitAsync(step, k.data, k.size, rows->data(),
+                                  [rows, deadline] { rows->Wait(deadline); });
       },
       py::arg("client"), py::arg("step"), py::arg("keys"), py::arg("stager"), py::arg("src"),
       py::arg("nbytes"), py::arg("device"), py::arg("event"));

@@ -84,7 +84,7 @@ class PSClient::ChunkRequest : public transport::PendingRequest {
   ChunkRequest(PSClient* client, std::shared_ptr<ClientOp> op, uint32_t shard)
       : client_(client), op_(std::move(op)), shard_(shard) {}
   void OnReply(const Reply& r) override { client_->OnChunkReply(op_, shard_, r); }
-  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, e, true); }
+  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, shard_, e, true); }
 
  private:
   PSClient* const client_;
@@ -114,7 +114,7 @@ class PSClient::GetRequest : public transport::PendingRequest {
   void OnReply(const Reply& r) override {
     client_->OnGetReply(op_, shard_, r, positions_, count_, direct_);
   }
-  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, e, false); }
+  void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, shard_, e, false); }
 
  private:
   PSClient* const client_;
@@ -328,25 +328,14 @@ std::shared_ptr<ClientOp> PSClient::Enqueue(std::shared_ptr<ClientOp> op) {
 }
 
 std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                                const float* grads) {
+                                                const float* grads, std::function<void()> ready) {
   if (step < 0) throw ValueError("step must be >= 0, got " + std::to_string(step));
   CheckKeys(keys, n, "keys");
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCommit, step));
   op->keys_ = keys;
   op->n_ = n;
   op->rows_ = grads;
-  return Enqueue(std::move(op));
-}
-
-std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                                std::shared_ptr<DeferredRows> grads) {
-  if (step < 0) throw ValueError("step must be >= 0, got " + std::to_string(step));
-  if (!grads) throw ValueError("grads must not be null");
-  CheckKeys(keys, n, "keys");
-  std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCommit, step));
-  op->keys_ = keys;
-  op->n_ = n;
-  op->deferred_rows_ = std::move(grads);
+  op->ready_ = std::move(ready);
   return Enqueue(std::move(op));
 }
 
@@ -493,11 +482,11 @@ void PSClient::WorkerLoop() {
 }
 
 void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
+  if (op->ready_) op->ready_();
   switch (op->kind_) {
     case OpKind::kCommit:
     case OpKind::kAssign: {
       const bool is_commit = op->kind_ == OpKind::kCommit;
-      if (op->deferred_rows_) op->rows_ = op->deferred_rows_->Wait(op->deadline_);
       const size_t dim = options_.dim;
       const size_t maxr = options_.max_packet_rows;
       const uint32_t S = num_shards();
@@ -522,10 +511,11 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
       for (uint32_t k = 0; k < max_chunks; ++k) {
         for (uint32_t j = 0; j < S; ++j) {
           if (k >= chunks[j]) continue;
+          if (abort_.load()) throw SessionError("the client failed while sending");
           const size_t begin = off[j] + k * maxr;
           const size_t count = std::min(maxr, off[j + 1] - begin);
           Channel& ch = *channels_[j];
-          const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout));
+          const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
           uint8_t* f = ch.SlotBuffer(slot);
           size_t len, fixed;
           if (is_commit) {
@@ -604,10 +594,11 @@ void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {
   for (uint32_t k = 0; k < max_chunks; ++k) {
     for (uint32_t j = 0; j < S; ++j) {
       if (k >= chunks[j]) continue;
+      if (abort_.load()) throw SessionError("the client failed while sending");
       const size_t begin = off[j] + k * maxr;
       const size_t count = std::min(maxr, off[j + 1] - begin);
       Channel& ch = *channels_[j];
-      const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout));
+      const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
       uint8_t* f = ch.SlotBuffer(slot);
       wire::GetBody b{};
       b.session = options_.session;
@@ -635,7 +626,7 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
   }
   for (uint32_t j = 0; j < num_shards(); ++j) {
     Channel& ch = *channels_[j];
-    const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout));
+    const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
     uint8_t* f = ch.SlotBuffer(slot);
     wire::SessionBody b{options_.session};
     std::memcpy(f + kHeaderBytes, &b, sizeof(b));
@@ -647,6 +638,10 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
 }
 
 // ---- replies ------------------------------------------------------------------------------------
+
+std::string PSClient::ShardName(uint32_t shard) const {
+  return "PS shard " + std::to_string(shard) + " (" + channels_[shard]->peer() + ")";
+}
 
 void PSClient::FinishLocked(const std::shared_ptr<ClientOp>& op, const std::optional<Error>& e) {
   op->finished_ = true;
@@ -665,6 +660,7 @@ void PSClient::MaybeFinishLocked(const std::shared_ptr<ClientOp>& op) {
 
 void PSClient::FailClientLocked(const Error& error) {
   if (!failed_) failed_ = error;
+  abort_.store(true);
   const Error e = *failed_;
   for (auto& op : queue_) {
     op->finished_ = true;
@@ -682,7 +678,7 @@ void PSClient::FailClientLocked(const Error& error) {
 void PSClient::OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const Reply& r) {
   std::lock_guard<std::mutex> lock(mu_);
   if (op->finished_) return;
-  const std::string who = "PS shard " + std::to_string(shard) + " (" + channels_[shard]->peer() + ")";
+  const std::string who = ShardName(shard);
   if (r.status() != Status::kOk) {
     const Error e{transport::KindOfStatus(r.status()), who + ": " + r.Text()};
     FinishLocked(op, e);
@@ -714,7 +710,7 @@ void PSClient::OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard,
 void PSClient::OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const Reply& r,
                           const int64_t* positions, size_t count, bool direct) {
   const size_t dim = options_.dim;
-  const std::string who = "PS shard " + std::to_string(shard) + " (" + channels_[shard]->peer() + ")";
+  const std::string who = ShardName(shard);
   std::optional<Error> err;
   int64_t served = -1;
   if (r.status() != Status::kOk) {
@@ -752,11 +748,12 @@ void PSClient::OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, c
   MaybeFinishLocked(op);
 }
 
-void PSClient::OnRequestFailure(const std::shared_ptr<ClientOp>& op, const Error& error,
-                                bool fatal) {
+void PSClient::OnRequestFailure(const std::shared_ptr<ClientOp>& op, uint32_t shard,
+                                const Error& error, bool fatal) {
+  const Error e{error.kind, ShardName(shard) + ": " + error.message};
   std::lock_guard<std::mutex> lock(mu_);
-  if (!op->finished_) FinishLocked(op, error);
-  if (fatal && !quiet_) FailClientLocked(error);
+  if (!op->finished_) FinishLocked(op, e);
+  if (fatal && !quiet_) FailClientLocked(e);
 }
 
 void PSClient::OnNotify(uint32_t shard, const Reply& r) {
@@ -772,15 +769,14 @@ void PSClient::OnNotify(uint32_t shard, const Reply& r) {
     work_cv_.notify_all();
   } else if (r.type() == MsgType::kNotifyFailed) {
     if (quiet_) return;
-    FailClientLocked(Error{ErrorKind::kSession, "PS shard " + std::to_string(shard) + " (" +
-                                                    channels_[shard]->peer() + "): " + r.Text()});
+    FailClientLocked(Error{ErrorKind::kSession, ShardName(shard) + ": " + r.Text()});
   }
 }
 
 void PSClient::OnChannelFailure(uint32_t shard, const Error& error) {
   std::lock_guard<std::mutex> lock(mu_);
   if (quiet_) return;
-  FailClientLocked(Error{error.kind, "PS shard " + std::to_string(shard) + ": " + error.message});
+  FailClientLocked(Error{error.kind, ShardName(shard) + ": " + error.message});
 }
 
 // ---- queries and shutdown ------------------------------------------------------------------------
@@ -886,16 +882,29 @@ void PSClient::Close(double timeout) {
     stop_worker_ = true;
     was_failed = failed_.has_value();
     work_cv_.notify_all();
+    if (err) {
+      quiet_ = true;
+      abort_.store(true);
+    }
   }
-  if (worker_.joinable()) worker_.join();
-  std::optional<Error> close_err;
-  CloseSessions(deadline, &close_err);
-  if (!err && !was_failed) err = close_err;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    quiet_ = true;  // the channels' "closed" failures are ours, not errors
+  if (err) {
+    // The drain timed out (a shard or a rank is stuck): closing the channels first wakes a
+    // worker waiting for a slot, so the join below is prompt. No Close can be sent then.
+    for (auto& ch : channels_) ch->Close();
+    if (worker_.joinable()) worker_.join();
+  } else {
+    if (worker_.joinable()) worker_.join();
+    std::optional<Error> close_err;
+    // A failed client closes its sessions on a best-effort basis: a shard that stopped
+    // answering must not hold it for the whole timeout.
+    CloseSessions(was_failed ? std::min(deadline, DeadlineAfter(1.0)) : deadline, &close_err);
+    if (!was_failed) err = close_err;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quiet_ = true;  // the channels' "closed" failures are ours, not errors
+    }
+    for (auto& ch : channels_) ch->Close();
   }
-  for (auto& ch : channels_) ch->Close();
   {
     std::lock_guard<std::mutex> lock(mu_);
     const Error e{ErrorKind::kSession,

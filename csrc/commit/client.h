@@ -27,9 +27,11 @@
 //      reachable shard and joins every thread; after it no callback runs.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,17 +66,6 @@ size_t SlotBytesFor(const ClientOptions& options);
 
 enum class OpKind : uint8_t { kCommit = 0, kGet = 1, kAssign = 2, kCheckpoint = 3 };
 
-// Rows that become readable only later: gradients a native worker is copying from a GPU into
-// pinned host memory (transport/device_staging.h). The client's worker calls Wait before it
-// reads them, and the op keeps this object (with its buffer) alive until it finishes.
-class DeferredRows {
- public:
-  virtual ~DeferredRows() = default;
-  // The rows (n x dim), readable while this object lives. Throws TimeoutError at the
-  // deadline, or the error that broke the staging.
-  virtual const float* Wait(transport::Deadline deadline) = 0;
-};
-
 // An asynchronous operation's handle.
 class ClientOp {
  public:
@@ -105,8 +96,8 @@ class ClientOp {
   const int64_t* keys_ = nullptr;
   size_t n_ = 0;
   const float* rows_ = nullptr;  // commit grads / assign rows
+  std::function<void()> ready_;   // runs on the worker before the inputs are read
   float* out_ = nullptr;         // get output (n x dim)
-  std::shared_ptr<DeferredRows> deferred_rows_;  // commit grads readable later (rows_ set by Stage)
   transport::Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
   int outstanding_ = 0;           // replies not yet received
@@ -141,13 +132,12 @@ class PSClient {
   const Partitioner& partitioner() const { return partitioner_; }
 
   // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0).
+  // `ready`, if set, runs on the worker thread before it reads keys/grads (e.g. waiting for
+  // the CUDA event of the stream that produced them); if it throws, the commit fails.
   // REQUIRES: step >= 0, keys within key_bound (ValueError naming the position otherwise).
   std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                        const float* grads);
-  // As above, with gradients that become readable later (a device copy in flight); the
-  // worker waits for them (bounded by the op's deadline) before packing.
-  std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                        std::shared_ptr<DeferredRows> grads);
+                                        const float* grads,
+                                        std::function<void()> ready = nullptr);
   // Reads n rows into out (n x dim) once every shard committed at_step (-1: now).
   std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out);
   // Writes rows (n x dim) for keys on their shards (bulk load; last duplicate wins).
@@ -165,8 +155,9 @@ class PSClient {
   std::vector<std::string> shard_peers() const;
 
   // Drains pending work (bounded by timeout seconds), closes the session on every shard
-  // that is still reachable, closes the channels and joins the worker. Idempotent. Throws
-  // TimeoutError if draining timed out, or the error that broke a healthy drain.
+  // that is still reachable (a failed client tries for at most 1 s), closes the channels
+  // and joins the worker. Idempotent. Throws TimeoutError if draining timed out, or the
+  // error that broke a healthy drain; a client that had already failed does not throw.
   void Close(double timeout);
 
  private:
@@ -185,8 +176,9 @@ class PSClient {
   void OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r);
   void OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r,
                   const int64_t* positions, size_t count, bool direct);
-  void OnRequestFailure(const std::shared_ptr<ClientOp>& op, const transport::Error& error,
-                        bool fatal);
+  void OnRequestFailure(const std::shared_ptr<ClientOp>& op, uint32_t shard,
+                        const transport::Error& error, bool fatal);
+  std::string ShardName(uint32_t shard) const;
   void OnNotify(uint32_t shard, const transport::Reply& r);
   void OnChannelFailure(uint32_t shard, const transport::Error& error);
   void FinishLocked(const std::shared_ptr<ClientOp>& op, const std::optional<transport::Error>& e);
@@ -217,6 +209,7 @@ class PSClient {
   std::vector<int64_t> committed_;                // per shard
   std::optional<transport::Error> failed_;
   bool stop_worker_ = false;
+  std::atomic<bool> abort_{false};  // set when the client fails or gives up: staging stops
   bool closing_ = false;  // Close started: no new operations
   bool quiet_ = false;    // channels are being closed on purpose: their failures are not errors
   bool closed_ = false;

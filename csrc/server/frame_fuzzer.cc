@@ -157,7 +157,7 @@ class Fuzzer {
         Append(&b, g);
         Bytes keys = RandomBytes(size_t{g.nrows} * 8);
         AppendBytes(&b, keys.data(), keys.size());
-        if (U(3) == 0) b.resize(U(b.size() + 16));  // sometimes a wrong length too
+        if (U(3) == 0) b.resize(sizeof(g) + U(40));  // sometimes a wrong length too
         return Frame(MsgType::kGet, b, digest_);
       }
       case 4: {
@@ -166,13 +166,12 @@ class Fuzzer {
       }
       case 5: {
         *what = "close with a malformed body";
-        size_t n = U(40);
-        if (n == sizeof(commit::wire::CloseBody)) ++n;
+        const size_t n = sizeof(commit::wire::CloseBody) + 1 + U(40);  // too long
         return Frame(MsgType::kClose, RandomBytes(n), digest_);
       }
       case 6: {
         *what = "checkpoint without a session";
-        return Frame(MsgType::kCheckpoint, RandomBytes(U(2) ? 8 : U(30)), digest_);
+        return Frame(MsgType::kCheckpoint, RandomBytes(U(2) ? 8 : 9 + U(30)), digest_);
       }
       default: {
         *what = "random body of a request type";
@@ -191,6 +190,7 @@ class Fuzzer {
     switch (U(9)) {
       case 0:
         *what = "random bytes";
+        *truncate = true;  // a short one is an incomplete header: end the stream after it
         return RandomBytes(1 + U(200));
       case 1: {
         *what = "bad magic";
@@ -221,7 +221,8 @@ class Fuzzer {
       }
       case 5:
         *what = authenticated ? "reply type sent by a client" : "request before Hello";
-        return Frame(authenticated ? MsgType::kAck : MsgType::kPing, {}, digest_);
+        if (authenticated) return Frame(MsgType::kAck, RandomBytes(sizeof(commit::wire::AckBody)), digest_);
+        return Frame(MsgType::kPing, {}, digest_);
       case 6:
         *what = "stranger's token";
         return Hello(token_ + "x" + std::to_string(U(100)));
@@ -271,7 +272,7 @@ class Fuzzer {
     } catch (const TimeoutError&) {
       ++stats_.timeouts;
       return false;
-    } catch (const std::exception&) {
+    } catch (const std::exception& e) {
       return false;
     }
   }

@@ -4,6 +4,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <errno.h>
+
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -25,6 +27,7 @@ struct Buffer {
   std::unique_ptr<uint8_t[]> data;
   size_t cap = 0;
   size_t len = 0;
+  size_t sent = 0;  // bytes already written by Send's fast path
   void Reserve(size_t n) {
     if (n <= cap) return;
     data.reset(new uint8_t[n]);
@@ -66,8 +69,28 @@ class ShardServer::Connection : public transport::ServerLink,
         throw;
       }
     }
+    buf.sent = 0;
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_) return false;
+    if (queue_.empty() && !writing_) {
+      // Fast path: write what the socket takes right now, without blocking and without
+      // waking the writer; only a remainder is queued. (Ordering holds: nothing is queued
+      // or being written.)
+      const ssize_t n = ::send(fd_, buf.data.get(), total, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n == static_cast<ssize_t>(total)) {
+        server_->bytes_out_.fetch_add(total);
+        if (pool_.size() < 4) pool_.push_back(std::move(buf));
+        return true;
+      }
+      if (n > 0) {
+        buf.sent = static_cast<size_t>(n);
+        server_->bytes_out_.fetch_add(buf.sent);
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        closed_ = true;
+        ::shutdown(fd_, SHUT_RDWR);
+        return false;
+      }
+    }
     if (queued_bytes_ + total > server_->options_.max_queued_reply_bytes) {
       // The client does not read its replies: give up on it rather than buffer forever.
       closed_ = true;
@@ -117,24 +140,29 @@ class ShardServer::Connection : public transport::ServerLink,
         if (queue_.empty()) break;
         b = std::move(queue_.front());
         queue_.pop_front();
+        writing_ = true;
       }
       try {
-        transport::WriteAll(fd_, b.data.get(), b.len, peer_);
+        transport::WriteAll(fd_, b.data.get() + b.sent, b.len - b.sent, peer_);
       } catch (const std::exception&) {
         std::lock_guard<std::mutex> lock(mu_);
         closed_ = true;
+        writing_ = false;
         queue_.clear();
         ::shutdown(fd_, SHUT_RDWR);
         break;
       }
-      server_->bytes_out_.fetch_add(b.len);
+      server_->bytes_out_.fetch_add(b.len - b.sent);
       {
         std::lock_guard<std::mutex> lock(mu_);
+        writing_ = false;
         queued_bytes_ -= b.len;
         if (pool_.size() < 4) pool_.push_back(std::move(b));
       }
     }
+    std::lock_guard<std::mutex> lock(mu_);
     writer_done_.store(true);
+    cv_.notify_all();
   }
 
   void ReadLoop() {
@@ -175,14 +203,22 @@ class ShardServer::Connection : public transport::ServerLink,
     shard.LinkClosed(this);
     if (violation) server_->NoteViolation(peer_);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       closed_ = true;  // replies queued so far still go out (e.g. the error explaining a refusal)
       writer_stop_ = true;
       cv_.notify_all();
+      // Give the writer a moment to flush, then make sure the peer sees the end.
+      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return writer_done_.load(); });
     }
-    // Give the writer a moment to flush, then make sure the peer sees the end.
-    for (int i = 0; i < 100 && !writer_done_.load(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    // Send FIN after the last reply, and read off what the peer still sends for a moment:
+    // closing a socket with unread input would reset it and could destroy that reply.
+    ::shutdown(fd_, SHUT_WR);
+    transport::SetRecvTimeout(fd_, 0.2);
+    char sink[4096];
+    for (size_t drained = 0; drained < (size_t{1} << 20);) {
+      const ssize_t n = ::recv(fd_, sink, sizeof(sink), 0);
+      if (n <= 0) break;
+      drained += static_cast<size_t>(n);
     }
     ::shutdown(fd_, SHUT_RDWR);
     reader_done_.store(true);
@@ -203,6 +239,7 @@ class ShardServer::Connection : public transport::ServerLink,
   size_t queued_bytes_ = 0;
   bool closed_ = false;       // no more replies accepted
   bool writer_stop_ = false;  // the writer exits once the queue is empty
+  bool writing_ = false;      // the writer is writing a buffer outside the lock
 };
 
 ShardServer::ShardServer(std::shared_ptr<commit::PSShard> shard, ServerOptions options)

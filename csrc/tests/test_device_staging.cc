@@ -181,8 +181,10 @@ TEST_CASE(staged_commit_equals_host_commit) {
       dev->events[grads.data()] = &event;
     }
     auto staged = stager.Stage({grads.data(), grads.size() * 4, 0, &event});
-    auto op = cb->CommitAsync(t, keys.data(), keys.size(), staged);
-    staged.reset();  // the op keeps the staged rows alive
+    const auto deadline = DeadlineAfter(10);
+    auto op = cb->CommitAsync(t, keys.data(), keys.size(), staged->data(),
+                              [staged, deadline] { staged->Wait(deadline); });
+    staged.reset();  // the op's ready hook keeps the staged rows alive
     event.store(true);
     op->Wait(DeadlineAfter(10));
     std::lock_guard<std::mutex> lock(dev->mu);

@@ -2,6 +2,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -265,6 +266,26 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
     if (i == 1) ::shutdown(fd, SHUT_WR);
     ::close(fd);
   }
+  // A frame of another protocol version is answered with an error naming the version, even
+  // though its body is never read, and then the connection is closed.
+  {
+    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), transport::DeadlineAfter(5));
+    std::vector<uint8_t> frame(commit::wire::kHeaderBytes + 5000, 0x11);
+    auto h = commit::wire::MakeHeader(commit::wire::MsgType::kHello, 0, 5000);
+    h.version = 2;
+    commit::wire::StoreHeader(frame.data(), h);
+    transport::WriteAll(fd, frame.data(), frame.size(), "srv");
+    transport::SetRecvTimeout(fd, 5);
+    uint8_t hb[commit::wire::kHeaderBytes];
+    CHECK(transport::ReadFull(fd, hb, sizeof(hb), false, "srv"));
+    const auto reply = commit::wire::LoadHeader(hb);
+    CHECK(reply.type == static_cast<uint16_t>(commit::wire::MsgType::kError));
+    std::string body(reply.body_len, '\0');
+    transport::ReadFull(fd, body.data(), body.size(), false, "srv");
+    CHECK(body.find("protocol version 2 is not supported") != std::string::npos);
+    CHECK(!transport::ReadFull(fd, hb, 1, true, "srv"));  // then EOF
+    ::close(fd);
+  }
   // A well-formed client is still served.
   std::vector<std::unique_ptr<transport::Channel>> c;
   c.push_back(transport::TcpChannel::Connect("127.0.0.1", srv.port(), "secret", ChannelOpts(o), 5));
@@ -293,4 +314,134 @@ TEST_CASE(tcp_dead_shard_fails_pending_work_at_once) {
   CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));  // not the 30 s timeout
   CHECK_THROWS(TransportError, client.CommitAsync(1, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
   client.Close(1);
+}
+
+TEST_CASE(client_commit_ready_hook_runs_on_the_worker_before_staging) {
+  auto shard = MakeShard(0, 1);
+  auto o = Options(0, 1);
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
+  PSClient client(o, std::move(c));
+  int64_t key = 2;
+  float grad[kDim] = {0, 0, 0, 0};
+  std::thread::id ran_on;
+  // The "producer" fills the gradient only inside the hook: the worker must read it after.
+  client.CommitAsync(0, &key, 1, grad, [&] {
+    ran_on = std::this_thread::get_id();
+    for (float& g : grad) g = 8.0f;
+  })->Wait(transport::DeadlineAfter(5));
+  CHECK(ran_on != std::this_thread::get_id());
+  float out[kDim];
+  client.GetAsync(&key, 1, 0, out)->Wait(transport::DeadlineAfter(5));
+  CHECK(out[0] == 0.5f + 2e-3f - 1.0f);
+  auto failing = client.CommitAsync(1, nullptr, 0, nullptr, [] { throw ValueError("event failed"); });
+  CHECK_THROWS(ValueError, failing->Wait(transport::DeadlineAfter(5)));
+}
+
+// A TCP "shard" that answers Hello and Open, then either never answers anything else
+// (hang) or closes the connection (die_after_open).
+class FakeShard {
+ public:
+  FakeShard(uint32_t shard_id, uint32_t num_shards, bool die_after_open)
+      : lfd_(transport::ListenTcp("127.0.0.1", 0, 4, &port_)) {
+    thread_ = std::thread([=, this] { Serve(shard_id, num_shards, die_after_open); });
+  }
+  ~FakeShard() {
+    thread_.join();
+    ::close(lfd_);
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  void Serve(uint32_t shard_id, uint32_t num_shards, bool die_after_open) {
+    const int fd = ::accept(lfd_, nullptr, nullptr);
+    auto reply = [&](commit::wire::MsgType type, const void* body, size_t len, uint64_t tag,
+                     uint32_t slot) {
+      std::vector<uint8_t> f(commit::wire::kHeaderBytes + len);
+      commit::wire::StoreHeader(f.data(), commit::wire::MakeHeader(type, commit::wire::TokenDigest(""),
+                                                                   len, commit::wire::Status::kOk,
+                                                                   tag, slot));
+      std::memcpy(f.data() + commit::wire::kHeaderBytes, body, len);
+      transport::WriteAll(fd, f.data(), f.size(), "fake");
+    };
+    try {
+      for (;;) {
+        uint8_t hb[commit::wire::kHeaderBytes];
+        if (!transport::ReadFull(fd, hb, sizeof(hb), true, "fake")) break;
+        const auto h = commit::wire::LoadHeader(hb);
+        std::vector<uint8_t> body(h.body_len);
+        transport::ReadFull(fd, body.data(), body.size(), false, "fake");
+        if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kHello)) {
+          commit::wire::HelloOkBody ok{shard_id, num_shards, commit::wire::kDefaultMaxFrameBytes, 1};
+          reply(commit::wire::MsgType::kHelloOk, &ok, sizeof(ok), h.tag, h.slot);
+        } else if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kOpen)) {
+          commit::wire::OpenOkBody ok{-1, kDim, 0};
+          reply(commit::wire::MsgType::kOpenOk, &ok, sizeof(ok), h.tag, h.slot);
+        } else if (die_after_open) {
+          break;
+        }
+      }
+    } catch (const std::exception&) {
+    }
+    ::close(fd);
+  }
+
+  uint16_t port_ = 0;
+  int lfd_;
+  std::thread thread_;
+};
+
+TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
+  FakeShard fake(0, 1, /*die_after_open=*/false);
+  auto o = Options(0, 1, /*max_rows=*/1, /*inflight=*/1);
+  o.timeout = 30;  // far longer than the Close below
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", fake.port(), "", ChannelOpts(o), 5));
+  auto client = std::make_unique<PSClient>(o, std::move(c));
+  std::vector<int64_t> keys{1, 2, 3};
+  std::vector<float> grads(3 * kDim, 1.0f);
+  auto op = client->CommitAsync(0, keys.data(), keys.size(), grads.data());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker waits for a slot
+  const auto t0 = transport::Clock::now();
+  bool timed_out = false;
+  try {
+    client->Close(0.3);
+  } catch (const TimeoutError&) {
+    timed_out = true;
+  }
+  const bool prompt = transport::Clock::now() - t0 < std::chrono::seconds(5);
+  bool failed_fast = false;  // the commit ends with the closed connection, not a timeout
+  try {
+    op->Wait(transport::DeadlineAfter(1));
+  } catch (const TransportError&) {
+    failed_fast = true;
+  } catch (const SessionError&) {
+    failed_fast = true;
+  }
+  client.reset();
+  CHECK(timed_out);
+  CHECK(prompt);
+  CHECK(failed_fast);
+}
+
+TEST_CASE(client_failure_stops_a_worker_blocked_on_another_shard) {
+  FakeShard dies(0, 2, /*die_after_open=*/true);
+  FakeShard hangs(1, 2, /*die_after_open=*/false);
+  auto o = Options(0, 1, /*max_rows=*/1, /*inflight=*/1);
+  o.partition = PartitionKind::kModulo;
+  o.timeout = 30;
+  std::vector<std::unique_ptr<transport::Channel>> c;
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", dies.port(), "", ChannelOpts(o), 5));
+  c.push_back(transport::TcpChannel::Connect("127.0.0.1", hangs.port(), "", ChannelOpts(o), 5));
+  auto client = std::make_unique<PSClient>(o, std::move(c));
+  // Odd keys go to the hanging shard: the worker blocks on its one-slot window, then shard 0
+  // dies (it closes on the first chunk) and the client fails.
+  std::vector<int64_t> keys{1, 3, 5, 0};
+  std::vector<float> grads(4 * kDim, 1.0f);
+  auto op = client->CommitAsync(0, keys.data(), keys.size(), grads.data());
+  const auto t0 = transport::Clock::now();
+  CHECK_THROWS(TransportError, op->Wait(transport::DeadlineAfter(10)));
+  client->Close(30);  // a failed client: no error, and no 30 s wait for the hung shard
+  CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));
+  client.reset();
 }

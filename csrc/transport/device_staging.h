@@ -1,16 +1,16 @@
 // DeviceStager: gradients that live in GPU memory, staged asynchronously into pinned host
 // buffers for a PSClient commit. A native worker waits for the producer stream's event
 // (the backward pass that wrote the gradients) before it reads them, copies them on its own
-// stream into a pooled pinned buffer, and hands the buffer to the client's worker (a
-// commit::DeferredRows) which packs it into transport slots. Keys never touch the device:
-// they come from the CPU-side plans.
+// stream into a pooled pinned buffer, and the client's worker — whose commit was queued with
+// that buffer and a `ready` hook that waits for it (PSClient::CommitAsync) — packs it into
+// transport slots. Keys never touch the device: they come from the CPU-side plans.
 //
 // Thread safety: Stage is thread-safe; StagedRows::Wait may be called from any thread.
 //
 // Invariants:
 //   1. A source is read only after its event completed (EventDone), never before.
 //   2. The pinned buffer of a StagedRows lives until the StagedRows is destroyed (the
-//      commit op holds it until the commit finished), then returns to the pool. The source
+//      commit's ready hook holds it until the commit op is gone), then returns to the pool. The source
 //      memory must stay allocated until Wait returned or failed (the Python client keeps the
 //      tensor and its event in the commit's handle until the commit is done).
 //   3. Every wait is bounded: the event and the copy each by the stager's timeout
@@ -30,8 +30,8 @@
 #include <thread>
 #include <vector>
 
-#include "commit/client.h"
 #include "common/cuda_api.h"
+#include "transport/transport.h"
 
 namespace bagpipe::transport {
 
@@ -52,10 +52,12 @@ struct StagerStats {
 
 class PinnedPool;
 
-class StagedRows : public commit::DeferredRows {
+class StagedRows {
  public:
-  ~StagedRows() override;
-  const float* Wait(Deadline deadline) override;
+  ~StagedRows();
+  // The rows (n x dim), readable while this object lives. Throws TimeoutError at the
+  // deadline (or when the producer's event never completed), or the staging error.
+  const float* Wait(Deadline deadline);
   bool Done() const;
   // The pinned buffer the rows land in (nullptr for zero bytes); readable after Wait.
   const float* data() const { return static_cast<const float*>(buffer_); }

@@ -27,15 +27,21 @@ void SetNoDelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-void SetRecvTimeout(int fd, double seconds) {
+namespace {
+void SetTimeout(int fd, int option, double seconds) {
   struct timeval tv{};
   if (seconds > 0) {
-    tv.tv_sec = static_cast<time_t>(seconds);
-    tv.tv_usec = static_cast<suseconds_t>((seconds - static_cast<double>(tv.tv_sec)) * 1e6);
+    const double s = seconds < 1e7 ? seconds : 1e7;
+    tv.tv_sec = static_cast<time_t>(s);
+    tv.tv_usec = static_cast<suseconds_t>((s - static_cast<double>(tv.tv_sec)) * 1e6);
     if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000;
   }
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
+}  // namespace
+
+void SetRecvTimeout(int fd, double seconds) { SetTimeout(fd, SO_RCVTIMEO, seconds); }
+void SetSendTimeout(int fd, double seconds) { SetTimeout(fd, SO_SNDTIMEO, seconds); }
 
 std::string PeerName(int fd) {
   sockaddr_storage ss{};
@@ -171,6 +177,10 @@ void WriteAllV(int fd, struct iovec* iov, int iovcnt, const std::string& peer) {
     const ssize_t n = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        throw TransportError("write to " + peer + " made no progress within the timeout (the "
+                             "peer does not read)");
+      }
       throw TransportError("write to " + peer + " failed: " + Errno(errno));
     }
     size_t left = static_cast<size_t>(n);

@@ -34,8 +34,9 @@ void WriteAll(int fd, const void* data, size_t len, const std::string& peer);
 // SetRecvTimeout expired).
 bool ReadFull(int fd, void* data, size_t len, bool eof_ok, const std::string& peer);
 
-// SO_RCVTIMEO; seconds <= 0 clears it.
+// SO_RCVTIMEO / SO_SNDTIMEO; seconds <= 0 clears it.
 void SetRecvTimeout(int fd, double seconds);
+void SetSendTimeout(int fd, double seconds);
 void SetNoDelay(int fd);
 // "host:port" of the socket's peer.
 std::string PeerName(int fd);

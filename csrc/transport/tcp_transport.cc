@@ -33,7 +33,7 @@ std::unique_ptr<TcpChannel> TcpChannel::Connect(const std::string& host, uint16_
 }
 
 TcpChannel::TcpChannel(int fd, std::string peer, const ChannelOptions& options)
-    : Channel(std::move(peer), options), fd_(fd) {}
+    : Channel(std::move(peer), options), fd_(fd), io_timeout_(options.io_timeout) {}
 
 TcpChannel::~TcpChannel() {
   Close();
@@ -86,6 +86,7 @@ void TcpChannel::Handshake(const std::string& token, Deadline deadline) {
   SetRemote(ok.shard_id, ok.num_shards, ok.max_frame_bytes);
   remote_instance_ = ok.instance_id;
   SetRecvTimeout(fd_, 0);
+  SetSendTimeout(fd_, io_timeout_);  // a shard that stops reading cannot block a send forever
 }
 
 void TcpChannel::DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) {
@@ -105,8 +106,7 @@ void TcpChannel::ReceiveLoop() {
     for (;;) ReceiveOne(&scratch);
   } catch (const std::exception& e) {
     if (closing_.load()) return;
-    FailChannel({ErrorKind::kTransport, std::string("PS shard connection ") + peer() +
-                                            " failed: " + e.what()});
+    FailChannel({ErrorKind::kTransport, std::string("connection lost: ") + e.what()});
   }
 }
 

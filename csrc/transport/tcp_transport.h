@@ -46,6 +46,7 @@ class TcpChannel : public Channel {
   void ReceiveOne(std::vector<uint8_t>* scratch);
 
   int fd_;
+  const double io_timeout_;
   uint64_t remote_instance_ = 0;
   std::atomic<bool> closing_{false};
   std::thread receiver_;

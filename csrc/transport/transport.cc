@@ -74,13 +74,18 @@ void Channel::SetHandlers(std::function<void(const Reply&)> on_notify,
   on_failure_ = std::move(on_failure);
 }
 
-uint32_t Channel::AcquireSlot(Deadline deadline) {
+uint32_t Channel::AcquireSlot(Deadline deadline, const std::atomic<bool>* cancel) {
   std::unique_lock<std::mutex> lock(mu_);
   bool waited = false;
   while (!failed_ && free_.empty()) {
     waited = true;
-    if (slot_cv_.wait_until(lock, deadline) == std::cv_status::timeout && free_.empty() &&
-        !failed_) {
+    if (cancel && cancel->load()) {
+      throw SessionError("sending to PS shard " + peer_ + " was cancelled (the client failed or "
+                         "is closing)");
+    }
+    const Deadline step = std::min(deadline, Clock::now() + std::chrono::milliseconds(20));
+    slot_cv_.wait_until(lock, step);
+    if (Clock::now() >= deadline && free_.empty() && !failed_) {
       throw TimeoutError("no reply from PS shard " + peer_ + " within the timeout (" +
                          std::to_string(in_flight_) + " requests in flight, window full)");
     }

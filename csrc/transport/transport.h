@@ -116,6 +116,7 @@ class PendingRequest {
 struct ChannelOptions {
   uint32_t num_slots = 8;  // the in-flight window; REQUIRES: >= 1
   size_t slot_bytes = 0;   // capacity of each request slot (the largest frame); REQUIRES: > header
+  double io_timeout = 120.0;  // seconds a blocking socket write may make no progress
 };
 
 struct ChannelStats {
@@ -155,8 +156,9 @@ class Channel {
                    std::function<void(const Error&)> on_failure);
 
   // Waits until a slot is free (blocking while num_slots requests are in flight) and
-  // acquires it. Throws TimeoutError at the deadline, TransportError if the channel failed.
-  uint32_t AcquireSlot(Deadline deadline);
+  // acquires it. Throws TimeoutError at the deadline, TransportError if the channel failed,
+  // SessionError if *cancel becomes true meanwhile (checked at least every 20 ms).
+  uint32_t AcquireSlot(Deadline deadline, const std::atomic<bool>* cancel = nullptr);
   // The slot's frame buffer (slot_bytes). REQUIRES: the slot is acquired by the caller.
   uint8_t* SlotBuffer(uint32_t slot) { return slots_[slot].frame.get(); }
   // Returns an acquired slot that was not posted.

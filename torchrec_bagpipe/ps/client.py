@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import numbers
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,6 +151,8 @@ class PSClient:
         key_bound: int | None = None,
     ) -> None:
         self._core: Any = None
+        self._closed = False
+        self._lock = threading.Lock()
         self._pending: list[PSHandle] = []
         self._stager: Any = None  # DeviceStagerCore, created by the first CUDA commit
         if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
@@ -245,13 +248,16 @@ class PSClient:
         return self.partitioner.num_shards
 
     def __repr__(self) -> str:
-        peers = self._core.shard_peers() if self._core else []
+        peers = self._core.shard_peers() if self._core is not None else []
         return (f"PSClient(table={self.table!r}, rank={self.rank}/{self.world_size}, "
                 f"dim={self.dim}, shards={peers})")
 
     def _track(self, handle: PSHandle) -> PSHandle:
-        self._pending = [h for h in self._pending if not h.done()]
-        self._pending.append(handle)
+        # The client keeps every unfinished handle (and so its borrowed tensors) alive, also
+        # when the caller drops it; the lock keeps concurrent callers from losing one.
+        with self._lock:
+            self._pending = [h for h in self._pending if not h.done()]
+            self._pending.append(handle)
         return handle
 
     def _live(self) -> Any:
@@ -373,16 +379,18 @@ class PSClient:
 
     def close(self, timeout: float | None = None) -> None:
         """Drains pending work, closes the session on every reachable shard and releases the
-        connections. Idempotent; raises TimeoutError if draining timed out."""
+        connections. Idempotent; raises TimeoutError if draining timed out. Later operations
+        raise SessionError."""
         core = self._core
-        if core is None:
+        if core is None or self._closed:
             return
+        self._closed = True
         try:
             core.close(self.timeout if timeout is None else _float_arg(timeout, "timeout"))
         finally:
-            self._core = None
-            self._pending.clear()
-            self._stager = None
+            with self._lock:
+                self._pending.clear()
+            self._stager = None  # joins the staging worker
 
     def __enter__(self) -> PSClient:
         return self
@@ -396,7 +404,7 @@ class PSClient:
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)
-        if core is not None:
+        if core is not None and not getattr(self, "_closed", True):
+            self._closed = True
             with contextlib.suppress(Exception):
                 core.close(min(getattr(self, "timeout", 5.0), 5.0))
-            self._core = None

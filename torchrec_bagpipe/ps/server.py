@@ -17,9 +17,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from torchrec_bagpipe.ps.shard import DEFAULT_MAX_FRAME_BYTES, PSShard
-
 __all__ = ["build_parser", "main"]
+
+# Kept equal to torchrec_bagpipe.ps.shard.DEFAULT_MAX_FRAME_BYTES; this module imports the
+# shard (and torch) only after the arguments are checked, so --help and usage errors are fast.
+DEFAULT_MAX_FRAME_BYTES = 256 << 20
+_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 EPILOG = """\
 Clients authenticate with the job token (--job-token, or the BAGPIPE_JOB_TOKEN environment
@@ -113,8 +116,38 @@ def _has_checkpoints(directory: str | None) -> bool:
     return any(e.startswith("table-") for e in os.listdir(directory))
 
 
+def _check_args(args: argparse.Namespace) -> str | None:
+    """A usage error, or None (the checks that need no native code)."""
+    if args.num_shards < 1:
+        return f"--num-shards must be >= 1, got {args.num_shards}"
+    if not 0 <= args.shard_id < args.num_shards:
+        return f"shard_id {args.shard_id} must be below num_shards {args.num_shards}"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if args.memory_budget is not None and args.memory_budget.strip().upper() != "AUTO":
+        text = args.memory_budget.strip().upper()
+        mult = _SUFFIX.get(text[-1:], 1)
+        try:
+            value = float(text[:-1] if text[-1:] in _SUFFIX else text) * mult
+        except ValueError:
+            return ("--memory-budget (memory_budget) must be bytes, e.g. 512M or 4G, or 'auto', "
+                    f"got {args.memory_budget!r}")
+        if value <= 0:
+            return "--memory-budget (memory_budget) must be > 0"
+    if args.checkpoint_every < 0:
+        return "--checkpoint-every must be >= 0"
+    if args.checkpoint_every and not args.checkpoint_dir:
+        return "--checkpoint-every needs --checkpoint-dir"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _check_args(args)
+    if problem:
+        print(f"torchrec-bagpipe-ps: {problem}", file=sys.stderr)
+        return 2
+    from torchrec_bagpipe.ps.shard import PSShard
     token = args.job_token
     if token is None:
         token = os.environ.get("BAGPIPE_JOB_TOKEN", "")

@@ -1,0 +1,331 @@
+"""The commit protocol against a reference SGD model (Hypothesis).
+
+* A RuleBasedStateMachine drives one shard frame by frame for W simulated ranks: chunks of a
+  step arrive in any interleaving, with duplicates, committed-step retries, deferred and
+  immediate reads, conflicting retries and out-of-order steps. After every rule the table must
+  equal the reference bitwise, and the committed step must match.
+* Through PSClient: the final weights do not depend on the shard count, the packet size, the
+  in-flight window or the partitioner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ps_wire as w
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from ps_reference import ReferencePS
+
+from torchrec_bagpipe import SessionError
+from torchrec_bagpipe._native import C
+from torchrec_bagpipe.ps import PSClient, PSShard
+
+DIM = 3
+KEYS = 12
+SESSION = 4242
+INIT = {"init": "uniform", "init_bound": 0.25, "seed": 5}
+
+grad_values = st.integers(-64, 64).map(lambda i: i / 16.0)
+
+
+def batch_strategy() -> st.SearchStrategy:
+    return st.lists(
+        st.tuples(st.integers(0, KEYS - 1), st.lists(grad_values, min_size=DIM, max_size=DIM)),
+        max_size=6,
+    )
+
+
+class CommitProtocol(RuleBasedStateMachine):
+    """One shard, W ranks, each rank a RawLink that opened the session."""
+
+    @initialize(world=st.integers(1, 3), division=st.booleans(),
+                lr=st.sampled_from([0.5, 0.125, 0.3]))
+    def setup(self, world: int, division: bool, lr: float) -> None:
+        self.world = world
+        self.lr = lr
+        self.shard = PSShard(0, 1)
+        self.links = [C.RawLink(self.shard.core, True) for _ in range(world)]
+        for r, link in enumerate(self.links):
+            link.request(w.open_session("t", session=SESSION, rank=r, world_size=world, dim=DIM,
+                                        lr=lr, grad_division=division, init="uniform",
+                                        init_bound=INIT["init_bound"], seed=INIT["seed"]))
+            (reply,) = [w.parse(f) for f in link.take()]
+            assert reply.type == w.OPEN_OK, reply.text
+        self.ref = ReferencePS(DIM, lr, world, division=division, **INIT)
+        self.step = 0
+        self.batches: list[tuple[np.ndarray, np.ndarray]] = []
+        self.unsent: list[tuple[int, bytes]] = []  # (rank, frame) of the step being assembled
+        self.sent: list[tuple[int, bytes]] = []
+        self.history: list[tuple[int, bytes]] = []
+        self.deferred: list[tuple[int, int, list[int]]] = []  # (rank, tag, keys) at self.step
+        self.failed = False
+        self.tag = 100
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def request(self, rank: int, frame: bytes) -> list[w.Reply]:
+        self.links[rank].request(frame)
+        return [w.parse(f) for f in self.links[rank].take()]
+
+    def expect_ack(self, replies: list[w.Reply], disposition: int) -> None:
+        acks = [r for r in replies if r.type == w.ACK]
+        assert len(acks) == 1, [(r.type, r.text) for r in replies]
+        assert acks[0].fields[4] == disposition
+
+    def expect_failure(self, replies: list[w.Reply], text: str) -> None:
+        errors = [r for r in replies if r.type == w.ERROR]
+        assert errors and errors[0].status == w.SESSION_FAILED, [(r.type, r.text) for r in replies]
+        assert text in errors[0].text, errors[0].text
+
+    def step_started(self) -> bool:
+        return bool(self.unsent or self.sent)
+
+    # ---- rules -------------------------------------------------------------------------------
+    @precondition(lambda self: not self.failed and not self.step_started())
+    @rule(data=st.data())
+    def new_step(self, data: st.DataObject) -> None:
+        self.batches = []
+        for r in range(self.world):
+            rows = data.draw(batch_strategy(), label=f"rank {r} rows")
+            keys = np.array([k for k, _ in rows], dtype=np.int64)
+            grads = np.array([g for _, g in rows], dtype=np.float32).reshape(len(rows), DIM)
+            self.batches.append((keys, grads))
+            n = len(rows)
+            cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=3), label="cuts"))
+            bounds = [0, *cuts, n]
+            count = len(bounds) - 1
+            for c in range(count):
+                lo, hi = bounds[c], bounds[c + 1]
+                self.unsent.append((r, w.commit(
+                    session=SESSION, step=self.step, rank=r, world_size=self.world,
+                    chunk_index=c, chunk_count=count, dim=DIM, lr=self.lr,
+                    keys=keys[lo:hi], grads=grads[lo:hi], tag=self.step * 100 + c)))
+
+    @precondition(lambda self: not self.failed and not self.step_started())
+    @rule(data=st.data())
+    def whole_step(self, data: st.DataObject) -> None:
+        """A step from start to commit: every chunk in a random order, with duplicates."""
+        self.new_step(data)
+        while self.unsent:
+            if self.sent and data.draw(st.integers(0, 3), label="dup") == 0:
+                rank, frame = data.draw(st.sampled_from(self.sent), label="duplicate")
+                self.expect_ack(self.request(rank, frame), w.DUPLICATE)
+            self.send_chunk(data.draw(st.integers(0, len(self.unsent) - 1), label="chunk"))
+
+    @precondition(lambda self: not self.failed and bool(self.unsent))
+    @rule(data=st.data())
+    def send_chunks(self, data: st.DataObject) -> None:
+        """Sends a few of the step's chunks, in a random order (any rank, any chunk)."""
+        for _ in range(data.draw(st.integers(1, len(self.unsent)), label="how many")):
+            i = data.draw(st.integers(0, len(self.unsent) - 1), label="chunk")
+            self.send_chunk(i)
+
+    def send_chunk(self, i: int) -> None:
+        rank, frame = self.unsent.pop(i)
+        replies = self.request(rank, frame)
+        self.expect_ack(replies, w.STORED)
+        self.sent.append((rank, frame))
+        if self.unsent:
+            assert not any(r.type == w.NOTIFY_COMMITTED for r in replies)
+            return
+        # The last chunk: the step commits, every rank is told, deferred reads are served.
+        self.ref.apply_step(self.batches)
+        for r, link in enumerate(self.links):
+            frames = [w.parse(f) for f in link.take()] + (replies if r == rank else [])
+            notes = [f for f in frames if f.type == w.NOTIFY_COMMITTED]
+            assert [n.fields[1] for n in notes] == [self.step]
+            for rk, tag, keys in [d for d in self.deferred if d[0] == r]:
+                (got,) = [f for f in frames if f.type == w.GET_OK and f.tag == tag]
+                assert got.fields[0] == self.step  # served at exactly the step it waited for
+                assert np.array_equal(got.rows(DIM).view(np.uint32),
+                                      self.ref.lookup(keys).view(np.uint32))
+                del rk
+        self.deferred = []
+        self.history.extend(self.sent)
+        self.sent = []
+        self.step += 1
+
+    @precondition(lambda self: not self.failed and bool(self.sent))
+    @rule(data=st.data())
+    def duplicate_pending_chunk(self, data: st.DataObject) -> None:
+        rank, frame = data.draw(st.sampled_from(self.sent), label="duplicate")
+        self.expect_ack(self.request(rank, frame), w.DUPLICATE)
+
+    @precondition(lambda self: not self.failed and bool(self.history))
+    @rule(data=st.data())
+    def retry_committed_step(self, data: st.DataObject) -> None:
+        rank, frame = data.draw(st.sampled_from(self.history), label="retry")
+        self.expect_ack(self.request(rank, frame), w.ALREADY_COMMITTED)
+
+    @precondition(lambda self: not self.failed and self.step_started())
+    @rule(data=st.data())
+    def deferred_get(self, data: st.DataObject) -> None:
+        rank = data.draw(st.integers(0, self.world - 1), label="rank")
+        keys = data.draw(st.lists(st.integers(0, KEYS - 1), max_size=5), label="keys")
+        self.tag += 1
+        replies = self.request(rank, w.get(session=SESSION, at_step=self.step, dim=DIM,
+                                           keys=np.array(keys, dtype=np.int64), tag=self.tag))
+        assert not [r for r in replies if r.type in (w.GET_OK, w.ERROR)]
+        self.deferred.append((rank, self.tag, keys))
+
+    @precondition(lambda self: not self.failed)
+    @rule(data=st.data())
+    def immediate_get(self, data: st.DataObject) -> None:
+        keys = data.draw(st.lists(st.integers(0, KEYS - 1), max_size=5), label="keys")
+        at = data.draw(st.integers(-1, self.step - 1), label="at_step")
+        self.tag += 1
+        replies = self.request(0, w.get(session=SESSION, at_step=at, dim=DIM,
+                                        keys=np.array(keys, dtype=np.int64), tag=self.tag))
+        (got,) = [r for r in replies if r.type == w.GET_OK]
+        assert got.fields[0] == self.step - 1
+        assert np.array_equal(got.rows(DIM).view(np.uint32), self.ref.lookup(keys).view(np.uint32))
+
+    @precondition(lambda self: not self.failed and bool(self.sent) and self.step >= 2)
+    @rule(data=st.data(), go=st.integers(0, 4))
+    def conflicting_retry(self, data: st.DataObject, go: int) -> None:
+        if go:  # fail sessions rarely and late: long histories before the failure
+            return
+        rank, frame = data.draw(st.sampled_from(self.sent), label="conflict")
+        body = bytearray(frame)
+        if len(body) == w.HEADER.size + w.COMMIT_BODY.size:
+            # An empty chunk: announce another chunk count instead (also a conflict).
+            count_at = w.HEADER.size + 28
+            body[count_at] += 1
+            text = "chunk_count"
+        else:
+            body[-1] ^= 0x40  # flip a bit of the last gradient
+            text = "different payload"
+        replies = self.request(rank, bytes(body))
+        self.expect_failure(replies, "conflicting retry")
+        assert text in self.shard.table_stats("t")["failure"]
+        self.failed = True
+        self.check_failed_session(rank, replies)
+
+    @precondition(lambda self: not self.failed and self.step >= 2)
+    @rule(rank=st.integers(0, 2), ahead=st.integers(1, 3), go=st.integers(0, 4))
+    def out_of_order_step(self, rank: int, ahead: int, go: int) -> None:
+        if go:
+            return
+        rank %= self.world
+        frame = w.commit(session=SESSION, step=self.step + ahead, rank=rank,
+                         world_size=self.world, chunk_index=0, chunk_count=1, dim=DIM,
+                         lr=self.lr, keys=np.zeros(0, np.int64), grads=np.zeros((0, DIM)))
+        replies = self.request(rank, frame)
+        self.expect_failure(replies, "out-of-order step")
+        self.failed = True
+        self.check_failed_session(rank, replies)
+
+    @precondition(lambda self: self.failed)
+    @rule(data=st.data())
+    def after_failure(self, data: st.DataObject) -> None:
+        rank = data.draw(st.integers(0, self.world - 1), label="rank")
+        if self.history and data.draw(st.booleans(), label="old"):
+            frame = data.draw(st.sampled_from(self.history), label="packet")[1]
+            rank = w.COMMIT_BODY.unpack_from(frame, w.HEADER.size)[2]
+        else:
+            frame = w.get(session=SESSION, at_step=-1, dim=DIM, keys=np.arange(3))
+        self.expect_failure(self.request(rank, frame), "failed")
+
+    def check_failed_session(self, sender: int, replies: list[w.Reply]) -> None:
+        # Every rank was told; deferred reads failed; every later chunk is refused.
+        for r, link in enumerate(self.links):
+            frames = [w.parse(f) for f in link.take()] + (replies if r == sender else [])
+            assert any(f.type == w.NOTIFY_FAILED for f in frames)
+            for rk, tag, _ in self.deferred:
+                if rk == r:
+                    assert any(f.type == w.ERROR and f.tag == tag for f in frames)
+        if self.unsent:
+            rank, frame = self.unsent[0]
+            self.expect_failure(self.request(rank, frame), "failed")
+
+    # ---- invariants -----------------------------------------------------------------------
+    @invariant()
+    def table_equals_reference(self) -> None:
+        if not hasattr(self, "shard"):
+            return
+        assert self.shard.committed_step("t") == self.ref.committed
+        keys = torch.arange(KEYS, dtype=torch.int64)
+        got = self.shard.lookup("t", keys).numpy()
+        want = self.ref.lookup(list(range(KEYS)))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+    def teardown(self) -> None:
+        if hasattr(self, "links"):
+            event(f"steps committed: {min(self.step, 4)}{'+' if self.step >= 4 else ''}")
+            event(f"session failed: {self.failed}")
+            for link in self.links:
+                link.close()
+            if not self.failed:
+                assert self.shard.table_stats("t")["attached_ranks"] == 0
+
+
+CommitProtocol.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCommitProtocol = CommitProtocol.TestCase
+
+
+# ---- independence of shard count, packet size, window and partitioner --------------------------
+
+def _run_job(num_shards: int, max_rows: int, window: int, partitioner: str, world: int,
+             steps: list[list[tuple[np.ndarray, np.ndarray]]], lr: float) -> np.ndarray:
+    shards = [PSShard(i, num_shards) for i in range(num_shards)]
+    clients = [
+        PSClient(shards, table="emb", dim=DIM, lr=lr, rank=r, world_size=world,
+                 partitioner=partitioner, max_packet_rows=max_rows, inflight_packets=window,
+                 timeout=30.0, **INIT)
+        for r in range(world)
+    ]
+    for t, per_rank in enumerate(steps):
+        handles = [c.commit_async(t, torch.from_numpy(k), torch.from_numpy(g))
+                   for c, (k, g) in zip(clients, per_rank)]
+        for h in handles:
+            h.wait()
+    rows = clients[0].lookup(torch.arange(KEYS, dtype=torch.int64)).numpy()
+    for c in clients:
+        c.close()
+    return rows
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), world=st.integers(1, 3), shards=st.integers(1, 3),
+       max_rows=st.sampled_from([1, 2, 5, 4096]), window=st.sampled_from([1, 2, 8]),
+       partitioner=st.sampled_from(["modulo", "hash", "fast_range"]))
+def test_result_independent_of_sharding_and_packing(
+    data: st.DataObject, world: int, shards: int, max_rows: int, window: int, partitioner: str
+) -> None:
+    steps = []
+    for _ in range(data.draw(st.integers(1, 4), label="steps")):
+        per_rank = []
+        for _ in range(world):
+            rows = data.draw(batch_strategy())
+            keys = np.array([k for k, _ in rows], dtype=np.int64)
+            grads = np.array([g for _, g in rows], dtype=np.float32).reshape(len(rows), DIM)
+            per_rank.append((keys, grads))
+        steps.append(per_rank)
+    ref = ReferencePS(DIM, 0.5, world, **INIT)
+    for per_rank in steps:
+        ref.apply_step(per_rank)
+    got = _run_job(shards, max_rows, window, partitioner, world, steps, 0.5)
+    assert np.array_equal(got.view(np.uint32), ref.lookup(list(range(KEYS))).view(np.uint32))
+
+
+def test_client_reports_protocol_failures_as_session_errors() -> None:
+    shard = PSShard(0, 1)
+    with PSClient([shard], table="t", dim=DIM, lr=0.5, world_size=1, **INIT) as c:
+        c.commit(0, torch.tensor([1]), torch.ones(1, DIM))
+        with pytest.raises(SessionError, match="out-of-order step"):
+            c.commit(5, torch.tensor([1]), torch.ones(1, DIM))
+        # Sticky: the client is failed; nothing after it runs.
+        with pytest.raises(SessionError, match="out-of-order"):
+            c.commit(1, torch.tensor([1]), torch.ones(1, DIM))
+    assert shard.committed_step("t") == 0
