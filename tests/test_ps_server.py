@@ -33,7 +33,7 @@ def test_help_documents_every_option() -> None:
     for flag in ("--shard-id", "--num-shards", "--host", "--port", "--job-token", "--dim",
                  "--memory-budget", "--spill-dir", "--store-threads", "--checkpoint-dir",
                  "--checkpoint-every", "--restore", "--drain-timeout", "BAGPIPE_JOB_TOKEN",
-                 "SIGTERM"):
+                 "SIGTERM", "--transport", "--ucx-tls", "--ucx-devices"):
         assert flag in out.stdout, flag
 
 

@@ -1,6 +1,7 @@
 """The PS shard server program: ``torchrec-bagpipe-ps`` / ``python -m torchrec_bagpipe.ps.server``.
 
-Serves one PS shard over TCP. On start it prints one line to stdout,
+Serves one PS shard over TCP (or over UCX with ``--transport rdma``: RDMA verbs on a fabric,
+shared memory or TCP elsewhere). On start it prints one line to stdout,
 ``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``), and logs
 one line per session event to stderr. SIGTERM (or SIGINT) drains: the server stops accepting,
 lets connected trainers finish and close their sessions (up to ``--drain-timeout``), closes
@@ -46,7 +47,7 @@ Examples:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrec-bagpipe-ps",
-        description="Serve one torchrec_bagpipe parameter-server shard over TCP.",
+        description="Serve one torchrec_bagpipe parameter-server shard over TCP or UCX (rdma).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
