@@ -241,6 +241,19 @@ class ShardedBagPipeEmbeddingBagCollection(
         self._slot_mean = [
             torch.tensor([s.mean for s in spec.slots], dtype=torch.bool) for spec in self._fused
         ]
+        # Output columns: the fused tables' pooled values come out grouped by fused table;
+        # when that is not the EBC's slot order, one column gather restores it.
+        grouped = [s for spec in self._fused for s in spec.slots]
+        self._output_columns: torch.Tensor | None = None
+        if [s.index for s in grouped] != list(range(len(grouped))):
+            start: dict[int, int] = {}
+            col = 0
+            for s in grouped:
+                start[s.index] = col
+                col += s.dim
+            self._output_columns = torch.cat([
+                torch.arange(start[s.index], start[s.index] + s.dim) for s in self._slots
+            ]).to(self._device)
 
         # ---- runtime: PS sessions and controllers ----------------------------------------
         meta = {t.name: module.embedding_bags[t.name].weight.is_meta for t in self._tables}
@@ -321,7 +334,8 @@ class ShardedBagPipeEmbeddingBagCollection(
 
     def compute(self, ctx: BagPipeEBCContext, dist_input: KJTList) -> KeyedTensor:
         self._check_open()
-        per_slot: list[torch.Tensor | None] = [None] * len(self._slots)
+        b = ctx.batch_size
+        parts: list[torch.Tensor] = []
         for g, spec in enumerate(self._fused):
             kjt = dist_input[g]
             if ctx.training:
@@ -329,11 +343,17 @@ class ShardedBagPipeEmbeddingBagCollection(
             else:
                 rows, inverse = self._eval_rows(g, ctx.keys[g])
             pooled = self._pool(g, kjt, rows, inverse)
-            b = ctx.batch_size
-            pooled = pooled.view(len(spec.slots), b, spec.dim)
-            for i, slot in enumerate(spec.slots):
-                per_slot[slot.index] = pooled[i]
-        values = torch.cat(per_slot, dim=1) if per_slot else torch.empty(0)  # type: ignore[arg-type]
+            # Slot-major (slots x batch x dim) -> batch x (slots * dim): one copy, whose
+            # backward is one copy too (per-slot views would each back-propagate a zero-filled
+            # gradient of the whole pooled tensor).
+            parts.append(pooled.view(len(spec.slots), b, spec.dim).transpose(0, 1)
+                         .reshape(b, len(spec.slots) * spec.dim))
+        if not parts:
+            values = torch.empty(b, 0, device=self._device)
+        else:
+            values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if self._output_columns is not None:
+                values = values.index_select(1, self._output_columns)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._embedding_dims,
