@@ -241,6 +241,8 @@ class ShardedBagPipeEmbeddingBagCollection(
         self._slot_mean = [
             torch.tensor([s.mean for s in spec.slots], dtype=torch.bool) for spec in self._fused
         ]
+        self._has_mean = [any(s.mean for s in spec.slots) for spec in self._fused]
+        self._perms: dict[tuple[str, ...], list[list[int] | None]] = {}
         # Output columns: the fused tables' pooled values come out grouped by fused table;
         # when that is not the EBC's slot order, one column gather restores it.
         grouped = [s for spec in self._fused for s in spec.slots]
@@ -537,19 +539,13 @@ class ShardedBagPipeEmbeddingBagCollection(
             )
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted but the KJT has no weights")
-        index = {k: i for i, k in enumerate(features.keys())}
+        perms = self._perms.get(tuple(features.keys()))
+        if perms is None:
+            perms = self._permutations(features.keys())
         per_group: list[KeyedJaggedTensor] = []
         keys: list[torch.Tensor] = []
-        for g, spec in enumerate(self._fused):
-            try:
-                perm = [index[s.feature] for s in spec.slots]
-            except KeyError as e:
-                raise ValueError(
-                    f"the KJT has no feature {e.args[0]!r} (needed by table "
-                    f"{next(s.table for s in spec.slots if s.feature == e.args[0])!r}); "
-                    f"its keys are {features.keys()}"
-                ) from None
-            kjt = features.permute(perm)
+        for g, perm in enumerate(perms):
+            kjt = features if perm is None else features.permute(perm)
             if not self._is_weighted and kjt.weights_or_none() is not None:
                 kjt = KeyedJaggedTensor(
                     keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
@@ -558,6 +554,25 @@ class ShardedBagPipeEmbeddingBagCollection(
             per_group.append(kjt)
             keys.append(self._fused_keys(g, kjt))
         return per_group, keys
+
+    def _permutations(self, kjt_keys: list[str]) -> list[list[int] | None]:
+        """Per fused table: the KJT permutation into slot order (None: the KJT already is in
+        that order, with no extra keys). Cached per key order."""
+        index = {k: i for i, k in enumerate(kjt_keys)}
+        perms: list[list[int] | None] = []
+        for spec in self._fused:
+            try:
+                perm = [index[s.feature] for s in spec.slots]
+            except KeyError as e:
+                raise ValueError(
+                    f"the KJT has no feature {e.args[0]!r} (needed by table "
+                    f"{next(s.table for s in spec.slots if s.feature == e.args[0])!r}); "
+                    f"its keys are {kjt_keys}"
+                ) from None
+            perms.append(None if perm == list(range(len(kjt_keys))) else perm)
+        if len(self._perms) < 64:  # key orders seen (bounded: the order may vary per batch)
+            self._perms[tuple(kjt_keys)] = perms
+        return perms
 
     def _fused_keys(self, g: int, kjt: KeyedJaggedTensor) -> torch.Tensor:
         ids = kjt.values().to("cpu", torch.int64)
@@ -640,8 +655,8 @@ class ShardedBagPipeEmbeddingBagCollection(
             inverse.to(device=rows.device, dtype=torch.int64), rows, offsets,
             mode="sum", per_sample_weights=weights, include_last_offset=True,
         )
-        mean = self._slot_mean[g]
-        if bool(mean.any()):
+        if self._has_mean[g]:
+            mean = self._slot_mean[g]
             b = kjt.stride()
             lengths = kjt.lengths().to(device=rows.device, dtype=rows.dtype)
             is_mean = mean.to(rows.device).repeat_interleave(b)
