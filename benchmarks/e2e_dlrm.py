@@ -6,15 +6,19 @@ Configurations (same model, data and cache capacity; world size 2, gloo, CPU):
 * ``stock``: TorchRec's own sharders, tables local to the trainers (the upper bound);
 * ``ps_nocache``: BagPipe with ``--read-mode ps``: every row fetched from the PS every step;
 * ``lru``: a bounded LRU cache without lookahead (``--eviction-policy lru --lookahead 0``);
-* ``bagpipe_prescan`` / ``bagpipe_online``: the oracle cache with lookahead prefetch.
+* ``bagpipe_prescan`` / ``bagpipe_online``: the oracle cache with lookahead prefetch;
+* ``bagpipe_collective``: ``bagpipe_online`` with collective aggregation (ranks all-reduce
+  the active rows' gradients, one designated rank commits each row to the PS).
 
 Each configuration runs `examples/dlrm/dlrm_main.py` in its own 2-rank process group. For
 each it prints one JSON line per metric: samples/s (measured), cache hit rate, PS rows and
 bytes per step, and the modelled step time and samples/s under a link model for each preset
 (25 GbE TCP, 100 Gb RDMA): ``step = compute + exposed network time``, where compute is the
 stock configuration's measured median step time and the network time comes from the
-run's deterministic counters (see `model_step`). Baselines are measured in the same run.
-A PNG plots samples/s and hit rate per configuration.
+run's deterministic counters (see `model_step`), all-reduce and ID-exchange traffic
+included. ``--compute-ms`` adds the same predictions for assumed step times (e.g. an
+accelerator-class DLRM step), tagged ``compute_source: "assumed"``. Baselines are measured
+in the same run. A PNG plots samples/s and hit rate per configuration.
 """
 
 from __future__ import annotations
@@ -116,10 +120,15 @@ def model_step(compute_s: float, counters: dict[str, float], steps: int, world: 
     """(exposed network time, modelled step time) of one rank: compute plus the network
     time left exposed.
 
-    Per rank and step, from the runtime's counters: demand gets (blocking: a round trip per
-    get plus their bytes), prefetch traffic (overlaps the step's compute; only its excess is
-    exposed) and the gradient commit (on the critical path in the measured fraction of steps
-    whose reads waited for the previous commit: `dependency_waits / steps`).
+    Per rank and step, from the runtime's counters:
+    * demand gets block the step: a round trip per get plus their bytes;
+    * the gradient commit to the PS is on the critical path in the measured fraction of
+      steps whose reads waited for the previous commit (`dependency_waits / steps`);
+    * background traffic overlaps the step's compute, only its excess is exposed: prefetch
+      gets (a window of them in flight), the commits' bytes, and the collectives between
+      trainers on the same link: ring all-reduces of the gradients (collective
+      aggregation: 2 (W-1) / W of the payload each way, 2 (W-1) latency hops each) and the
+      online planner's ID all-gather ((W-1) peers' messages received).
     """
     per = 1.0 / max(1, steps * world)
     row_bytes = counters.get("fetched_bytes", 0.0) * per
@@ -130,16 +139,23 @@ def model_step(compute_s: float, counters: dict[str, float], steps: int, world: 
     prefetch_bytes = row_bytes * prefetched / rows
     demand_gets = counters.get("demand_gets", 0.0) * per
     prefetch_gets = counters.get("prefetch_gets", 0.0) * per
-    grad_bytes = (counters.get("gradient_payload_bytes", 0.0)
-                  + counters.get("allreduce_payload_bytes", 0.0)) * per
+    commit_bytes = counters.get("gradient_payload_bytes", 0.0) * per
+    allreduce_bytes = counters.get("allreduce_payload_bytes", 0.0) * per
+    id_bytes = counters.get("id_exchange_bytes", 0.0) * per
+    collectives = counters.get("collectives_issued", 0.0) * per
     # Keys travel with each get: 8 bytes per requested row.
     demand_time = demand_gets * link.rtt_s + (demand_bytes + 8 * demand) / link.bytes_per_s
     prefetch_time = (prefetch_gets * link.rtt_s / link.window
                      + (prefetch_bytes + 8 * prefetched) / link.bytes_per_s)
-    commit_time = link.rtt_s + grad_bytes / link.bytes_per_s
+    commit_time = link.rtt_s + commit_bytes / link.bytes_per_s
+    ring = 2.0 * (world - 1) / world if world > 1 else 0.0
+    collective_time = (collectives * 2 * max(0, world - 1) * link.rtt_s
+                       + (ring * allreduce_bytes + (world - 1) * id_bytes) / link.bytes_per_s)
     waits = counters.get("dependency_waits", 0.0) / max(1.0, counters.get("steps", 1.0))
     commit_exposed = waits * commit_time
-    exposed = demand_time + max(0.0, prefetch_time - compute_s) + commit_exposed
+    background = (prefetch_time + (1.0 - waits) * commit_bytes / link.bytes_per_s
+                  + collective_time)
+    exposed = demand_time + commit_exposed + max(0.0, background - compute_s)
     return exposed, compute_s + exposed
 
 
@@ -170,14 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookahead", type=int, default=8)
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--configs", default="stock,ps_nocache,lru,bagpipe_prescan,bagpipe_online")
+    p.add_argument("--configs", default="stock,ps_nocache,lru,bagpipe_prescan,bagpipe_online,"
+                                        "bagpipe_collective")
     p.add_argument("--png", default=None, help="plot path (default: benchmarks/e2e_dlrm.png)")
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--compute-ms", type=float, default=None,
-                   help="compute time per step for the link model (default: the stock run's "
-                        "measured median step); set it to model a faster device (an "
-                        "assumption, reported as such)")
+    p.add_argument("--compute-ms", type=str, default=None,
+                   help="comma-separated assumed compute times per step (ms) for the link "
+                        "model, e.g. an accelerator-class DLRM step; predictions for each "
+                        "are printed besides those for the stock run's measured median step "
+                        "(tagged compute_source=assumed)")
     args = p.parse_args(argv)
+    try:
+        assumed_ms = [float(v) for v in (args.compute_ms or "").split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--compute-ms must be comma-separated numbers, got {args.compute_ms!r}")
+    if any(not ms > 0 for ms in assumed_ms):
+        p.error(f"--compute-ms values must be > 0, got {args.compute_ms!r}")
     steps = args.steps or (40 if args.quick else 200)
     batch = args.batch_size or (256 if args.quick else 1024)
     rows = args.num_embeddings or (20_000 if args.quick else 200_000)
@@ -200,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "bagpipe_prescan": [*bagpipe, "--optimization-prescan",
                             "--lookahead", str(args.lookahead)],
         "bagpipe_online": [*bagpipe, "--lookahead", str(args.lookahead)],
+        "bagpipe_collective": [*bagpipe, "--lookahead", str(args.lookahead),
+                               "--bagpipe-aggregation", "collective"],
     }
     chosen = [c for c in args.configs.split(",") if c]
     for c in chosen:
@@ -225,26 +251,20 @@ def main(argv: list[str] | None = None) -> int:
             "steps": runs[name][-1]["steps"],
         }
     base = results.get("stock")
-    compute_s = base["step_s"] if base else None
-    if args.compute_ms is not None:
-        compute_s = args.compute_ms / 1e3
-        emit("assumed_compute_ms", args.compute_ms, "ms/step", None, config="all")
+    # (source, compute seconds per step) for the link model: the stock run's measured median
+    # step, then each assumed (accelerator-class) step time.
+    computes: list[tuple[str, float]] = []
+    if base and base["step_s"] == base["step_s"]:
+        computes.append(("measured", base["step_s"]))
+    for ms in assumed_ms:
+        emit("assumed_compute_ms", ms, "ms/step", None, config="all", compute_source="assumed")
+        computes.append(("assumed", ms / 1e3))
     nocache = results.get("ps_nocache")
-    nocache_bytes = None
-    exposed_nocache: dict[str, float] = {}
-    model_nocache: dict[str, float] = {}
-    if nocache and nocache["bagpipe"]:
-        nocache_bytes = _bytes_per_step(nocache, world)
-        if compute_s:
-            for link in PRESETS:
-                e, t = model_step(compute_s, nocache["bagpipe"]["counters"], nocache["steps"],
-                                  world, link)
-                exposed_nocache[link.name] = e
-                model_nocache[link.name] = world * batch / t
+    nocache_bytes = _bytes_per_step(nocache, world) if nocache and nocache["bagpipe"] else None
     modelled_25g: dict[str, float] = {}
+    if base and computes and computes[0][0] == "measured":
+        modelled_25g["stock"] = world * batch / computes[0][1]
     for name, r in results.items():
-        if name == "stock" and compute_s:
-            modelled_25g[name] = world * batch / compute_s
         extra = {"config": name, "dim": args.dim, "transport": "local", "world_size": world,
                  "batch_size": batch, "rows_per_table": rows, "cache_units": cache_units}
         emit("samples_per_s", r["samples_per_s"], "samples/s",
@@ -260,20 +280,26 @@ def main(argv: list[str] | None = None) -> int:
              None, **extra)
         emit("ps_bytes_per_step", _bytes_per_step(r, world), "bytes/rank/step", nocache_bytes,
              baseline_config="ps_nocache", **extra)
-        if not compute_s:
-            continue
-        for link in PRESETS:
-            exposed, t = model_step(compute_s, counters, r["steps"], world, link)
-            emit("exposed_network_ms", 1e3 * exposed, "ms/step",
-                 1e3 * exposed_nocache[link.name] if link.name in exposed_nocache else None,
-                 link=link.name, baseline_config="ps_nocache", **extra)
-            emit("modelled_step_s", t, "s", compute_s, link=link.name, baseline_config="stock",
-                 **extra)
-            if link is PRESETS[0]:
-                modelled_25g[name] = world * batch / t
-            emit("modelled_samples_per_s", world * batch / t, "samples/s",
-                 model_nocache.get(link.name), link=link.name, baseline_config="ps_nocache",
-                 **extra)
+        emit("allreduce_bytes_per_step", counters.get("allreduce_payload_bytes", 0.0) / per_step,
+             "bytes/rank/step", None, **extra)
+        for source, compute_s in computes:
+            tag = {"compute_source": source, "compute_ms": 1e3 * compute_s}
+            for link in PRESETS:
+                exposed, t = model_step(compute_s, counters, r["steps"], world, link)
+                e_nc = t_nc = None
+                if nocache and nocache["bagpipe"]:
+                    e_nc, t_nc = model_step(compute_s, nocache["bagpipe"]["counters"],
+                                            nocache["steps"], world, link)
+                emit("exposed_network_ms", 1e3 * exposed, "ms/step",
+                     1e3 * e_nc if e_nc is not None else None, link=link.name,
+                     baseline_config="ps_nocache", **tag, **extra)
+                emit("modelled_step_s", t, "s", compute_s, link=link.name,
+                     baseline_config="stock_compute", **tag, **extra)
+                emit("modelled_samples_per_s", world * batch / t, "samples/s",
+                     world * batch / t_nc if t_nc else None, link=link.name,
+                     baseline_config="ps_nocache", **tag, **extra)
+                if link is PRESETS[0] and source == "measured":
+                    modelled_25g[name] = world * batch / t
     emit("wall_s", time.perf_counter() - started, "s", None, config="all")
     _plot(results, modelled_25g, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
     return 0

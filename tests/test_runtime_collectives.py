@@ -158,17 +158,21 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     assert np.array_equal(got.view(np.uint32), ps_rows.view(np.uint32))
 
 
-def test_device_cache_prepared_queue_and_errors() -> None:
-    cache = DeviceCache(64, 2, "cpu", lr=0.1, world_size=2, divide=True, max_prepared=2)
-    assert cache.can_prepare(5, 3) and not cache.can_prepare(6, 3)
-    cache.put_prepared(5, np.array([1, 2]), torch.ones(2, 2), current=3)
-    cache.put_prepared(5, np.array([3]), torch.zeros(1, 2), current=4)
-    with pytest.raises(ValueError, match=r"step 6 is outside \[3, 5\]"):
-        cache.put_prepared(6, np.array([1]), torch.ones(1, 2), current=3)
-    assert cache.prepared_steps == 1 and cache.prepared_bytes == 3 * 2 * 4
-    keys, rows = cache.take_prepared(5)
-    assert keys.tolist() == [1, 2, 3] and rows.shape == (3, 2)
-    assert cache.take_prepared(5) is None
+def test_device_cache_gather_fill_and_errors() -> None:
+    cache = DeviceCache(64, 2, "cpu", lr=0.1, world_size=2, divide=True)
+    rows = torch.arange(6, dtype=torch.float32).view(3, 2)
+    cache.fill(np.array([5, 1, 9]), rows)
+    assert torch.equal(cache.gather(np.array([9, 5])), rows[[2, 0]])
+    out = torch.empty(2, 2)
+    assert cache.gather(np.array([1, 9]), out=out) is out and torch.equal(out, rows[[1, 2]])
     assert cache.resident_bytes == 64 * 2 * 4
+    # sgd_ never writes into the caller's gradient (no division when W == 1 or it is off).
+    for world, divide in ((1, True), (2, False), (2, True)):
+        c = DeviceCache(4, 2, "cpu", lr=0.5, world_size=world, divide=divide)
+        g = torch.ones(1, 2)
+        c.sgd_(np.array([3]), g)
+        assert torch.equal(g, torch.ones(1, 2))
+        assert torch.equal(c.gather(np.array([3])), torch.full((1, 2), -0.25 if world == 2 and
+                                                                divide else -0.5))
     with pytest.raises(ValueError, match="dim must be >= 1"):
         DeviceCache(64, 0, "cpu", lr=0.1, world_size=1, divide=True)

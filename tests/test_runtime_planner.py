@@ -56,7 +56,17 @@ def brute_force(trace, rank: int, lookahead: int, collective: bool):
             nxt.append(u if u >= 0 and survives(k, t, u) else -1)
             p = next((s for s in range(t - 1, -1, -1) if by(s, rank, k)), -1)
             prv.append(p if p >= 0 and survives(k, p, t) else -1)
-        out.append(dict(unique=uniq, dep=dep, next_use=nxt, prev_use=prv, shared=shared))
+        # ps: keys another rank touches at t whose copy from this rank's previous read p < t
+        # is still valid (nobody else touched them in [p, t)), in union order.
+        union = list(dict.fromkeys(k for q in range(W) for k in trace[t][q].tolist()))
+        inval = []
+        if not collective:
+            for k in union:
+                p = next((s for s in range(t - 1, -1, -1) if by(s, rank, k)), -1)
+                if others(t, k) and p >= 0 and survives(k, p, t):
+                    inval.append(k)
+        out.append(dict(unique=uniq, dep=dep, next_use=nxt, prev_use=prv, shared=shared,
+                        others=inval))
     return out
 
 
@@ -85,6 +95,7 @@ def test_prescan_and_online_plans_are_identical_and_match_definitions(
         assert a.next_use.tolist() == want[t]["next_use"]
         assert a.prev_use.tolist() == want[t]["prev_use"]
         assert a.shared.tolist() == want[t]["shared"]
+        assert a.others.tolist() == want[t]["others"]
         assert np.array_equal(a.unique_keys[a.inverse], trace[t][rank])
         assert np.array_equal(a.keep, a.next_use >= 0)
         assert np.array_equal(a.local_only, ~a.shared)

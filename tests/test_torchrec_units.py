@@ -25,6 +25,7 @@ from torchrec_bagpipe.datasets import (
     PowerLawCriteoDataset,
     power_law_ranks,
     scatter_ids,
+    unscatter_ids,
 )
 from torchrec_bagpipe.distributed import (
     BAGPIPE_KERNEL,
@@ -197,6 +198,44 @@ def test_power_law_dataset_is_deterministic_per_rank_and_skewed():
 def test_scatter_ids_is_a_bijection(n: int, salt: int):
     ids = scatter_ids(torch.arange(n), n, salt)
     assert torch.equal(torch.sort(ids).values, torch.arange(n))
+    assert torch.equal(unscatter_ids(ids, n, salt), torch.arange(n))
+
+
+def _auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Rank-based AUROC (Mann-Whitney U); scores are continuous, so ties do not occur."""
+    order = torch.argsort(scores)
+    ranks = torch.empty(len(scores), dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def test_power_law_dataset_labels_follow_one_hidden_model_across_streams():
+    sizes = [5_000] * 26
+    train = PowerLawCriteoDataset(sizes, 512, 4, seed=3, stream=0, multi_hot_sizes=[2] * 26)
+    test = PowerLawCriteoDataset(sizes, 512, 4, seed=3, stream=2, multi_hot_sizes=[2] * 26)
+    other = PowerLawCriteoDataset(sizes, 512, 4, seed=4, stream=2, multi_hot_sizes=[2] * 26)
+    tb, sb = train.batch(0), test.batch(0)
+    # Different samples, one hidden model: the train stream's model scores the test stream
+    # exactly as the test stream's own, and a different seed is a different model.
+    assert not torch.equal(tb.sparse_features.values(), sb.sparse_features.values())
+    assert torch.equal(train.label_logits(sb), test.label_logits(sb))
+    assert not torch.equal(other.label_logits(sb), test.label_logits(sb))
+    # The labels are a learnable function of the features: the hidden logit ranks held-out
+    # clicks far better than chance, through the dense and the sparse features each.
+    batches = [test.batch(j) for j in range(4)]
+    logits = torch.cat([test.label_logits(b) for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    assert 0.05 < float(labels.mean()) < 0.95
+    assert _auroc(logits, labels) > 0.8
+    dense = torch.cat([(b.dense_features.double() - 0.5) @ test._dense_w for b in batches])
+    assert _auroc(dense, labels) > 0.55
+    assert _auroc(logits - dense, labels) > 0.7
+    with pytest.raises(ValueError, match="stream"):
+        PowerLawCriteoDataset(sizes, 8, 1, stream=-1)
+    with pytest.raises(ValueError, match="keys"):
+        other.label_logits(PowerLawCriteoDataset([5_000] * 3, 8, 1).batch(0))
 
 
 @settings(deadline=None, max_examples=30)

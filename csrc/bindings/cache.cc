@@ -1,8 +1,12 @@
 // Python bindings of the BagPipe cache metadata and step planner (torchrec_bagpipe._C).
 //
 // Every call borrows its input arrays (1-D, C-contiguous numpy; torch CPU tensors cross as
-// tensor.numpy(), zero-copy), releases the GIL around the native work, and returns compact
-// numpy arrays that own their memory.
+// tensor.numpy(), zero-copy) and returns compact numpy arrays that own their memory.
+// The per-step calls (query, admit, lookup, ... and unique_keys) keep the GIL: they run for
+// microseconds to a fraction of a millisecond, and releasing the GIL for that long hands it to
+// another Python thread of the trainer (the communication worker) and makes the caller queue
+// to get it back, which costs more than it lets run in parallel. Planning whole steps
+// (add_step, add_steps) releases it.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,6 +19,7 @@
 #include "bindings/registry.h"
 #include "cache/cache_metadata.h"
 #include "cache/step_planner.h"
+#include "cache/unique_keys.h"
 #include "common/errors.h"
 
 namespace py = pybind11;
@@ -51,7 +56,7 @@ py::tuple PlaceTuple(cache::PlaceResult&& r) {
                         ToArray(std::move(r.evicted_keys)), ToArray(std::move(r.bypassed)));
 }
 
-// Runs fn over three equally long int64 arrays with the GIL released.
+// Runs fn over three equally long int64 arrays (the GIL stays held: a per-step call).
 template <typename Fn>
 auto WithTriple(const py::array& a, const char* an, const py::array& b, const char* bn,
                 const py::array& c, const char* cn, Fn&& fn) {
@@ -60,7 +65,6 @@ auto WithTriple(const py::array& a, const char* an, const py::array& b, const ch
   auto vc = Vec<int64_t>(c, cn);
   SameLength(va.size, vb.size, an, bn);
   SameLength(va.size, vc.size, an, cn);
-  py::gil_scoped_release release;
   return fn(va.data, vb.data, vc.data, va.size);
 }
 
@@ -123,7 +127,6 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
       .def(
           "advance",
           [](CacheMetadata& c, int64_t step) {
-            py::gil_scoped_release release;
             c.Advance(step);
           },
           py::arg("step"), "Moves to `step`: expired pins are released, stale next uses cleared.")
@@ -157,8 +160,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
             auto v = Vec<int64_t>(keys, "keys");
             std::vector<int64_t> out(v.size);
             {
-              py::gil_scoped_release release;
-              c.Lookup(v.data, v.size, out.data());
+                c.Lookup(v.data, v.size, out.data());
             }
             return ToArray(std::move(out));
           },
@@ -171,8 +173,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
             SameLength(k.size, v.size, "keys", "versions");
             std::vector<int64_t> out(k.size);
             {
-              py::gil_scoped_release release;
-              c.Resident(k.data, v.data, k.size, out.data());
+                c.Resident(k.data, v.data, k.size, out.data());
             }
             return ToArray(std::move(out));
           },
@@ -182,7 +183,6 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           "set_version",
           [](CacheMetadata& c, const py::array& slots, int64_t version) {
             auto v = Vec<int64_t>(slots, "slots");
-            py::gil_scoped_release release;
             c.SetVersion(v.data, v.size, version);
           },
           py::arg("slots"), py::arg("version"))
@@ -190,7 +190,6 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           "pin",
           [](CacheMetadata& c, const py::array& slots, int64_t pin_step) {
             auto v = Vec<int64_t>(slots, "slots");
-            py::gil_scoped_release release;
             c.Pin(v.data, v.size, pin_step);
           },
           py::arg("slots"), py::arg("pin_step"))
@@ -198,7 +197,6 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           "note_uses",
           [](CacheMetadata& c, const py::array& keys, int64_t step) {
             auto v = Vec<int64_t>(keys, "keys");
-            py::gil_scoped_release release;
             c.NoteUses(v.data, v.size, step);
           },
           py::arg("keys"), py::arg("step"))
@@ -208,8 +206,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
             auto v = Vec<int64_t>(keys, "keys");
             std::vector<int64_t> freed;
             {
-              py::gil_scoped_release release;
-              freed = c.Invalidate(v.data, v.size);
+                freed = c.Invalidate(v.data, v.size);
             }
             return ToArray(std::move(freed));
           },
@@ -250,7 +247,8 @@ aggregation) the global union with its S_now rows. Not thread-safe.
       .def("memory_bytes", &StepPlanner::MemoryBytes)
       .def(
           "add_step",
-          [](StepPlanner& p, const py::array& keys, const py::array& offsets) {
+          [](StepPlanner& p, const py::array& keys, const py::array& offsets,
+             int64_t global_ids) {
             auto k = Vec<int64_t>(keys, "keys");
             auto o = Vec<int64_t>(offsets, "offsets");
             const size_t w = static_cast<size_t>(p.options().world_size);
@@ -263,10 +261,12 @@ aggregation) the global union with its S_now rows. Not thread-safe.
                                std::to_string(k.size));
             }
             py::gil_scoped_release release;
-            return p.AddStep(k.data, o.data);
+            return p.AddStep(k.data, o.data, global_ids);
           },
-          py::arg("keys"), py::arg("offsets"),
-          "Adds the next step; rank q's keys are keys[offsets[q]:offsets[q+1]]. -> step")
+          py::arg("keys"), py::arg("offsets"), py::arg("global_ids") = -1,
+          "Adds the next step; rank q's keys are keys[offsets[q]:offsets[q+1]] (another rank's "
+          "may be its distinct keys only; global_ids then gives the step's id count, "
+          "duplicates included; -1: len(keys)). -> step")
       .def(
           "add_steps",
           [](StepPlanner& p, const py::array& keys, const py::array& offsets) {
@@ -298,4 +298,20 @@ aggregation) the global union with its S_now rows. Not thread-safe.
           py::arg("step"), "-> dict of numpy arrays (copies) for `step`")
       .def("release", &StepPlanner::Release, py::arg("upto"),
            "Drops the plans of steps < upto.");
+
+  m.def(
+      "unique_keys",
+      [](const py::array& keys, bool return_inverse) -> py::object {
+        auto k = Vec<int64_t>(keys, "keys");
+        std::vector<int64_t> out;
+        if (!return_inverse) {
+          cache::UniqueKeys(k.data, k.size, &out);
+          return ToArray(std::move(out));
+        }
+        std::vector<int64_t> inverse(k.size);
+        cache::UniqueKeys(k.data, k.size, &out, inverse.data());
+        return py::make_tuple(ToArray(std::move(out)), ToArray(std::move(inverse)));
+      },
+      py::arg("keys"), py::arg("return_inverse") = false,
+      "Distinct keys in first-occurrence order (-> unique, or (unique, inverse)).");
 }

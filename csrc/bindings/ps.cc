@@ -325,6 +325,10 @@ BAGPIPE_BINDING(ps) {
       .def("done", &ClientOp::Done)
       .def("wait",
            [](ClientOp& op, double timeout) {
+             if (op.Done()) {  // finished: report without giving the GIL away
+               op.Wait(transport::DeadlineAfter(0.0));
+               return;
+             }
              py::gil_scoped_release release;
              op.Wait(transport::DeadlineAfter(timeout));
            })
@@ -406,15 +410,16 @@ BAGPIPE_BINDING(ps) {
            [](PSClient& c, int64_t step, const py::array& keys, const py::array& grads) {
              auto k = Vec<int64_t>(keys, "keys");
              auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), c.options().dim);
-             py::gil_scoped_release release;
+             // The GIL stays held: enqueueing is microseconds of work (the client's worker
+             // thread stages the packets), and releasing the GIL would hand it to another
+             // Python thread of the trainer for longer than that.
              return c.CommitAsync(step, k.data, k.size, g.data);
            })
       .def("get_async",
            [](PSClient& c, const py::array& keys, int64_t at_step, const py::array& out) {
              auto k = Vec<int64_t>(keys, "keys");
              auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size), c.options().dim);
-             py::gil_scoped_release release;
-             return c.GetAsync(k.data, k.size, at_step, o.data);
+             return c.GetAsync(k.data, k.size, at_step, o.data);  // enqueue only: GIL held
            })
       .def("assign_async",
            [](PSClient& c, const py::array& keys, const py::array& rows) {
@@ -424,7 +429,7 @@ BAGPIPE_BINDING(ps) {
              return c.AssignAsync(k.data, k.size, r.data);
            })
       .def("checkpoint_async", &PSClient::CheckpointAsync, py::call_guard<py::gil_scoped_release>())
-      .def("committed_step", &PSClient::CommittedStep, py::call_guard<py::gil_scoped_release>())
+      .def("committed_step", &PSClient::CommittedStep)  // a locked read: GIL held
       .def("shard_committed_steps", &PSClient::ShardCommittedSteps,
            py::call_guard<py::gil_scoped_release>())
       .def("shard_peers", &PSClient::shard_peers)

@@ -57,7 +57,8 @@ int64_t StepPlanner::MemoryBytes() const {
   return bytes;
 }
 
-int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets) {
+int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
+                             int64_t global_ids) {
   const int world = opt_.world_size;
   const int64_t s = next_step_;
   if (s >= INT32_MAX) throw ValueError("too many steps for one planner (2^31)");
@@ -79,7 +80,7 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets) {
 
   RankPlan plan;
   plan.step = s;
-  plan.global_ids = total;
+  plan.global_ids = global_ids < 0 ? total : global_ids;
   std::vector<int64_t>& uk = opt_.collective ? plan.union_keys : union_scratch_;
   uk.clear();
   scratch_.clear();
@@ -146,12 +147,15 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets) {
       if (chain && s - st->own_step <= opt_.lookahead) {
         if (RankPlan* p = Retained(st->own_step)) p->next_use[st->own_idx] = s;
       }
+      // A copy r still holds (its previous read's, never invalidated since) is stale once
+      // another rank touches the key: r must drop it after this step.
+      if (!opt_.collective && others_touch && chain) plan.others.push_back(k);
       st->own_step = static_cast<int32_t>(s);
       st->own_idx = (!opt_.collective && others_touch) ? -2 : static_cast<int32_t>(own);
     } else if (!opt_.collective && st->own_step >= 0) {
+      if (st->own_idx >= 0) plan.others.push_back(k);
       st->own_idx = -2;
     }
-    if (!opt_.collective && others_touch) plan.others.push_back(k);
     st->last_step = static_cast<int32_t>(s);
     st->union_idx = static_cast<int32_t>(idx);
   }

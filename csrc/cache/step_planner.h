@@ -5,8 +5,8 @@
 // planner's rank r and every step t a RankPlan: r's unique keys (first-occurrence order)
 // with the inverse of its batch, each unique key's dependency step (the last global step
 // < t that touched the key, -1 never), whether another rank touches it at t, r's next read
-// of it inside the lookahead window, the keys other ranks touch at t (what r must
-// invalidate), and, for collective aggregation, the global union of keys with the rows the
+// of it inside the lookahead window, the keys other ranks touch at t of which r holds a valid
+// copy (what r must invalidate), and, for collective aggregation, the global union of keys with the rows the
 // next step reads (S_now).
 //
 // Thread safety: none; one owner serializes every call.
@@ -23,8 +23,12 @@
 //   4. prev_use[i] of step t is r's previous read p of the key when the copy from p stays
 //      valid until t (the same rule), -1 otherwise: next_use of step p equals t iff
 //      prev_use equals p and t - p <= lookahead.
-//   5. A failing AddStep (a key outside [0, num_keys)) changes nothing.
-//   6. Memory: the retained plans (proportional to the retained trace) plus one entry per
+//   5. others of step t (ps aggregation) lists, in union order, every key another rank
+//      touches at t for which r holds a valid copy from its previous read p < t (no other
+//      rank touched the key in [p, t)): the only keys r can have cached at t that another
+//      rank updates at t, i.e. what r invalidates after t.
+//   6. A failing AddStep (a key outside [0, num_keys)) changes nothing.
+//   7. Memory: the retained plans (proportional to the retained trace) plus one entry per
 //      distinct key ever seen.
 #pragma once
 
@@ -53,7 +57,8 @@ struct RankPlan {
   std::vector<int64_t> prev_use;   // per unique key (invariant 4)
   std::vector<uint8_t> shared;     // per unique key: another rank touches it at this step
   std::vector<int64_t> union_pos;  // per unique key: index into union_keys (collective only)
-  std::vector<int64_t> others;     // keys another rank touches at this step (ps only)
+  std::vector<int64_t> others;     // keys another rank touches at this step whose copy r may
+                                   // hold (invariant 5; ps only)
   std::vector<int64_t> union_keys; // every rank's keys, first occurrence in rank order (collective)
   std::vector<uint8_t> s_now;      // per union key: some rank reads it at step + 1 (collective)
   int64_t global_ids = 0;          // ids of every rank at this step (duplicates included)
@@ -70,11 +75,13 @@ class StepPlanner {
   int64_t num_steps() const { return next_step_; }        // steps added so far
   int64_t first_retained() const { return first_step_; }  // oldest step still held
 
-  // Adds step num_steps(): rank q's keys are keys[offsets[q], offsets[q + 1]).
+  // Adds step num_steps(): rank q's keys are keys[offsets[q], offsets[q + 1]). Another rank's
+  // keys may be given as its distinct keys in first-occurrence order (the plan is the same);
+  // `global_ids` then states the step's id count with duplicates (< 0: offsets[world_size]).
   // REQUIRES: offsets has world_size + 1 non-decreasing entries, offsets[0] == 0; every key
   // in [0, num_keys) (ValueError naming step, rank, position and value otherwise).
   // Returns the step added.
-  int64_t AddStep(const int64_t* keys, const int64_t* offsets);
+  int64_t AddStep(const int64_t* keys, const int64_t* offsets, int64_t global_ids = -1);
 
   // REQUIRES: first_retained() <= step < num_steps().
   const RankPlan& Plan(int64_t step) const;

@@ -98,10 +98,24 @@ void CheckAgainstBruteForce(const Trace& tr, int rank, int64_t lookahead, bool c
       CHECK_EQ(plan.prev_use[i], prev);
     }
     if (!collective) {
-      std::vector<int64_t> want;
+      // Keys another rank touches at t whose copy from rank's previous read p < t is still
+      // valid (nobody else touched them in [p, t)), in union order.
+      std::vector<int64_t> want, seen;
       for (int q = 0; q < world; ++q) {
         for (auto k : tr[t][q]) {
-          if (others(t, k) && !Contains(want, k)) want.push_back(k);
+          if (Contains(seen, k)) continue;
+          seen.push_back(k);
+          if (!others(t, k)) continue;
+          int64_t prev = -1;
+          for (int64_t s = t - 1; s >= 0; --s) {
+            if (touched_by(s, rank, k)) {
+              prev = s;
+              break;
+            }
+          }
+          bool valid = prev >= 0;
+          for (int64_t s = prev; valid && s < t; ++s) valid = !others(s, k);
+          if (valid) want.push_back(k);
         }
       }
       CHECK(plan.others == want);
@@ -139,7 +153,9 @@ TEST_CASE(step_planner_hand_example) {
   CHECK((s0.inverse == std::vector<int64_t>{0, 1, 0}));
   CHECK((s0.dep == std::vector<int64_t>{-1, -1}));
   CHECK((s0.shared == std::vector<uint8_t>{0, 1}));
-  CHECK((s0.others == std::vector<int64_t>{2, 3}));
+  CHECK(s0.others.empty());  // rank 0 held no copy of 2 or 3 before step 0
+  // Step 1: rank 1 touches key 1, whose copy rank 0 holds from step 0: drop it.
+  CHECK((p.Plan(1).others == std::vector<int64_t>{1}));
   // Key 1 is read again at step 2, but rank 1 touches it at step 1: the copy is invalidated.
   CHECK((s0.next_use == std::vector<int64_t>{-1, -1}));
   const auto& s1 = p.Plan(1);
@@ -148,6 +164,42 @@ TEST_CASE(step_planner_hand_example) {
   CHECK((s2.dep == std::vector<int64_t>{1, 1}));
   CHECK((s2.prev_use == std::vector<int64_t>{-1, 1}));
   CHECK_EQ(s2.global_ids, 2);
+}
+
+TEST_CASE(step_planner_other_ranks_distinct_keys_give_the_same_plan) {
+  PlannerOptions o;
+  o.world_size = 2;
+  o.rank = 1;
+  o.lookahead = 3;
+  o.num_keys = 50;
+  StepPlanner full(o), distinct(o);
+  std::mt19937_64 rng(7);
+  for (int step = 0; step < 12; ++step) {
+    std::vector<int64_t> mine, theirs, theirs_unique;
+    for (int i = 0; i < 20; ++i) mine.push_back(static_cast<int64_t>(rng() % 30));
+    for (int i = 0; i < 25; ++i) theirs.push_back(static_cast<int64_t>(rng() % 30));
+    for (auto k : theirs) {
+      if (!Contains(theirs_unique, k)) theirs_unique.push_back(k);
+    }
+    AddAll(full, {theirs, mine});
+    std::vector<int64_t> flat = theirs_unique;
+    flat.insert(flat.end(), mine.begin(), mine.end());
+    std::vector<int64_t> off = {0, static_cast<int64_t>(theirs_unique.size()),
+                                static_cast<int64_t>(flat.size())};
+    distinct.AddStep(flat.data(), off.data(), 45);
+    const auto& a = full.Plan(step);
+    const auto& b = distinct.Plan(step);
+    CHECK(a.unique == b.unique);
+    CHECK(a.inverse == b.inverse);
+    CHECK(a.dep == b.dep);
+    CHECK(a.shared == b.shared);
+    CHECK(a.others == b.others);
+    CHECK(a.prev_use == b.prev_use);
+    CHECK_EQ(b.global_ids, 45);
+  }
+  for (int step = 0; step < 12; ++step) {
+    CHECK(full.Plan(step).next_use == distinct.Plan(step).next_use);
+  }
 }
 
 TEST_CASE(step_planner_rejects_out_of_range_keys_without_change) {

@@ -184,10 +184,12 @@ def make_dataset(args: argparse.Namespace, split: str, rank: int, world: int) ->
         return CriteoTSVDataset(args.criteo_tsv_paths.split(","), batch, sizes, rank, world,
                                 limit)
     num = limit if limit is not None else 10
-    seed = (args.seed or 0) + {"train": 0, "val": 1_000_003, "test": 2_000_003}[split]
+    # One seed, so one hidden label model for every split; the splits are different sample
+    # streams of it (a different seed per split would evaluate on a different distribution).
     return PowerLawCriteoDataset(
-        sizes, batch, num, zipf_alpha=args.zipf_alpha, seed=seed, rank=rank, world_size=world,
-        multi_hot_sizes=args.multi_hot_sizes,
+        sizes, batch, num, zipf_alpha=args.zipf_alpha, seed=args.seed or 0, rank=rank,
+        world_size=world, multi_hot_sizes=args.multi_hot_sizes,
+        stream={"train": 0, "val": 1, "test": 2}[split],
     )
 
 

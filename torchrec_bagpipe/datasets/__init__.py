@@ -8,6 +8,7 @@ from typing import Any
 _LAZY = {
     "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
     "power_law_ranks": "torchrec_bagpipe.datasets.synthetic",
+    "unscatter_ids": "torchrec_bagpipe.datasets.synthetic",
     "scatter_ids": "torchrec_bagpipe.datasets.synthetic",
     "CriteoTSVDataset": "torchrec_bagpipe.datasets.criteo",
     "CriteoNPYDataset": "torchrec_bagpipe.datasets.criteo",

@@ -9,10 +9,14 @@ makes every cache look useless or perfect. This dataset has what caching depends
   `id = (a * k + b) mod n` with gcd(a, n) = 1, so popularity is not id order;
 * 26 categorical features (`cat_0` .. `cat_25`) and 13 dense ones, like Criteo; optional
   multi-hot bags (`multi_hot_sizes`: ids per sample per feature);
-* labels follow a fixed logistic model of the dense features and of a per-feature "click
-  affinity" of the sampled ids, so training has something to learn;
-* deterministic by seed, different data on every rank: batch j of rank r depends only on
-  (seed, r, j), so iterating twice gives identical batches (the prescan pass and the
+* labels are drawn from a hidden logistic model of the features: a linear function of the
+  dense features plus, per categorical feature, a click effect of each of its
+  `HIDDEN_IDS_PER_FEATURE` most popular ids (the mean over a multi-hot bag; rarer ids have
+  none), so what a model learns from the training stream carries over to held-out data;
+* the hidden model (the id scatter and the click effects) depends on the seed only; the
+  samples depend on (seed, stream, rank, batch index): streams of one seed (e.g. 0 train,
+  1 validation, 2 test) are different samples of the same distribution, every rank sees
+  different data, and iterating twice gives identical batches (the prescan pass and the
   training pass see the same trace).
 """
 
@@ -27,9 +31,14 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["PowerLawCriteoDataset", "power_law_ranks", "scatter_ids"]
+__all__ = [
+    "HIDDEN_IDS_PER_FEATURE", "PowerLawCriteoDataset", "power_law_ranks", "scatter_ids",
+    "unscatter_ids",
+]
 
 _MASK63 = (1 << 63) - 1
+# Popularity ranks per feature that carry a click effect in the hidden label model.
+HIDDEN_IDS_PER_FEATURE = 1024
 
 
 def _mix(*xs: int) -> int:
@@ -62,18 +71,30 @@ def power_law_ranks(u: torch.Tensor, n: int, alpha: float) -> torch.Tensor:
     return x.floor().clamp_(0, n - 1).to(torch.int64)
 
 
-def scatter_ids(ranks: torch.Tensor, n: int, salt: int) -> torch.Tensor:
-    """A bijection of [0, n) (n < 2^31) scattering consecutive ranks over the id space."""
+def _scatter_coefficients(n: int, salt: int) -> tuple[int, int]:
+    """(a, b) of the bijection k -> (a * k + b) mod n, gcd(a, n) = 1."""
     if n >= 1 << 31:
         raise ValueError(f"scatter_ids supports tables below 2^31 rows, got {n}")
     if n == 1:
-        return torch.zeros_like(ranks)
+        return 1, 0
     a = 1 + _mix(salt, 1) % (n - 1)
     while math.gcd(a, n) != 1:
         a = a % (n - 1) + 1
-    b = _mix(salt, 2) % n
+    return a, _mix(salt, 2) % n
+
+
+def scatter_ids(ranks: torch.Tensor, n: int, salt: int) -> torch.Tensor:
+    """A bijection of [0, n) (n < 2^31) scattering consecutive ranks over the id space."""
+    a, b = _scatter_coefficients(n, salt)
     # a, k < 2^31 keeps a * k < 2^62: no int64 overflow.
     return (ranks * a + b) % n
+
+
+def unscatter_ids(ids: torch.Tensor, n: int, salt: int) -> torch.Tensor:
+    """The inverse of `scatter_ids`: popularity ranks of ids in [0, n)."""
+    a, b = _scatter_coefficients(n, salt)
+    a_inv = pow(a, -1, n) if n > 1 else 0
+    return ((ids - b) % n) * a_inv % n
 
 
 class PowerLawCriteoDataset(IterableDataset):
@@ -85,10 +106,13 @@ class PowerLawCriteoDataset(IterableDataset):
         batch_size: samples per batch on this rank.
         num_batches: batches per epoch on this rank.
         zipf_alpha: power-law exponent of id popularity (0: uniform; Criteo is ~1.05-1.2).
-        seed: the dataset's seed; with (rank, batch index) it fixes every batch.
+        seed: fixes the hidden model (id scatter, label model); with (stream, rank, batch
+            index) it fixes every batch.
         rank, world_size: this rank's stream (different ids, labels and dense values).
         multi_hot_sizes: ids per sample per feature (default 1: one-hot like Criteo).
         num_dense: dense features (13 like Criteo).
+        stream: which sample stream of the seed's distribution (e.g. 0 train, 1 validation,
+            2 test): same hidden model, different samples.
     """
 
     def __init__(
@@ -102,6 +126,7 @@ class PowerLawCriteoDataset(IterableDataset):
         world_size: int = 1,
         multi_hot_sizes: Sequence[int] | None = None,
         num_dense: int = len(DEFAULT_INT_NAMES),
+        stream: int = 0,
     ) -> None:
         super().__init__()
         self.num_embeddings_per_feature = [int(n) for n in num_embeddings_per_feature]
@@ -113,6 +138,8 @@ class PowerLawCriteoDataset(IterableDataset):
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         if zipf_alpha < 0:
             raise ValueError(f"zipf_alpha must be >= 0, got {zipf_alpha}")
+        if stream < 0:
+            raise ValueError(f"stream must be >= 0, got {stream}")
         nf = len(self.num_embeddings_per_feature)
         self.multi_hot_sizes = [int(m) for m in (multi_hot_sizes or [1] * nf)]
         if len(self.multi_hot_sizes) != nf or min(self.multi_hot_sizes) < 1:
@@ -128,8 +155,15 @@ class PowerLawCriteoDataset(IterableDataset):
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.num_dense = int(num_dense)
+        self.stream = int(stream)
+        # The hidden label model: a function of the seed only (shared by every stream).
         g = torch.Generator().manual_seed(_mix(self.seed, 0xD))
-        self._dense_w = torch.randn(self.num_dense, generator=g, dtype=torch.float64) * 0.5
+        self._dense_w = torch.randn(self.num_dense, generator=g, dtype=torch.float64)
+        self._id_effect = [
+            torch.randn(min(n, HIDDEN_IDS_PER_FEATURE), generator=g, dtype=torch.float64) * 0.5
+            for n in self.num_embeddings_per_feature
+        ]
+        self._salts = [_mix(self.seed, 0xF, f) for f in range(nf)]
         self._lengths = torch.tensor(
             [m for m in self.multi_hot_sizes for _ in range(self.batch_size)], dtype=torch.int32
         )
@@ -142,21 +176,22 @@ class PowerLawCriteoDataset(IterableDataset):
             yield self.batch(j)
 
     def batch(self, j: int) -> Batch:
-        """Batch j of this rank (pure function of seed, rank and j)."""
-        g = torch.Generator().manual_seed(_mix(self.seed, self.rank, j))
+        """Batch j of this rank (pure function of seed, stream, rank and j)."""
+        if self.stream == 0:  # stream 0 keeps the sample stream of earlier versions
+            g = torch.Generator().manual_seed(_mix(self.seed, self.rank, j))
+        else:
+            g = torch.Generator().manual_seed(_mix(self.seed, 0x5, self.stream, self.rank, j))
         b = self.batch_size
         values = []
-        affinity = torch.zeros(b, dtype=torch.float64)
+        ranks_per_feature = []
         for f, (n, m) in enumerate(zip(self.num_embeddings_per_feature, self.multi_hot_sizes)):
             u = torch.rand(b * m, generator=g, dtype=torch.float64)
             ranks = power_law_ranks(u, n, self.zipf_alpha)
-            ids = scatter_ids(ranks, n, _mix(self.seed, 0xF, f))
-            values.append(ids)
-            # Popular ids click a little more: a deterministic per-feature signal.
-            affinity += (1.0 / (1.0 + ranks.view(b, m).to(torch.float64))).mean(1)
+            values.append(scatter_ids(ranks, n, self._salts[f]))
+            ranks_per_feature.append(ranks)
         dense = torch.rand(b, self.num_dense, generator=g, dtype=torch.float64)
-        logit = dense @ self._dense_w + 4.0 * affinity / len(values) - 1.0
-        labels = (torch.rand(b, generator=g, dtype=torch.float64) < torch.sigmoid(logit))
+        logit = self._logits(dense, ranks_per_feature)
+        labels = torch.rand(b, generator=g, dtype=torch.float64) < torch.sigmoid(logit)
         kjt = KeyedJaggedTensor(
             keys=self.keys,
             values=torch.cat(values),
@@ -168,3 +203,30 @@ class PowerLawCriteoDataset(IterableDataset):
             sparse_features=kjt,
             labels=labels.to(torch.float32),
         )
+
+    def label_logits(self, batch: Batch) -> torch.Tensor:
+        """The hidden model's click logits (float64, one per sample) of a batch of this
+        dataset's shape: the labels are Bernoulli(sigmoid(logit)) draws. REQUIRES: the batch's
+        ids lie in the tables and each feature has `multi_hot_sizes` ids per sample."""
+        kjt = batch.sparse_features
+        if list(kjt.keys()) != self.keys:
+            raise ValueError(f"batch keys {kjt.keys()} are not this dataset's {self.keys}")
+        b = kjt.stride()
+        ranks = []
+        for f, (key, n, m) in enumerate(
+            zip(self.keys, self.num_embeddings_per_feature, self.multi_hot_sizes)
+        ):
+            ids = kjt[key].values().to(torch.int64)
+            if ids.numel() != b * m:
+                raise ValueError(f"feature {key!r} has {ids.numel()} ids, expected {b} x {m}")
+            ranks.append(unscatter_ids(ids, n, self._salts[f]))
+        return self._logits(batch.dense_features.to(torch.float64), ranks)
+
+    def _logits(self, dense: torch.Tensor, ranks: list[torch.Tensor]) -> torch.Tensor:
+        b = dense.shape[0]
+        logit = (dense - 0.5) @ self._dense_w - 1.0
+        for effect, r, m in zip(self._id_effect, ranks, self.multi_hot_sizes):
+            hot = r < effect.numel()
+            per_id = torch.where(hot, effect[r.clamp(max=effect.numel() - 1)], 0.0)
+            logit = logit + per_id.view(b, m).mean(1)
+        return logit

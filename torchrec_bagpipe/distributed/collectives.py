@@ -47,28 +47,53 @@ class TorchDistCollectives:
         self._group = group
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
+        self._width = 0  # payload bytes per rank the next all_gather sends in one collective
+        self.collectives_issued = 0  # process-group collectives run by all_gather
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self._group
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Gathers a 1-D tensor of any length from every rank, in rank order."""
+        """Gathers a 1-D tensor of any length from every rank, in rank order.
+
+        One collective when every rank's payload fits the width the previous call agreed on
+        (the largest payload it saw plus 25 %, rounded up to 64 bytes): each rank sends an
+        8-byte length header and its bytes padded to that width. A larger payload costs a
+        second collective for the overflow. Every rank sees every header, so all ranks agree
+        on the width without extra messages.
+        """
         if t.dim() != 1:
             raise ValueError(f"all_gather: expected a 1-D tensor, got shape {tuple(t.shape)}")
         src = t.detach().contiguous().cpu()
         if self.world_size == 1:
             return [src.clone()]
-        n = torch.tensor([src.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, n, group=self._group)
-        counts = [int(s.item()) for s in sizes]
-        width = max(counts)
-        padded = torch.zeros(width, dtype=src.dtype)
-        padded[: src.numel()] = src
-        out = [torch.empty(width, dtype=src.dtype) for _ in range(self.world_size)]
-        dist.all_gather(out, padded, group=self._group)
-        return [o[:c] for o, c in zip(out, counts)]
+        payload = src.view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8)
+        nbytes = payload.numel()
+        width = self._width
+        first = torch.zeros(8 + width, dtype=torch.uint8)
+        first[:8].view(torch.int64)[0] = nbytes
+        head = min(nbytes, width)
+        first[8 : 8 + head] = payload[:head]
+        gathered = [torch.empty(8 + width, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, first, group=self._group)
+        self.collectives_issued += 1
+        sizes = [int(g[:8].view(torch.int64)[0]) for g in gathered]
+        largest = max(sizes)
+        parts = [g[8 : 8 + min(n, width)] for g, n in zip(gathered, sizes)]
+        if largest > width:
+            extra = largest - width
+            second = torch.zeros(extra, dtype=torch.uint8)
+            if nbytes > width:
+                second[: nbytes - width] = payload[width:]
+            rest = [torch.empty(extra, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(rest, second, group=self._group)
+            self.collectives_issued += 1
+            parts = [p if n <= width else torch.cat([p, r[: n - width]])
+                     for p, r, n in zip(parts, rest, sizes)]
+        self._width = -(-int(largest * 1.25) // 64) * 64
+        return [p.view(src.dtype) if p.numel() else torch.empty(0, dtype=src.dtype)
+                for p in parts]
 
     def all_reduce_sum_(self, t: torch.Tensor) -> None:
         """Sums `t` over ranks in place; every rank ends with the same bits."""

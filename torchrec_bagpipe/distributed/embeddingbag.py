@@ -241,6 +241,21 @@ class ShardedBagPipeEmbeddingBagCollection(
         self._slot_mean = [
             torch.tensor([s.mean for s in spec.slots], dtype=torch.bool) for spec in self._fused
         ]
+        self._has_mean = [any(s.mean for s in spec.slots) for spec in self._fused]
+        self._perms: dict[tuple[str, ...], list[list[int] | None]] = {}
+        # Output columns: the fused tables' pooled values come out grouped by fused table;
+        # when that is not the EBC's slot order, one column gather restores it.
+        grouped = [s for spec in self._fused for s in spec.slots]
+        self._output_columns: torch.Tensor | None = None
+        if [s.index for s in grouped] != list(range(len(grouped))):
+            start: dict[int, int] = {}
+            col = 0
+            for s in grouped:
+                start[s.index] = col
+                col += s.dim
+            self._output_columns = torch.cat([
+                torch.arange(start[s.index], start[s.index] + s.dim) for s in self._slots
+            ]).to(self._device)
 
         # ---- runtime: PS sessions and controllers ----------------------------------------
         meta = {t.name: module.embedding_bags[t.name].weight.is_meta for t in self._tables}
@@ -321,7 +336,8 @@ class ShardedBagPipeEmbeddingBagCollection(
 
     def compute(self, ctx: BagPipeEBCContext, dist_input: KJTList) -> KeyedTensor:
         self._check_open()
-        per_slot: list[torch.Tensor | None] = [None] * len(self._slots)
+        b = ctx.batch_size
+        parts: list[torch.Tensor] = []
         for g, spec in enumerate(self._fused):
             kjt = dist_input[g]
             if ctx.training:
@@ -329,11 +345,17 @@ class ShardedBagPipeEmbeddingBagCollection(
             else:
                 rows, inverse = self._eval_rows(g, ctx.keys[g])
             pooled = self._pool(g, kjt, rows, inverse)
-            b = ctx.batch_size
-            pooled = pooled.view(len(spec.slots), b, spec.dim)
-            for i, slot in enumerate(spec.slots):
-                per_slot[slot.index] = pooled[i]
-        values = torch.cat(per_slot, dim=1) if per_slot else torch.empty(0)  # type: ignore[arg-type]
+            # Slot-major (slots x batch x dim) -> batch x (slots * dim): one copy, whose
+            # backward is one copy too (per-slot views would each back-propagate a zero-filled
+            # gradient of the whole pooled tensor).
+            parts.append(pooled.view(len(spec.slots), b, spec.dim).transpose(0, 1)
+                         .reshape(b, len(spec.slots) * spec.dim))
+        if not parts:
+            values = torch.empty(b, 0, device=self._device)
+        else:
+            values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if self._output_columns is not None:
+                values = values.index_select(1, self._output_columns)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._embedding_dims,
@@ -517,19 +539,13 @@ class ShardedBagPipeEmbeddingBagCollection(
             )
         if self._is_weighted and features.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted but the KJT has no weights")
-        index = {k: i for i, k in enumerate(features.keys())}
+        perms = self._perms.get(tuple(features.keys()))
+        if perms is None:
+            perms = self._permutations(features.keys())
         per_group: list[KeyedJaggedTensor] = []
         keys: list[torch.Tensor] = []
-        for g, spec in enumerate(self._fused):
-            try:
-                perm = [index[s.feature] for s in spec.slots]
-            except KeyError as e:
-                raise ValueError(
-                    f"the KJT has no feature {e.args[0]!r} (needed by table "
-                    f"{next(s.table for s in spec.slots if s.feature == e.args[0])!r}); "
-                    f"its keys are {features.keys()}"
-                ) from None
-            kjt = features.permute(perm)
+        for g, perm in enumerate(perms):
+            kjt = features if perm is None else features.permute(perm)
             if not self._is_weighted and kjt.weights_or_none() is not None:
                 kjt = KeyedJaggedTensor(
                     keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
@@ -538,6 +554,25 @@ class ShardedBagPipeEmbeddingBagCollection(
             per_group.append(kjt)
             keys.append(self._fused_keys(g, kjt))
         return per_group, keys
+
+    def _permutations(self, kjt_keys: list[str]) -> list[list[int] | None]:
+        """Per fused table: the KJT permutation into slot order (None: the KJT already is in
+        that order, with no extra keys). Cached per key order."""
+        index = {k: i for i, k in enumerate(kjt_keys)}
+        perms: list[list[int] | None] = []
+        for spec in self._fused:
+            try:
+                perm = [index[s.feature] for s in spec.slots]
+            except KeyError as e:
+                raise ValueError(
+                    f"the KJT has no feature {e.args[0]!r} (needed by table "
+                    f"{next(s.table for s in spec.slots if s.feature == e.args[0])!r}); "
+                    f"its keys are {kjt_keys}"
+                ) from None
+            perms.append(None if perm == list(range(len(kjt_keys))) else perm)
+        if len(self._perms) < 64:  # key orders seen (bounded: the order may vary per batch)
+            self._perms[tuple(kjt_keys)] = perms
+        return perms
 
     def _fused_keys(self, g: int, kjt: KeyedJaggedTensor) -> torch.Tensor:
         ids = kjt.values().to("cpu", torch.int64)
@@ -620,8 +655,8 @@ class ShardedBagPipeEmbeddingBagCollection(
             inverse.to(device=rows.device, dtype=torch.int64), rows, offsets,
             mode="sum", per_sample_weights=weights, include_last_offset=True,
         )
-        mean = self._slot_mean[g]
-        if bool(mean.any()):
+        if self._has_mean[g]:
+            mean = self._slot_mean[g]
             b = kjt.stride()
             lengths = kjt.lengths().to(device=rows.device, dtype=rows.dtype)
             is_mean = mean.to(rows.device).repeat_interleave(b)

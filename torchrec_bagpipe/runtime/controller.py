@@ -111,13 +111,30 @@ class Step:
 
 @dataclass
 class _Fetch:
-    """One issued prefetch get; its rows go to the prepared-batch queue."""
+    """One issued prefetch get. Its rows stay in its own buffer until their steps read them
+    (moved to the device once, by `_materialize`)."""
 
     handle: Handle
     keys: np.ndarray
     uses: np.ndarray   # use step of each key
+    upos: np.ndarray   # index of each key in its use step's unique keys
+    min_use: int
     max_use: int
-    done: bool = False
+    rows: torch.Tensor | None = None  # on the device, once materialized
+
+
+@dataclass
+class _NowUpdate:
+    """Collective aggregation: the S_now all-reduce of one step, applied to the resident
+    rows before the next step reads them."""
+
+    future: Future
+    grads: torch.Tensor   # reduced in place by the worker
+    slots: np.ndarray     # resident slots of S_now rows
+    rows: torch.Tensor    # their rows in `grads`
+
+
+_Group = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 
 def _i64(a: Any) -> np.ndarray:
@@ -125,6 +142,7 @@ def _i64(a: Any) -> np.ndarray:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_INT32_KEYS = (1 << 31) - 1  # fused keys below this travel as int32 in ID exchanges
 
 
 class BagPipeController:
@@ -193,7 +211,6 @@ class BagPipeController:
                 lr=self.lr,
                 world_size=world_size,
                 divide=self._divide,
-                max_prepared=config.prepared_batches,
             )
         else:
             self._meta = None
@@ -220,18 +237,22 @@ class BagPipeController:
         self._next = 0
         self._active: Step | None = None
         self._local_keys: deque[np.ndarray] = deque()          # submitted, not yet run
-        self._exchanges: deque[tuple[int, Future]] = deque()   # online, not yet planned
+        # Online: (step, exchange future, this rank's batch), not yet planned.
+        self._exchanges: deque[tuple[int, Future, np.ndarray]] = deque()
+        self._exchange_dtype = np.int32 if num_keys <= _INT32_KEYS else np.int64
         self._entered = -1                                     # last step in the window
-        self._ready: list[tuple[np.ndarray, np.ndarray, int]] = []       # candidates to place
-        self._deferred: dict[int, list[tuple[np.ndarray, np.ndarray, int]]] = {}  # by step
-        # Unissued prefetches: keys, deps, use steps.
-        self._pend: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # Prefetch candidates (keys, deps, upos: index in the use step's unique keys, use).
+        self._ready: list[_Group] = []                         # to place at the next step
+        self._deferred: dict[int, list[_Group]] = {}           # by placement step
+        self._pend: dict[int, list[_Group]] = {}               # placed, not issued; by use
         self._fetches: dict[int, _Fetch] = {}
         self._next_fid = 0
         self._staged_fids: dict[int, list[int]] = {}  # use step -> fetches holding its rows
-        self._tasks: deque[tuple[int, Future]] = deque()
-        self._last_commit: Handle | None = None  # owned by the worker thread
+        self._tasks: deque[tuple[int, Future]] = deque()        # worker tasks (collective)
+        self._commits: deque[Handle] = deque()                  # commits not known done
+        self._last_commit: Handle | None = None
         self._later_pins: dict[int, Future] = {}  # collective: step -> its S_later task
+        self._now_update: _NowUpdate | None = None  # collective: the last step's S_now
         self._last_committed = -1
         # Test hook: called as (kind, keys, deps, uses, at_step) before each get.
         self.fetch_observer: Callable[[str, np.ndarray, np.ndarray, np.ndarray, int], None] | None
@@ -294,9 +315,16 @@ class BagPipeController:
         if self._prescan is not None:
             self._prescan.check(s, arr)
         else:
-            t = torch.from_numpy(arr)
-            self._exchanges.append((s, self._worker.submit(self._coll.all_gather, t)))
-            self.metrics_.add(id_exchange_bytes=arr.size * 8, collectives_issued=1)
+            # The other ranks' planners need this batch's distinct keys only (first-occurrence
+            # order keeps every rank's plans identical to prescan's) and its id count; int32
+            # when the fused keys fit.
+            unique = C.unique_keys(arr)
+            msg = np.empty(unique.size + 1, dtype=self._exchange_dtype)
+            msg[0] = arr.size
+            msg[1:] = unique
+            fut = self._worker.submit(self._coll.all_gather, torch.from_numpy(msg))
+            self._exchanges.append((s, fut, arr))
+            self.metrics_.add(id_exchange_bytes=msg.nbytes, collectives_issued=1)
         self._local_keys.append(arr)
         self._submitted += 1
 
@@ -362,10 +390,9 @@ class BagPipeController:
             self._drop_fetches()
             if self._meta is not None:
                 self._meta.clear()
-            self._dev.clear()
             self._ready = []
             self._deferred.clear()
-            self._pend = []
+            self._pend.clear()
 
     def close(self, *, close_ps: bool = True) -> None:
         """Drains pending commits, waits for outstanding gets, closes the PS client."""
@@ -386,7 +413,10 @@ class BagPipeController:
                     self._drop_fetches()
             except BaseException as e:
                 error = error or e
-            for _, fut in list(self._exchanges) + list(self._tasks):
+            futures = [x[1] for x in self._exchanges] + [f for _, f in self._tasks]
+            if self._now_update is not None:
+                futures.append(self._now_update.future)
+            for fut in futures:
                 fut.cancel()
             release_worker(self._coll)
             if close_ps:
@@ -405,7 +435,10 @@ class BagPipeController:
         d["plan_memory_bytes"] = planner.memory_bytes()
         d["capacity_rows"] = self.capacity_rows
         d["resident_bytes"] = self._dev.resident_bytes
-        d["prepared_bytes"] = self._dev.prepared_bytes
+        d["prepared_bytes"] = sum(
+            f.rows.numel() * f.rows.element_size()
+            for f in list(self._fetches.values()) if f.rows is not None
+        )
         if self._meta is not None:
             with self._lock:
                 st = self._meta.stats()
@@ -427,15 +460,14 @@ class BagPipeController:
             raise ControllerError(f"the BagPipe controller failed earlier: {self._failed!r}")
 
     def _check_range(self, arr: np.ndarray, what: str) -> None:
-        if arr.size == 0:
+        if arr.size == 0 or (arr.min() >= 0 and arr.max() < self.num_keys):
             return
         bad = (arr < 0) | (arr >= self.num_keys)
-        if bad.any():
-            pos = int(np.nonzero(bad)[0][0])
-            raise ValueError(
-                f"{what} (rank {self.rank}): key {int(arr[pos])} at position {pos} is outside "
-                f"[0, {self.num_keys})"
-            )
+        pos = int(np.nonzero(bad)[0][0])
+        raise ValueError(
+            f"{what} (rank {self.rank}): key {int(arr[pos])} at position {pos} is outside "
+            f"[0, {self.num_keys})"
+        )
 
     def _collect(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Runs a collective on the worker and waits for it (bounded)."""
@@ -457,12 +489,16 @@ class BagPipeController:
             self._last_committed = int(self._ps.committed_step())
         return self._last_committed
 
-    def _get(self, kind: str, keys: np.ndarray, deps: np.ndarray, uses: np.ndarray) -> Handle:
+    def _get(self, kind: str, keys: np.ndarray, deps: np.ndarray, uses: np.ndarray,
+             out: torch.Tensor | None = None) -> Handle:
+        """Issues one get at the largest dependency step (the rows land in `out` if given)."""
         at_step = int(deps.max()) if deps.size else -1
         if self.fetch_observer is not None:
             self.fetch_observer(kind, keys, deps, uses, at_step)
         with self._ps_lock:
-            return self._ps.get_async(torch.from_numpy(keys), at_step)
+            if out is None:
+                return self._ps.get_async(torch.from_numpy(keys), at_step)
+            return self._ps.get_async(torch.from_numpy(keys), at_step, out=out)
 
     def _wait_rows(self, handle: Handle, n: int) -> torch.Tensor:
         rows = handle.wait(self._timeout)
@@ -477,28 +513,31 @@ class BagPipeController:
         return rows
 
     def _poll_tasks(self) -> None:
-        """Raises the error of a failed background task; forgets finished ones."""
+        """Raises the error of a failed commit or worker task; forgets finished ones."""
         while self._tasks and self._tasks[0][1].done():
             _, fut = self._tasks.popleft()
             fut.result()
+        while self._commits and self._commits[0].done():
+            self._commits.popleft().wait(self._timeout)  # raises a failed commit's error
 
     def _drain(self) -> None:
         t0 = time.perf_counter()
+        self._apply_now_update()
         while self._tasks:
             _, fut = self._tasks[0]
             fut.result(timeout=self._timeout)
             self._tasks.popleft()
         self._later_pins.clear()
-        last = self._last_commit
-        if last is not None:
-            last.wait(self._timeout)
+        while self._commits:
+            self._commits[0].wait(self._timeout)
+            self._commits.popleft()
         self.metrics_.add(commit_wait_s=time.perf_counter() - t0)
 
     def _drop_fetches(self) -> None:
         """Waits for every outstanding prefetch and forgets it (REQUIRES: self._lock)."""
         errors = []
         for f in self._fetches.values():
-            if not f.done:
+            if f.rows is None:
                 try:
                     f.handle.wait(self._timeout)
                 except BaseException as e:  # keep draining the rest
@@ -516,12 +555,20 @@ class BagPipeController:
     def _absorb(self, upto: int) -> None:
         """Online: plans every exchanged batch with step <= upto, in order."""
         while self._exchanges and self._exchanges[0][0] <= upto:
-            s, fut = self._exchanges[0]
+            s, fut, own = self._exchanges[0]
             t0 = time.perf_counter()
             parts = fut.result(timeout=self._timeout)
             self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
             self._exchanges.popleft()
-            added = self._online.add_step([p.numpy() for p in parts])
+            per_rank: list[np.ndarray] = []
+            global_ids = 0
+            for q, part in enumerate(parts):
+                msg = part.numpy()
+                if msg.size < 1:
+                    raise RuntimeError(f"ID exchange of step {s}: rank {q} sent no header")
+                global_ids += int(msg[0])
+                per_rank.append(own if q == self.rank else msg[1:].astype(np.int64))
+            added = self._online.add_step(per_rank, global_ids=global_ids)
             if added != s:
                 raise RuntimeError(f"planner out of step: added {added}, expected {s}")
 
@@ -535,82 +582,114 @@ class BagPipeController:
             p = self._plan(s)
             noted = (p.prev_use >= 0) & (p.prev_use < t)
             if noted.any():
-                self._meta.note_uses(_i64(p.unique_keys[noted]), s)
+                self._meta.note_uses(p.unique_keys[noted], s)
             # A candidate is placed at step max(dep + 1, s - distance): once this rank has
             # finished its dependency, and at most `distance` steps before its use.
             when = np.maximum(p.deps + 1, s - self._distance)
-            ready = when <= t
-            if ready.any():
-                self._ready.append((p.unique_keys[ready], p.deps[ready], s))
-            if not ready.all():
-                keys, deps, at = p.unique_keys[~ready], p.deps[~ready], when[~ready]
-                for w in np.unique(at):
-                    m = at == w
-                    self._deferred.setdefault(int(w), []).append((keys[m], deps[m], s))
+            if when.size == 0:
+                continue
+            lo = int(when.min())
+            if lo == int(when.max()):
+                groups: list[tuple[int, np.ndarray | None]] = [(lo, None)]
+            else:
+                groups = [(int(w), when == w) for w in np.unique(when)]
+            for w, m in groups:
+                if m is None:
+                    upos = np.arange(p.unique_keys.size, dtype=np.int64)
+                    group = (p.unique_keys, p.deps, upos, s)
+                else:
+                    upos = np.flatnonzero(m)
+                    group = (p.unique_keys[upos], p.deps[upos], upos, s)
+                if w <= t:
+                    self._ready.append(group)
+                else:
+                    self._deferred.setdefault(w, []).append(group)
 
     def _place_candidates(self, t: int) -> None:
         """Queues prefetches for candidates placed at step t (REQUIRES: lock)."""
         groups = self._deferred.pop(t, [])
-        groups = [g for g in self._ready + groups if g[2] > t]  # the step's own keys are misses
-        self._ready = []
-        if not groups:
-            return
-        keys = _i64(np.concatenate([g[0] for g in groups]))
-        deps = _i64(np.concatenate([g[1] for g in groups]))
-        uses = np.concatenate([np.full(g[0].size, g[2], dtype=np.int64) for g in groups])
-        # Rows resident at the wanted version are expected hits; the rest are prefetched.
-        need = self._meta.resident(keys, deps) < 0
-        if need.any():
-            self._pend.append((keys[need], deps[need], uses[need]))
+        if self._ready:
+            groups = self._ready + groups
+            self._ready = []
+        for keys, deps, upos, use in groups:
+            if use <= t:  # the step's own keys are misses, fetched on demand
+                continue
+            # Rows resident at the wanted version are expected hits; the rest are prefetched.
+            need = self._meta.resident(keys, deps) < 0
+            if need.all():
+                self._pend.setdefault(use, []).append((keys, deps, upos, use))
+            elif need.any():
+                self._pend.setdefault(use, []).append((keys[need], deps[need], upos[need], use))
 
     def _issue_ready(self) -> None:
         """Issues one get for every queued prefetch whose dependency has committed."""
         if not self._pend:
             return
-        keys = np.concatenate([p[0] for p in self._pend])
-        deps = np.concatenate([p[1] for p in self._pend])
-        uses = np.concatenate([p[2] for p in self._pend])
-        go = deps <= self._committed()
-        if not go.any():
-            self._pend = [(keys, deps, uses)]
+        committed = self._committed()
+        take: list[_Group] = []
+        for use in list(self._pend):
+            groups = self._pend[use]
+            stay: list[_Group] = []
+            for g in groups:
+                deps = g[1]
+                if deps.size == 0:
+                    continue
+                if int(deps.max()) <= committed:
+                    take.append(g)
+                    continue
+                go = deps <= committed
+                if go.any():
+                    take.append((g[0][go], deps[go], g[2][go], use))
+                    stay.append((g[0][~go], deps[~go], g[2][~go], use))
+                else:
+                    stay.append(g)
+            if stay:
+                self._pend[use] = stay
+            else:
+                del self._pend[use]
+        if not take:
             return
-        stay = ~go
-        self._pend = [(keys[stay], deps[stay], uses[stay])] if stay.any() else []
-        k, d, u = _i64(keys[go]), deps[go], uses[go]
+        if len(take) == 1:
+            k, d, up, use = take[0]
+            u = np.full(k.size, use, dtype=np.int64)
+            uses_list = [use]
+        else:
+            k = np.concatenate([g[0] for g in take])
+            d = np.concatenate([g[1] for g in take])
+            up = np.concatenate([g[2] for g in take])
+            u = np.concatenate([np.full(g[0].size, g[3], dtype=np.int64) for g in take])
+            uses_list = sorted({g[3] for g in take})
+        k = _i64(k)
         handle = self._get("prefetch", k, d, u)
         fid = self._next_fid
         self._next_fid += 1
-        self._fetches[fid] = _Fetch(handle, k, u, int(u.max()))
-        for use in np.unique(u):
-            self._staged_fids.setdefault(int(use), []).append(fid)
+        self._fetches[fid] = _Fetch(handle, k, u, up, uses_list[0], uses_list[-1])
+        for use in uses_list:
+            self._staged_fids.setdefault(use, []).append(fid)
         self.metrics_.add(prefetched=int(k.size), prefetch_gets=1)
 
-    def _materialize(self, fid: int) -> None:
-        """Waits for a prefetch and moves its rows to the prepared-batch queue."""
-        f = self._fetches[fid]
-        if f.done:
-            return
-        t0 = time.perf_counter()
-        rows = self._wait_rows(f.handle, f.keys.size)
-        self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
-        for use in np.unique(f.uses):
-            m = f.uses == use
-            idx = torch.from_numpy(np.nonzero(m)[0])
-            self._dev.put_prepared(int(use), f.keys[m], rows.index_select(0, idx),
-                                   current=self._next)
-        self.metrics_.add(staged_rows=int(f.keys.size))
-        f.done = True
+    def _materialize(self, f: _Fetch) -> torch.Tensor:
+        """Waits for a prefetch and moves its rows to the device (once)."""
+        if f.rows is None:
+            t0 = time.perf_counter()
+            rows = self._wait_rows(f.handle, f.keys.size)
+            self.metrics_.add(fetch_wait_s=time.perf_counter() - t0,
+                              staged_rows=int(f.keys.size))
+            f.rows = rows if self.device.type == "cpu" else rows.to(self.device,
+                                                                    non_blocking=True)
+        return f.rows
 
     def _materialize_ready(self, t: int) -> None:
         """Moves finished prefetches for the next prepared_batches steps to the device."""
-        horizon = t + self._dev.max_prepared
-        for fid, f in list(self._fetches.items()):
-            if not f.done and int(f.uses.min()) <= horizon and f.handle.done():
-                self._materialize(fid)
+        horizon = t + self.config.prepared_batches
+        for f in list(self._fetches.values()):
+            if f.rows is None and f.min_use <= horizon and f.handle.done():
+                self._materialize(f)
 
     # ---- the step ---------------------------------------------------------------------
     def _prepare(self, t: int) -> Step:
         self._poll_tasks()
+        self._apply_now_update()
         upto = min(t + self._lookahead, self._submitted - 1)
         if self._prescan is None:
             self._absorb(upto)
@@ -652,196 +731,249 @@ class BagPipeController:
             plan=plan,
         )
 
+    def _demand(self, t: int, keys: np.ndarray, deps: np.ndarray,
+                out: torch.Tensor) -> Handle | None:
+        """Issues the demand get of step t; on the CPU the rows land in `out` directly."""
+        if not keys.size:
+            return None
+        uses = np.full(keys.size, t, dtype=np.int64)
+        if self.device.type == "cpu":
+            return self._get("demand", keys, deps, uses, out=out)
+        return self._get("demand", keys, deps, uses)
+
+    def _finish_demand(self, handle: Handle | None, n: int, out: torch.Tensor) -> None:
+        """Waits for the demand rows and puts them in `out` (where a CPU get wrote them)."""
+        if handle is None:
+            return
+        t0 = time.perf_counter()
+        rows = self._wait_rows(handle, n)
+        self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
+        if rows.data_ptr() != out.data_ptr():
+            out.copy_(rows, non_blocking=True)
+
     def _prepare_uncached(self, t: int, batch: np.ndarray, plan: StepPlan) -> Step:
         n = plan.unique_keys.size
-        keys = _i64(plan.unique_keys)
-        deps = plan.deps
-        self._record_dependency(t, deps)
+        self._record_dependency(t, plan.deps)
         rows = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
-        if n:
-            handle = self._get("demand", keys, deps, np.full(n, t, dtype=np.int64))
-            t0 = time.perf_counter()
-            fetched = self._wait_rows(handle, n)
-            self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
-            rows.copy_(fetched.to(self.device, non_blocking=True))
+        handle = self._demand(t, plan.unique_keys, plan.deps, rows)
+        self._finish_demand(handle, n, rows)
         self.metrics_.add(accesses=n, demand_fetched=n, demand_gets=int(n > 0))
         return self._make_step(t, batch, plan, rows)
 
     def _prepare_cached(self, t: int, batch: np.ndarray, plan: StepPlan) -> Step:
-        meta, dev = self._meta, self._dev
-        U = _i64(plan.unique_keys)
-        deps = _i64(plan.deps)
-        n = U.size
-        next_use = np.where(plan.next_use <= self._entered, plan.next_use, -1).astype(np.int64)
-        hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
-        rows = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
-        if hit_pos.size:
-            rows.index_copy_(0, self._index(hit_pos), dev.gather(hit_slots))
+        """The step's rows: hits from the cache, prefetched rows, demand gets; then the
+        misses are admitted (Belady over the window) and the next prefetches issued.
 
+        The rows are gathered, never scattered, into one staging tensor laid out as
+        [hits | prefetched | demand] (the demand get writes its part directly on the CPU),
+        then permuted into unique-key order with one gather.
+        """
+        meta, dev = self._meta, self._dev
+        U, deps = plan.unique_keys, plan.deps
+        n = U.size
+        next_use = plan.next_use
+        if self._entered < t + self._lookahead and next_use.size:
+            next_use = np.where(next_use <= self._entered, next_use, -1)
+        hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
+        nh = hit_pos.size
         # Prefetches of this step still queued (dependency not committed) become demand.
-        if self._pend:
-            keys = np.concatenate([p[0] for p in self._pend])
-            dps = np.concatenate([p[1] for p in self._pend])
-            uses = np.concatenate([p[2] for p in self._pend])
-            keep = uses != t
-            self._pend = [(keys[keep], dps[keep], uses[keep])] if keep.any() else []
-        # Prefetched rows of this step (the prepared-batch queue).
-        for fid in self._staged_fids.pop(t, []):
-            self._materialize(fid)
-        staged = dev.take_prepared(t)
-        miss_keys = U[miss_pos]
-        from_queue = np.zeros(miss_pos.size, dtype=bool)
-        queue_rows: torch.Tensor | None = None
-        if staged is not None and miss_pos.size:
-            skeys, srows = staged
-            order = np.argsort(skeys)
-            loc = np.minimum(np.searchsorted(skeys, miss_keys, sorter=order), skeys.size - 1)
-            src = order[loc]
-            from_queue = skeys[src] == miss_keys
-            queue_rows = srows.index_select(0, torch.from_numpy(src[from_queue]))
-        d_pos = miss_pos[~from_queue]
+        self._pend.pop(t, None)
+        # Prefetched rows of this step: (fetch rows, rows in the fetch, positions in U).
+        missing = np.zeros(n, dtype=bool)
+        missing[miss_pos] = True
+        queued: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = []
+        nq = 0
+        for fid in self._staged_fids.pop(t, ()):
+            f = self._fetches[fid]
+            sel = np.flatnonzero(f.uses == t)
+            upos = f.upos[sel]
+            use = missing[upos]
+            if not use.all():
+                sel, upos = sel[use], upos[use]
+            if upos.size:
+                queued.append((self._materialize(f), sel, upos))
+                missing[upos] = False
+                nq += upos.size
+        d_pos = np.flatnonzero(missing) if nq else miss_pos
         d_keys = U[d_pos]
         d_deps = deps[d_pos]
         self._record_dependency(t, d_deps)
-        handle = None
-        if d_keys.size:
-            handle = self._get("demand", d_keys, d_deps, np.full(d_keys.size, t, np.int64))
+        src = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
+        handle = self._demand(t, d_keys, d_deps, src[nh + nq:])
         # Admission, soonest next use first (none last): admitted rows are pinned for the
         # step, so the rows worth keeping claim slots before the ones worth less (Belady).
-        miss_nu = next_use[miss_pos]
-        order = np.argsort(np.where(miss_nu < 0, np.iinfo(np.int64).max, miss_nu), kind="stable")
-        a_pos, a_slots, evicted, a_bypassed = meta.admit(
-            _i64(miss_keys[order]), _i64(deps[miss_pos][order]), _i64(miss_nu[order])
-        )
-        a_pos = order[a_pos]
-        self.metrics_.add(evictions=int(evicted.size), bypassed=int(a_bypassed.size),
-                          stale=int(stale))
+        a_pos = a_slots = _EMPTY
+        # ps aggregation: a row another rank touches at this step is invalidated right after
+        # it (its update is not known here), so it is served without taking a slot.
+        cand = miss_pos if self._collective else miss_pos[~plan.shared[miss_pos]]
+        if cand.size:
+            miss_nu = next_use[cand]
+            horizon = self._lookahead + 1
+            rank = np.where(miss_nu < 0, horizon, miss_nu - t)
+            rank = rank.astype(np.int16 if horizon < (1 << 15) else np.int64)
+            order = np.argsort(rank, kind="stable")
+            mp = cand[order]
+            a_idx, a_slots, evicted, a_bypassed = meta.admit(U[mp], deps[mp], miss_nu[order])
+            a_pos = mp[a_idx]
+            self.metrics_.add(evictions=int(evicted.size), bypassed=int(a_bypassed.size))
+        if stale:
+            self.metrics_.add(stale=int(stale))
         self._place_candidates(t)
         self._issue_ready()
-        miss_rows = torch.empty(miss_pos.size, self.dim, dtype=torch.float32, device=self.device)
-        if queue_rows is not None and queue_rows.shape[0]:
-            miss_rows.index_copy_(0, self._index(np.nonzero(from_queue)[0]), queue_rows)
-        if handle is not None:
-            t0 = time.perf_counter()
-            fetched = self._wait_rows(handle, d_keys.size).to(self.device, non_blocking=True)
-            self.metrics_.add(fetch_wait_s=time.perf_counter() - t0)
-            miss_rows.index_copy_(0, self._index(np.nonzero(~from_queue)[0]), fetched)
-        if miss_pos.size:
-            rows.index_copy_(0, self._index(miss_pos), miss_rows)
-            if a_slots.size:
-                dev.fill(a_slots, miss_rows.index_select(0, self._index(a_pos)))
-        for fid in [fid for fid, f in self._fetches.items() if f.max_use <= t and f.done]:
-            del self._fetches[fid]
+        # Assemble: [hits | prefetched | demand], then one gather into unique-key order.
+        order_src = np.empty(n, dtype=np.int64)
+        if nh:
+            torch.index_select(dev.values, 0, self._index(hit_slots), out=src[:nh])
+            order_src[hit_pos] = np.arange(nh)
+        off = nh
+        for rows_f, sel, upos in queued:
+            k = upos.size
+            torch.index_select(rows_f, 0, self._index(sel), out=src[off:off + k])
+            order_src[upos] = np.arange(off, off + k)
+            off += k
+        if d_pos.size:
+            order_src[d_pos] = np.arange(off, n)
+        self._finish_demand(handle, d_pos.size, src[off:])
+        rows = src if nh == n else src.index_select(0, self._index(order_src))
+        if a_slots.size:
+            dev.fill(a_slots, rows.index_select(0, self._index(a_pos)))
+        for fid in [fid for fid, f in self._fetches.items() if f.max_use <= t]:
+            f = self._fetches.pop(fid)
+            if f.rows is None:  # not read (its rows became hits): still drain the get
+                self._materialize(f)
         self._materialize_ready(t)
         self.metrics_.add(
             accesses=n,
-            hits=int(hit_pos.size),
-            prefetch_served=int(from_queue.sum()),
-            demand_fetched=int(d_keys.size),
-            demand_gets=int(d_keys.size > 0),
+            hits=nh,
+            prefetch_served=nq,
+            demand_fetched=int(d_pos.size),
+            demand_gets=int(d_pos.size > 0),
         )
         return self._make_step(t, batch, plan, rows)
 
+    # ---- after the backward -------------------------------------------------------------
     def _finish(self, step: Step, grad: torch.Tensor) -> None:
         t = step.step
         plan = step.plan
-        U = _i64(plan.unique_keys)
+        U = plan.unique_keys
         if grad.device != self.device and self._meta is not None:
             grad = grad.to(self.device)
-        if not self._collective:
-            if self._meta is not None:
-                with self._lock:
-                    local = np.nonzero(~plan.shared)[0]
-                    slots = self._meta.lookup(U[local])
-                    have = slots >= 0
-                    if have.any():
-                        idx = torch.from_numpy(local[have]).to(grad.device)
-                        self._dev.sgd_(slots[have], grad.index_select(0, idx))
-                        self._meta.set_version(_i64(slots[have]), t)
-                    freed = self._meta.invalidate(_i64(plan.others)) if plan.others.size else _EMPTY
-                    self.metrics_.add(local_updates=int(have.sum()),
-                                      invalidations=int(freed.size))
-            keys_t = torch.from_numpy(U)
-            # A private copy: the caller may reuse its gradient buffer before the commit runs.
-            grads_cpu = grad.detach().to("cpu", copy=True).contiguous()
-            fut = self._worker.submit(self._commit_task, t, keys_t, grads_cpu, None)
-            self._tasks.append((t, fut))
-            self._issue_ready_locked()
+        if self._collective:
+            self._finish_collective(step, grad)
             return
-        self._finish_collective(step, grad)
+        if self._meta is not None:
+            with self._lock:
+                local = np.flatnonzero(~plan.shared)
+                if local.size:
+                    slots = self._meta.lookup(U[local] if local.size != U.size else U)
+                    have = slots >= 0
+                    if not have.all():
+                        local, slots = local[have], slots[have]
+                    if slots.size:
+                        self._dev.sgd_(slots, grad.index_select(0, self._index(local)))
+                        self._meta.set_version(slots, t)
+                    self.metrics_.add(local_updates=int(slots.size))
+                if plan.others.size:
+                    freed = self._meta.invalidate(plan.others)
+                    self.metrics_.add(invalidations=int(freed.size))
+        # A private copy: the caller may reuse its gradient buffer before the commit runs.
+        grads_cpu = grad.detach().to("cpu", copy=True)
+        self._commit(t, torch.from_numpy(U), grads_cpu)
+        self._issue_ready_locked()
+
+    def _commit(self, t: int, keys: torch.Tensor, grads: torch.Tensor) -> None:
+        """Submits step t's commit. The client starts it once its previous commit completed
+        (ARCHITECTURE §3, client rules), so nobody waits here."""
+        with self._ps_lock:
+            handle = self._ps.commit_async(t, keys, grads)
+        self._last_commit = handle
+        self._commits.append(handle)
+        self.metrics_.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
 
     def _finish_collective(self, step: Step, grad: torch.Tensor) -> None:
+        """Collective aggregation: the step's gradients over the global union of keys are
+        all-reduced on the worker: S_now (rows step t + 1 reads) first, applied to the
+        resident rows at the start of the next step; S_later with the commit, overlapping
+        the next forward. The union row's designated rank (index mod W) commits it."""
         t = step.step
         plan = step.plan
-        union = _i64(plan.union_keys)
+        union = plan.union_keys
         nu = union.size
         s_now = plan.s_now if self._entered >= t + 1 else np.ones(nu, dtype=bool)
-        now_idx = np.nonzero(s_now)[0]
-        later_idx = np.nonzero(~s_now)[0]
-        row_of = np.empty(nu, dtype=np.int64)
-        row_of[now_idx] = np.arange(now_idx.size)
-        row_of[later_idx] = np.arange(later_idx.size)
-        mine_now = s_now[plan.union_pos]
+        now_idx = np.flatnonzero(s_now)
+        later_idx = np.flatnonzero(~s_now)
         dev = grad.device
+        # Each union row's gradient row (or the zero row past the end): one gather each.
+        padded = torch.cat([grad, torch.zeros(1, self.dim, dtype=grad.dtype, device=dev)])
+        src_of = np.full(nu, plan.unique_keys.size, dtype=np.int64)
+        src_of[plan.union_pos] = np.arange(plan.union_pos.size)
 
-        def dense(idx: np.ndarray, mine: np.ndarray) -> torch.Tensor:
-            buf = torch.zeros(idx.size, self.dim, dtype=torch.float32, device=dev)
-            src = np.nonzero(mine)[0]
-            if src.size:
-                dst = torch.from_numpy(row_of[plan.union_pos[src]]).to(dev)
-                buf.index_copy_(0, dst, grad.index_select(0, torch.from_numpy(src).to(dev)))
-            return buf
+        def dense(idx: np.ndarray) -> torch.Tensor:
+            return padded.index_select(0, torch.from_numpy(src_of[idx]).to(dev))
 
-        g_now = dense(now_idx, mine_now)
-        g_later = dense(later_idx, ~mine_now)
-        if now_idx.size:
-            self._collect(self._coll.all_reduce_sum_, g_now)
-            self.metrics_.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
-        later_slots = _EMPTY
+        g_now = dense(now_idx)
+        g_later = dense(later_idx)
+        later_slots = later_sel = _EMPTY
+        now_slots = now_rows = _EMPTY
         if self._meta is not None:
             with self._lock:
                 slots = self._meta.lookup(union[now_idx])
-                have = slots >= 0
-                if have.any():
-                    sel = torch.from_numpy(np.nonzero(have)[0]).to(dev)
-                    self._dev.sgd_(slots[have], g_now.index_select(0, sel))
-                    self._meta.set_version(_i64(slots[have]), t)
+                have = np.flatnonzero(slots >= 0)
+                now_slots, now_rows = slots[have], have
+                if now_slots.size:
+                    self._meta.set_version(now_slots, t)
                 lslots = self._meta.lookup(union[later_idx])
-                lhave = lslots >= 0
-                later_slots = _i64(lslots[lhave])
-                later_sel = np.nonzero(lhave)[0]
+                later_sel = np.flatnonzero(lslots >= 0)
+                later_slots = lslots[later_sel]
                 if later_slots.size:
                     self._meta.set_version(later_slots, t)
                     self._meta.pin(later_slots, t + 1)
-                self.metrics_.add(local_updates=int(have.sum() + lhave.sum()))
+                self.metrics_.add(local_updates=int(now_slots.size + later_slots.size))
+        if now_idx.size:
+            fut = self._worker.submit(self._coll.all_reduce_sum_, g_now)
+            self.metrics_.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
+            self._now_update = _NowUpdate(fut, g_now, now_slots,
+                                          torch.from_numpy(now_rows).to(dev))
         designated = (np.arange(nu) % self.world_size) == self.rank
-        d_now = designated[now_idx]
-        d_later = designated[later_idx]
+        d_now = np.flatnonzero(designated[now_idx])
+        d_later = np.flatnonzero(designated[later_idx])
         keys_t = torch.from_numpy(
-            np.concatenate([union[now_idx][d_now], union[later_idx][d_later]])
-        )
-        g_now_cpu = g_now.index_select(0, torch.from_numpy(np.nonzero(d_now)[0]).to(dev)).cpu()
+            np.concatenate([union[now_idx][d_now], union[later_idx][d_later]]))
 
         def later_part() -> torch.Tensor:
+            # Runs on the worker after the S_now all-reduce (FIFO), so g_now is reduced.
             if later_idx.size:
                 self._coll.all_reduce_sum_(g_later)
                 self.metrics_.add(allreduce_payload_bytes=g_later.numel() * 4,
                                   collectives_issued=1)
                 if later_slots.size:
                     # No lock: these slots are pinned through t + 1 and nobody else touches
-                    # them until next_step(t + 2) joins this task (the caller may hold the
-                    # lock while it waits for this very commit).
+                    # them until next_step(t + 2) joins this task.
                     sel = torch.from_numpy(later_sel).to(dev)
                     self._dev.sgd_(later_slots, g_later.index_select(0, sel))
-            g_later_cpu = g_later.index_select(
-                0, torch.from_numpy(np.nonzero(d_later)[0]).to(dev)).cpu()
-            return torch.cat([g_now_cpu, g_later_cpu]).contiguous()
+            parts = [g_now.index_select(0, torch.from_numpy(d_now).to(dev)),
+                     g_later.index_select(0, torch.from_numpy(d_later).to(dev))]
+            return torch.cat(parts).cpu()
 
-        fut = self._worker.submit(self._commit_task, t, keys_t, None, later_part)
+        fut = self._worker.submit(self._commit_task, t, keys_t, later_part)
         self._tasks.append((t, fut))
         if later_slots.size:
             self._later_pins[t] = fut
         self._issue_ready_locked()
+
+    def _apply_now_update(self) -> None:
+        """Collective: waits for the last step's S_now all-reduce and applies it to the
+        resident rows (before anything reads them)."""
+        upd = self._now_update
+        if upd is None:
+            return
+        self._now_update = None
+        t0 = time.perf_counter()
+        upd.future.result(timeout=self._timeout)
+        self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
+        if upd.slots.size:
+            with self._lock:
+                self._dev.sgd_(upd.slots, upd.grads.index_select(0, upd.rows))
 
     def _issue_ready_locked(self) -> None:
         if self._meta is None:
@@ -849,23 +981,8 @@ class BagPipeController:
         with self._lock:
             self._issue_ready()
 
-    def _commit_task(
-        self,
-        t: int,
-        keys: torch.Tensor,
-        grads: torch.Tensor | None,
-        produce: Callable[[], torch.Tensor] | None,
-    ) -> None:
-        """Runs on the worker: [S_later reduce], wait for the predecessor, commit step t."""
-        if produce is not None:
-            grads = produce()
-        assert grads is not None
-        prev = self._last_commit
-        if prev is not None:
-            t0 = time.perf_counter()
-            prev.wait(self._timeout)
-            self.metrics_.add(commit_wait_s=time.perf_counter() - t0)
-        with self._ps_lock:
-            handle = self._ps.commit_async(t, keys, grads)
-        self._last_commit = handle
-        self.metrics_.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
+    def _commit_task(self, t: int, keys: torch.Tensor,
+                     produce: Callable[[], torch.Tensor]) -> None:
+        """Runs on the worker (collective aggregation): the S_later reduce, then commit t."""
+        grads = produce()
+        self._commit(t, keys, grads)

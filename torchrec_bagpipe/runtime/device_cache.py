@@ -9,20 +9,21 @@ moves values:
   * `sgd_(slots, grads)`: the local SGD of resident rows with the bitwise arithmetic of
     ARCHITECTURE §1: ``u = g / W`` (true division by a *device* tensor, so CUDA never turns it
     into a reciprocal multiply; skipped when gradient division is off or W == 1),
-    ``u = u * lr`` (an fp32 device tensor), ``w = w - u``: three separate ops, the same
-    roundings as the PS's C++ loop built with -ffp-contract=off;
-  * eviction is a clean discard: the PS is authoritative, nothing is written back;
-  * a bounded queue of prepared batches: rows prefetched for the next `max_prepared` steps
-    wait here until their step; admission into the cache happens at use (so prefetching never
-    displaces rows that are needed sooner), and a batch larger than the cache is gathered from
-    hits, this queue and demand fetches into its own tensor.
+    ``u = u * lr`` (an fp32 device tensor), ``w = w - u``: separate ops, the same roundings as
+    the PS's C++ loop built with -ffp-contract=off. The last op is ``w += (-u)`` through one
+    `index_add_` (negation is exact and ``w + (-u)`` is by definition ``w - u``; the
+    slots are distinct, so each row receives exactly one addition), which saves gathering and
+    scattering the rows;
+  * eviction is a clean discard: the PS is authoritative, nothing is written back.
+
+Prefetched rows wait in their fetch's own buffer (the controller moves it to the device once)
+until their step reads them; they enter the cache only through admission at use, so
+prefetching never displaces rows that are needed sooner.
 
 Thread safety: the owner serializes calls (the controller holds its lock around them).
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -49,14 +50,11 @@ class DeviceCache:
         lr: float,
         world_size: int,
         divide: bool,
-        max_prepared: int = 2,
     ) -> None:
         if capacity_rows < 0:
             raise ValueError(f"capacity_rows must be >= 0, got {capacity_rows}")
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
-        if max_prepared < 1:
-            raise ValueError(f"max_prepared must be >= 1, got {max_prepared}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.capacity_rows = capacity_rows
         self.dim = dim
@@ -67,8 +65,6 @@ class DeviceCache:
             if divide and world_size != 1
             else None
         )
-        self.max_prepared = max_prepared
-        self._prepared: OrderedDict[int, tuple[np.ndarray, torch.Tensor]] = OrderedDict()
 
     # ---- slots ------------------------------------------------------------------------
     def index(self, slots: np.ndarray) -> torch.Tensor:
@@ -76,8 +72,11 @@ class DeviceCache:
         t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
-    def gather(self, slots: np.ndarray) -> torch.Tensor:
-        return self.values.index_select(0, self.index(slots))
+    def gather(self, slots: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """values[slots] (into `out`, a contiguous (len(slots), dim) tensor, if given)."""
+        if out is None:
+            return self.values.index_select(0, self.index(slots))
+        return torch.index_select(self.values, 0, self.index(slots), out=out)
 
     def fill(self, slots: np.ndarray, rows: torch.Tensor) -> None:
         """values[slots] = rows.  REQUIRES: slots distinct, rows (len(slots), dim) fp32."""
@@ -89,49 +88,12 @@ class DeviceCache:
         """Local SGD of resident rows (§1 arithmetic).  REQUIRES: slots distinct."""
         if len(slots) == 0:
             return
-        idx = self.index(slots)
-        w = self.values.index_select(0, idx)
         g = grads.to(self.device, non_blocking=True)
-        self.values.index_copy_(0, idx, sgd_update(w, g, self.lr_t, self.divisor_t))
+        u = g / self.divisor_t if self.divisor_t is not None else g
+        u = u * self.lr_t
+        u.neg_()  # (index_add_'s alpha=-1 would take a slow path)
+        self.values.index_add_(0, self.index(slots), u)
 
     @property
     def resident_bytes(self) -> int:
         return self.values.numel() * self.values.element_size()
-
-    # ---- prepared batches -------------------------------------------------------------
-    def can_prepare(self, step: int, current: int) -> bool:
-        """Whether rows for `step` may be staged now (within the queue's bound)."""
-        return step - current <= self.max_prepared
-
-    def put_prepared(
-        self, step: int, keys: np.ndarray, rows: torch.Tensor, *, current: int
-    ) -> None:
-        """Stages fetched rows for `step` (appended to the step's earlier ones).
-
-        REQUIRES: current <= step <= current + max_prepared (ValueError otherwise).
-        """
-        if not current <= step or not self.can_prepare(step, current):
-            raise ValueError(
-                f"prepared-batch queue: step {step} is outside [{current}, "
-                f"{current + self.max_prepared}] (max_prepared={self.max_prepared})"
-            )
-        rows = rows.to(self.device, non_blocking=True)
-        if step in self._prepared:
-            k0, r0 = self._prepared[step]
-            self._prepared[step] = (np.concatenate([k0, keys]), torch.cat([r0, rows]))
-        else:
-            self._prepared[step] = (keys, rows)
-
-    def take_prepared(self, step: int) -> tuple[np.ndarray, torch.Tensor] | None:
-        return self._prepared.pop(step, None)
-
-    @property
-    def prepared_steps(self) -> int:
-        return len(self._prepared)
-
-    @property
-    def prepared_bytes(self) -> int:
-        return sum(r.numel() * r.element_size() for _, r in self._prepared.values())
-
-    def clear(self) -> None:
-        self._prepared.clear()

@@ -5,7 +5,8 @@ objects: for one rank and one global step, its unique keys and inverse, each key
 dependency step (the last global step before this one that touched it; -1 never), whether
 another rank touches it in the same step, its next read inside the lookahead window (rows to
 keep; -1: a prime eviction victim, either unused in the window or invalidated by another rank
-first), the keys other ranks touch (what this rank invalidates), and for collective
+first), the keys other ranks touch of which this rank holds a valid copy (what it
+invalidates), and for collective
 aggregation the global union with its S_now rows.
 
 Prescan keeps every plan in CPU memory (proportional to the trace) and checks each submitted
@@ -68,7 +69,8 @@ class StepPlan:
     next_use: np.ndarray     # int64 [U]: next read in the window with a valid copy; -1 none
     prev_use: np.ndarray     # int64 [U]: previous read whose copy is still valid; -1 none
     shared: np.ndarray       # bool [U]: another rank touches the key at this step too
-    others: np.ndarray       # int64: keys other ranks touch at this step (ps aggregation)
+    others: np.ndarray       # int64: keys other ranks touch at this step of which this rank
+                             # holds a valid copy: what it invalidates (ps aggregation)
     union_keys: np.ndarray   # int64: every rank's keys (collective aggregation)
     union_pos: np.ndarray    # int64 [U]: index of each unique key in union_keys (collective)
     s_now: np.ndarray        # bool [len(union_keys)]: read again at step + 1 (collective)
@@ -131,8 +133,12 @@ class _PlannerBase:
     def memory_bytes(self) -> int:
         return int(self._native.memory_bytes())
 
-    def add_step(self, per_rank: Sequence[np.ndarray]) -> int:
-        """Adds the next step from each rank's keys (rank order). -> the step."""
+    def add_step(self, per_rank: Sequence[np.ndarray], *, global_ids: int = -1) -> int:
+        """Adds the next step from each rank's keys (rank order). -> the step.
+
+        Another rank's keys may be its distinct keys in first-occurrence order (the plan is
+        the same); `global_ids` then gives the step's id count with duplicates.
+        """
         if len(per_rank) != self.world_size:
             raise ValueError(f"expected {self.world_size} ranks' keys, got {len(per_rank)}")
         arrays = [as_key_array(k, f"keys of rank {q}") for q, k in enumerate(per_rank)]
@@ -140,7 +146,7 @@ class _PlannerBase:
         np.cumsum([a.size for a in arrays], out=offsets[1:])
         flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
         t0 = time.perf_counter()
-        step = int(self._native.add_step(flat, offsets))
+        step = int(self._native.add_step(flat, offsets, global_ids))
         self.plan_seconds += time.perf_counter() - t0
         return step
 

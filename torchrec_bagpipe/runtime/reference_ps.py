@@ -7,6 +7,9 @@ It implements the semantics of ARCHITECTURE §1/§3 with the simplest possible c
     division), multiplied by lr (fp32), and subtracted: the bitwise arithmetic of §1;
   * the committed step advances to t; a retry of a committed step is a no-op, a conflicting
     payload or an out-of-order step fails the session (`ReferenceSessionError`);
+  * like the native client, a rank may commit step t + 1 before its commit of step t was
+    applied: it waits in that rank's queue and is accepted once step t is committed (a
+    step that does not follow the rank's last commit is out of order);
   * ``get_async(keys, at_step)`` reads once ``committed_step >= at_step`` (immediately when it
     already is, otherwise as soon as the commit lands), bounded by a timeout.
 
@@ -133,7 +136,10 @@ class ReferencePS:
         self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._history: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self._commit_handles: dict[int, list[_Handle]] = {}
-        self._waiting_gets: list[tuple[int, np.ndarray, _Handle]] = []
+        self._waiting_gets: list[tuple[int, np.ndarray, _Handle, torch.Tensor | None]] = []
+        # Per rank: the last step accepted or queued, and commits waiting for their turn.
+        self._last_step: dict[int, int] = {}
+        self._queued: dict[int, deque[tuple[int, np.ndarray, np.ndarray, _Handle]]] = {}
         self._failed: BaseException | None = None
         self._apply_queue: deque[int] = deque()
         self._applier: threading.Thread | None = None
@@ -200,24 +206,37 @@ class ReferencePS:
                 else:
                     self._commit_handles.setdefault(step, []).append(handle)
                 return handle
+            last = self._last_step.get(rank, self._committed)
+            if step == last + 1 and step > receiving:
+                # Follows this rank's previous commit, which is not applied yet: queue it.
+                self._queued.setdefault(rank, deque()).append(
+                    (step, keys.copy(), grads.copy(), handle))
+                self._last_step[rank] = step
+                return handle
             # Strict order: step t is accepted only once step t - 1 is applied.
-            if step != receiving or receiving in self._history:
+            if step != receiving or receiving in self._history or last >= step:
                 self._fail(f"rank {rank} committed step {step}, expected {receiving}")
                 raise ReferenceSessionError(
                     f"out-of-order commit: rank {rank} sent step {step} while the committed "
                     f"step is {self._committed}"
                 )
-            self._pending[rank] = (keys.copy(), grads.copy())
-            self._commit_handles.setdefault(step, []).append(handle)
-            if len(self._pending) == self.world_size:
-                self._history[step] = self._pending
-                self._pending = {}
-                if self._applier is not None:
-                    self._apply_queue.append(step)
-                    self._cv.notify_all()
-                else:
-                    self._apply(step)
+            self._last_step[rank] = step
+            self._accept(rank, step, keys.copy(), grads.copy(), handle)
         return handle
+
+    def _accept(self, rank: int, step: int, keys: np.ndarray, grads: np.ndarray,
+                handle: _Handle) -> None:
+        # REQUIRES: self._cv held; step == committed + 1.
+        self._pending[rank] = (keys, grads)
+        self._commit_handles.setdefault(step, []).append(handle)
+        if len(self._pending) == self.world_size:
+            self._history[step] = self._pending
+            self._pending = {}
+            if self._applier is not None:
+                self._apply_queue.append(step)
+                self._cv.notify_all()
+            else:
+                self._apply(step)
 
     def _apply(self, step: int) -> None:
         # REQUIRES: self._cv held.
@@ -239,14 +258,28 @@ class ReferencePS:
         for h in self._commit_handles.pop(step, []):
             h._set(step)
         still = []
-        for at_step, keys, h in self._waiting_gets:
+        for at_step, keys, h, out in self._waiting_gets:
             if at_step <= self._committed:
-                self.rows_served += keys.size
-                h._set(torch.from_numpy(self.values[keys].copy()))
+                self._serve(keys, h, out)
             else:
-                still.append((at_step, keys, h))
+                still.append((at_step, keys, h, out))
         self._waiting_gets = still
         self._cv.notify_all()
+        # Queued commits of the next step now take their turn (after this step's gets).
+        for rank in sorted(self._queued):
+            q = self._queued[rank]
+            if q and q[0][0] == self._committed + 1 and rank not in self._pending:
+                nxt, keys, grads, h = q.popleft()
+                self._accept(rank, nxt, keys, grads, h)
+
+    def _serve(self, keys: np.ndarray, handle: _Handle, out: torch.Tensor | None) -> None:
+        # REQUIRES: self._cv held.
+        self.rows_served += keys.size
+        rows = torch.from_numpy(self.values[keys].copy())
+        if out is not None:
+            out.copy_(rows)
+            rows = out
+        handle._set(rows)
 
     def _apply_loop(self) -> None:
         while True:
@@ -265,9 +298,16 @@ class ReferencePS:
             for h in hs:
                 h._set(error=self._failed)
         self._commit_handles.clear()
+        for q in self._queued.values():
+            for *_, h in q:
+                h._set(error=self._failed)
+        self._queued.clear()
 
-    def get(self, rank: int, keys: Any, at_step: int) -> _Handle:
+    def get(self, rank: int, keys: Any, at_step: int, out: torch.Tensor | None = None) -> _Handle:
         keys = self._check_keys(keys, "get")
+        if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (keys.size,
+                                                                                   self.dim)):
+            raise ValueError(f"get: out must be float32 of shape {(keys.size, self.dim)}")
         handle = _Handle(f"get of {keys.size} rows at step {at_step} by rank {rank}", self.timeout)
         with self._cv:
             if self._failed is not None:
@@ -275,10 +315,9 @@ class ReferencePS:
             if self.record_gets:
                 self.gets.append(GetRecord(rank, int(at_step), self._committed, keys.copy()))
             if at_step <= self._committed:
-                self.rows_served += keys.size
-                handle._set(torch.from_numpy(self.values[keys].copy()))
+                self._serve(keys, handle, out)
             else:
-                self._waiting_gets.append((int(at_step), keys.copy(), handle))
+                self._waiting_gets.append((int(at_step), keys.copy(), handle, out))
         return handle
 
     def lookup(self, keys: Any) -> torch.Tensor:
@@ -299,8 +338,9 @@ class ReferencePSClient:
         self.rank = rank
         self.dim = server.dim
 
-    def get_async(self, keys: torch.Tensor, at_step: int) -> _Handle:
-        return self.server.get(self.rank, keys, at_step)
+    def get_async(self, keys: torch.Tensor, at_step: int,
+                  out: torch.Tensor | None = None) -> _Handle:
+        return self.server.get(self.rank, keys, at_step, out)
 
     def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> _Handle:
         return self.server.commit(self.rank, step, keys, grads)
