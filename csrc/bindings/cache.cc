@@ -159,9 +159,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           [](CacheMetadata& c, const py::array& keys) {
             auto v = Vec<int64_t>(keys, "keys");
             std::vector<int64_t> out(v.size);
-            {
-                c.Lookup(v.data, v.size, out.data());
-            }
+            c.Lookup(v.data, v.size, out.data());
             return ToArray(std::move(out));
           },
           py::arg("keys"), "-> slot of each key, else -1")
@@ -172,9 +170,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
             auto v = Vec<int64_t>(versions, "versions");
             SameLength(k.size, v.size, "keys", "versions");
             std::vector<int64_t> out(k.size);
-            {
-                c.Resident(k.data, v.data, k.size, out.data());
-            }
+            c.Resident(k.data, v.data, k.size, out.data());
             return ToArray(std::move(out));
           },
           py::arg("keys"), py::arg("versions"),
@@ -204,11 +200,7 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           "invalidate",
           [](CacheMetadata& c, const py::array& keys) {
             auto v = Vec<int64_t>(keys, "keys");
-            std::vector<int64_t> freed;
-            {
-                freed = c.Invalidate(v.data, v.size);
-            }
-            return ToArray(std::move(freed));
+            return ToArray(c.Invalidate(v.data, v.size));
           },
           py::arg("keys"), "-> slots freed")
       .def("clear", &CacheMetadata::Clear)
