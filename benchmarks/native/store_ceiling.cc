@@ -45,6 +45,7 @@
 
 #include "store/embedding_store.h"
 #include "store/hash.h"
+#include "store/key_map.h"
 
 namespace {
 
@@ -63,6 +64,8 @@ struct Args {
   size_t group = 32;
   std::vector<int> threads = {1, 2};
   bool engine = true;
+  int shards = 16;
+  uint32_t page_rows = 0;
 };
 
 // ---- memory ------------------------------------------------------------------------------
@@ -232,6 +235,151 @@ class RefTable {
   char* const rows_;
 };
 
+// ---- the best flat table found ---------------------------------------------------------
+
+// The engine's read design on one flat table: 16-byte entries in 64-byte buckets of four,
+// linear probing bucket by bucket (load <= 0.7), a whole bucket compared at once
+// (KeyMap::MatchBucket), and a four-stage pipeline over groups of 16 keys: hash and prefetch
+// the home bucket; match it (a hit prefetches the row, a full bucket without the key defers
+// the key and prefetches the next bucket); finish deferred keys; copy.
+class BucketTable {
+ public:
+  using Entry = bagpipe::store::KeyMap::Entry;
+  using KeyMap = bagpipe::store::KeyMap;
+
+  BucketTable(size_t n, int dim)
+      : dim_(dim),
+        stride_(((static_cast<size_t>(dim) * 4 + 63) / 64) * 64),
+        buckets_((n * 10 / 7 + 1 + 3) / 4),
+        table_(static_cast<Entry*>(MapHuge(buckets_ * 64))),
+        rows_(static_cast<char*>(MapHuge(n * stride_))) {
+    for (size_t k = 0; k < n; ++k) {
+      const int64_t key = static_cast<int64_t>(k);
+      for (size_t b = Home(KeyHash(key));; b = b + 1 == buckets_ ? 0 : b + 1) {
+        Entry* e = table_ + b * 4;
+        size_t j = 0;
+        while (j < 4 && e[j].tag != 0) ++j;
+        if (j == 4) continue;
+        e[j] = {key, static_cast<uint32_t>(k) + 1, 0};
+        break;
+      }
+      float* r = reinterpret_cast<float*>(rows_ + k * stride_);
+      for (int c = 0; c < dim; ++c) r[c] = static_cast<float>(k % 1000) * 1e-3f + c;
+    }
+  }
+
+  size_t Home(uint64_t h) const {
+    return static_cast<size_t>((static_cast<unsigned __int128>(h) * buckets_) >> 64);
+  }
+
+  template <size_t kRowBytes>
+  void Lookup(const int64_t* keys, size_t n, float* out) const {
+    constexpr size_t G = 16;
+    struct Stage {
+      size_t bucket[G];
+      const char* row[G];
+      uint8_t deferred[G];
+      size_t num_deferred;
+    };
+    Stage st[4];
+    const size_t groups = (n + G - 1) / G;
+    auto row_of = [&](uint32_t tag) {
+      const char* r = rows_ + static_cast<size_t>(tag - 1) * stride_;
+      __builtin_prefetch(r);
+      if (stride_ > 64) __builtin_prefetch(r + 64);
+      return r;
+    };
+    auto hash_stage = [&](size_t g) {
+      if (g >= groups) return;
+      Stage& s = st[g & 3];
+      const size_t m = std::min(G, n - g * G);
+      for (size_t j = 0; j < m; ++j) {
+        s.bucket[j] = Home(KeyHash(keys[g * G + j]));
+        __builtin_prefetch(table_ + s.bucket[j] * 4);
+      }
+    };
+    auto match_stage = [&](size_t g) {
+      if (g >= groups) return;
+      Stage& s = st[g & 3];
+      const size_t m = std::min(G, n - g * G);
+      s.num_deferred = 0;
+      for (size_t j = 0; j < m; ++j) {
+        const Entry* e = table_ + s.bucket[j] * 4;
+        const KeyMap::Match mt = KeyMap::MatchBucket(e, keys[g * G + j]);
+        if (mt.hit != 0) {
+          s.row[j] = row_of(e[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag);
+        } else if (mt.empty != 0) {
+          s.row[j] = nullptr;
+        } else {
+          s.bucket[j] = s.bucket[j] + 1 == buckets_ ? 0 : s.bucket[j] + 1;
+          __builtin_prefetch(table_ + s.bucket[j] * 4);
+          s.deferred[s.num_deferred++] = static_cast<uint8_t>(j);
+        }
+      }
+    };
+    auto finish_stage = [&](size_t g) {
+      if (g >= groups) return;
+      Stage& s = st[g & 3];
+      for (size_t q = 0; q < s.num_deferred; ++q) {
+        const size_t j = s.deferred[q];
+        const int64_t key = keys[g * G + j];
+        for (size_t b = s.bucket[j];; b = b + 1 == buckets_ ? 0 : b + 1) {
+          const Entry* e = table_ + b * 4;
+          const KeyMap::Match mt = KeyMap::MatchBucket(e, key);
+          if (mt.hit != 0) {
+            s.row[j] = row_of(e[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag);
+            break;
+          }
+          if (mt.empty != 0) {
+            s.row[j] = nullptr;
+            break;
+          }
+        }
+      }
+    };
+    auto copy_stage = [&](size_t g) {
+      const Stage& s = st[g & 3];
+      const size_t m = std::min(G, n - g * G);
+      for (size_t j = 0; j < m; ++j) {
+        float* dst = out + (g * G + j) * dim_;
+        if (s.row[j] != nullptr) {
+          std::memcpy(dst, s.row[j], kRowBytes);
+        } else {
+          std::memset(dst, 0, kRowBytes);
+        }
+      }
+    };
+    hash_stage(0);
+    hash_stage(1);
+    match_stage(0);
+    for (size_t g = 0; g <= groups; ++g) {
+      hash_stage(g + 2);
+      match_stage(g + 1);
+      finish_stage(g);
+      if (g > 0) copy_stage(g - 1);
+    }
+  }
+
+  void LookupAny(const int64_t* keys, size_t n, float* out) const {
+    switch (dim_) {
+      case 16: return Lookup<64>(keys, n, out);
+      case 32: return Lookup<128>(keys, n, out);
+      case 64: return Lookup<256>(keys, n, out);
+      case 128: return Lookup<512>(keys, n, out);
+      default:
+        std::fprintf(stderr, "the bucketized reference supports dims 16, 32, 64, 128\n");
+        std::exit(2);
+    }
+  }
+
+ private:
+  const int dim_;
+  const size_t stride_;
+  const size_t buckets_;
+  Entry* const table_;
+  char* const rows_;
+};
+
 // ---- two threads: a spinning hand-off ----------------------------------------------------
 
 // One helper thread and the caller share a job of `n` tasks, claimed dynamically: if the
@@ -387,6 +535,8 @@ Args Parse(int argc, char** argv) {
     else if (f == "--repeats") a.repeats = std::stoi(val());
     else if (f == "--group") a.group = std::stoull(val());
     else if (f == "--no-engine") a.engine = false;
+    else if (f == "--shards") a.shards = std::stoi(val());
+    else if (f == "--page-rows") a.page_rows = static_cast<uint32_t>(std::stoul(val()));
     else if (f == "--quick") { a.batches = 64; a.repeats = 3; }
     else if (f == "--threads") {
       a.threads.clear();
@@ -440,12 +590,15 @@ int main(int argc, char** argv) {
   const float lr = 0.01f;
 
   RefTable ref(a.keys, a.dim);
+  BucketTable best(a.keys, a.dim);
   for (int threads : a.threads) {
     std::unique_ptr<bagpipe::store::EmbeddingStore> store;
     if (a.engine) {
       bagpipe::store::StoreOptions o;
       o.dim = a.dim;
       o.num_threads = threads;
+      o.num_shards = a.shards;
+      o.page_rows = a.page_rows;
       o.init.bound = 0.01f;
       store = std::make_unique<bagpipe::store::EmbeddingStore>(o);
       store->Reserve(a.keys);
@@ -478,6 +631,17 @@ int main(int argc, char** argv) {
         if (threads == 1) part(0); else pair->Run(kTasks, part);
       }
     };
+    auto best_lookup = [&](size_t b0, size_t b1) {
+      for (size_t b = b0; b < b1; ++b) {
+        const int64_t* k = keys.data() + b * kBatch;
+        auto part = [&](size_t t) {
+          const size_t lo = threads == 1 ? 0 : kBatch * t / kTasks;
+          const size_t hi = threads == 1 ? kBatch : kBatch * (t + 1) / kTasks;
+          best.LookupAny(k + lo, hi - lo, out.data() + lo * dim);
+        };
+        if (threads == 1) part(0); else pair->Run(kTasks, part);
+      }
+    };
     // The reference SGD on 2 threads: each thread takes the distinct keys of one hash parity.
     auto ref_sgd = [&](size_t b0, size_t b1) {
       for (size_t b = b0; b < b1; ++b) {
@@ -497,11 +661,12 @@ int main(int argc, char** argv) {
     };
 
     const double total = static_cast<double>(a.batches * kBatch) / 1e6;
-    std::vector<std::function<void(size_t, size_t)>> fl = {ref_lookup};
+    std::vector<std::function<void(size_t, size_t)>> fl = {ref_lookup, best_lookup};
     if (a.engine) fl.push_back(eng_lookup);
     std::vector<double> t = TimedPasses(fl, a.batches, a.repeats);
     Emit("lookup", "reference", total / t[0], "M keys/s", threads, a, 0, distinct);
-    if (a.engine) Emit("lookup", "engine", total / t[1], "M keys/s", threads, a, total / t[0], distinct);
+    Emit("lookup", "bucketized", total / t[1], "M keys/s", threads, a, total / t[0], distinct);
+    if (a.engine) Emit("lookup", "engine", total / t[2], "M keys/s", threads, a, total / t[0], distinct);
 
     std::vector<std::function<void(size_t, size_t)>> fs = {ref_sgd};
     if (a.engine) fs.push_back(eng_sgd);
