@@ -395,8 +395,13 @@ class SpinPair {
     Wake();
     helper_.join();
   }
+  // Sends the helper to sleep at once (the end of a timed pass: the engine's threads get
+  // both cores for the next pass).
+  void Park() { parked_.store(true, std::memory_order_release); }
+
   // Runs fn(0) ... fn(n-1) on both threads. REQUIRES: 1 <= n < 2^32.
   void Run(size_t n, const std::function<void(size_t)>& fn) {
+    parked_.store(false, std::memory_order_relaxed);
     fn_ = &fn;
     n_ = n;
     finished_.store(0, std::memory_order_relaxed);
@@ -428,7 +433,7 @@ class SpinPair {
     uint32_t seen = 0;
     for (;;) {
       uint32_t g = gen_.load(std::memory_order_acquire);
-      for (int i = 0; g == seen && i < kSpinIters; ++i) {
+      for (int i = 0; g == seen && i < kSpinIters && !parked_.load(std::memory_order_acquire); ++i) {
         __builtin_ia32_pause();
         g = gen_.load(std::memory_order_acquire);
       }
@@ -452,6 +457,7 @@ class SpinPair {
   std::atomic<uint64_t> claim_{0};  // generation << 32 | next task
   std::atomic<size_t> finished_{0};
   std::atomic<bool> sleeping_{false};
+  std::atomic<bool> parked_{false};
   std::atomic<bool> stop_{false};
   std::thread helper_;
 };
@@ -630,6 +636,7 @@ int main(int argc, char** argv) {
         };
         if (threads == 1) part(0); else pair->Run(kTasks, part);
       }
+      if (pair) pair->Park();
     };
     auto best_lookup = [&](size_t b0, size_t b1) {
       for (size_t b = b0; b < b1; ++b) {
@@ -641,6 +648,7 @@ int main(int argc, char** argv) {
         };
         if (threads == 1) part(0); else pair->Run(kTasks, part);
       }
+      if (pair) pair->Park();
     };
     // The reference SGD on 2 threads: each thread takes the distinct keys of one hash parity.
     auto ref_sgd = [&](size_t b0, size_t b1) {
@@ -652,6 +660,7 @@ int main(int argc, char** argv) {
           pair->Run(2, [&](size_t t) { ref.Sgd(k, kBatch, grads.data(), lr, scratch[t], t, 2); });
         }
       }
+      if (pair) pair->Park();
     };
     auto eng_lookup = [&](size_t b0, size_t b1) {
       for (size_t b = b0; b < b1; ++b) store->Lookup(keys.data() + b * kBatch, kBatch, out.data(), true);
