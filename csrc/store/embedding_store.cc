@@ -446,10 +446,10 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
                                       bool record_misses, std::vector<uint32_t>* misses) {
   constexpr size_t G = kReadGroup;
   struct Stage {
-    uint32_t shard[G];
-    uint32_t bucket[G];    // home bucket (A), then the bucket after it for deferred keys (B)
-    const char* row[G];    // nullptr: absent
-    uint8_t deferred[G];   // indices in the group of keys B could not resolve
+    const KeyMap::View* view[G];    // the key's shard
+    const KeyMap::Entry* bucket[G]; // home bucket (A), then the next one for deferred keys (B)
+    const char* row[G];             // nullptr: absent
+    uint8_t deferred[G];            // indices in the group of keys B could not resolve
     uint32_t num_deferred;
   };
   Stage stages[4];
@@ -470,7 +470,10 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
   out += begin * dim;
   auto row_of = [&](uint32_t slot) -> const char* {
     const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
-    for (size_t l = 0; l < lines; ++l) __builtin_prefetch(r + 64 * l);
+    __builtin_prefetch(r);
+    if (kStride > 64 || (kRowBytes == 0 && lines > 1)) {
+      for (size_t l = 1; l < lines; ++l) __builtin_prefetch(r + 64 * l);
+    }
     if constexpr (kTrack) pages_[slot >> page_shift]->Touch(epoch);
     return r;
   };
@@ -481,12 +484,11 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
     const size_t m = std::min(G, n - g * G);
     for (size_t j = 0; j < m; ++j) {
       const uint64_t x = KeyHash(k[j]);
-      const uint32_t s = static_cast<uint32_t>(((x >> 32) * num_shards) >> 32);
-      const KeyMap::View& v = views[s];
-      const size_t b = v.Home(x);
-      st.shard[j] = s;
-      st.bucket[j] = static_cast<uint32_t>(b);
-      __builtin_prefetch(v.bucket(b));
+      const KeyMap::View* v = views + (((x >> 32) * num_shards) >> 32);
+      const KeyMap::Entry* e = v->bucket(v->Home(x));
+      st.view[j] = v;
+      st.bucket[j] = e;
+      __builtin_prefetch(e);
     }
   };
   auto match_stage = [&](size_t g) {
@@ -496,18 +498,18 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
     const size_t m = std::min(G, n - g * G);
     uint32_t deferred = 0;
     for (size_t j = 0; j < m; ++j) {
-      const KeyMap::View& v = views[st.shard[j]];
-      const KeyMap::Entry* e = v.bucket(st.bucket[j]);
+      const KeyMap::Entry* e = st.bucket[j];
       const KeyMap::Match mt = KeyMap::MatchBucket(e, k[j]);
       if (mt.hit != 0) {
         st.row[j] = row_of(e[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag - 1);
       } else if (mt.empty != 0) {
         st.row[j] = nullptr;
       } else {
-        const size_t next = v.Next(st.bucket[j]);
-        st.bucket[j] = static_cast<uint32_t>(next);
+        const KeyMap::View* v = st.view[j];
+        const KeyMap::Entry* next = v->bucket(v->Next(v->BucketOf(e)));
+        st.bucket[j] = next;
         st.deferred[deferred++] = static_cast<uint8_t>(j);
-        __builtin_prefetch(v.bucket(next));
+        __builtin_prefetch(next);
       }
     }
     st.num_deferred = deferred;
@@ -518,7 +520,8 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
     const int64_t* k = keys + g * G;
     for (uint32_t q = 0; q < st.num_deferred; ++q) {
       const size_t j = st.deferred[q];
-      const uint32_t slot = views[st.shard[j]].FindFrom(st.bucket[j], k[j]);
+      const KeyMap::View* v = st.view[j];
+      const uint32_t slot = v->FindFrom(v->BucketOf(st.bucket[j]), k[j]);
       st.row[j] = slot != KeyMap::kNotFound ? row_of(slot) : nullptr;
     }
   };

@@ -132,6 +132,9 @@ class KeyMap {
       return static_cast<size_t>((static_cast<unsigned __int128>(hash << shard_bits) * num_buckets) >> 64);
     }
     const Entry* bucket(size_t b) const { return table + b * kBucketEntries; }
+    size_t BucketOf(const Entry* bucket_start) const {
+      return static_cast<size_t>(bucket_start - table) / kBucketEntries;
+    }
     size_t Next(size_t b) const { return b + 1 == num_buckets ? 0 : b + 1; }
     uint32_t Find(int64_t key, uint64_t hash) const { return FindFrom(Home(hash), key); }
     // Probes from bucket b on. REQUIRES: b == Home(KeyHash(key)), or b follows it and every
