@@ -48,11 +48,12 @@ size_t KeyMap::FreeEntryFor(uint64_t hash) const {
 
 void KeyMap::Rehash(size_t new_num_buckets) {
   size_t bytes = RoundUp(new_num_buckets * kBucketEntries * sizeof(Entry), kOsPageBytes);
-  // A table of a huge page or more is mapped in whole huge pages, and the tail that rounding
-  // adds becomes buckets too: a partial last huge page would be backed by 4 KiB pages and
-  // cost its keys a TLB miss each.
-  if (bytes >= kHugePageBytes) {
-    bytes = RoundUp(bytes, kHugePageBytes);
+  // A partial last huge page is backed by 4 KiB pages and costs its keys a TLB miss each;
+  // when rounding up to whole huge pages adds at most 1/8 of the table, map whole huge pages
+  // and use the tail as buckets too (bytes per key stay within 1/8 of the 0.7 load bound).
+  const size_t whole = RoundUp(bytes, kHugePageBytes);
+  if (bytes >= kHugePageBytes && whole - bytes <= bytes / 8) {
+    bytes = whole;
     new_num_buckets = bytes / (kBucketEntries * sizeof(Entry));
   }
   auto* fresh = static_cast<Entry*>(MapAnonymous(bytes));  // zeroed: every entry is empty
