@@ -4,15 +4,19 @@ Prints one JSON line per result:
   {"bench", "metric", "value", "unit", "baseline", "ratio", "threads", "dim", "transport", ...}
 
 * get / commit throughput (rows/s and GB/s of row payload) for dim 32 and 128, 1 and 2 shards,
-  over the local (in-process) and tcp transports; baseline: one raw TCP stream on 127.0.0.1
-  (same machine, same run) moving the same bytes; ratio = transport GB/s / raw GB/s.
+  over the local (in-process) and tcp transports, and rdma (UCX) over shared memory
+  (``rdma-sm``: packets written one-sided into the shard's registered slots, a flush and a
+  doorbell per batch) and over TCP (``rdma-tcp``: packets carried by their doorbells);
+  baseline: one raw TCP stream on 127.0.0.1 (same machine, same run) moving the same bytes;
+  ratio = transport GB/s / raw GB/s.
 * empty-commit round trip (a W=1 step with no rows: chunk, ACK, commit notification)
   against a raw TCP ping-pong of the same frame sizes; ratio = raw / transport (1 = as fast).
-* per step: packets, bytes and ACK waits (times the window of in-flight packets was full).
+* per step: packets (writes), bytes and ACK waits (times the window of in-flight packets was
+  full); for rdma also one_sided_writes and doorbells.
 * context: the shard's own store read / SGD rate for the same rows (an EmbeddingStore in this
   process), and ``bound_gbps``: what a pipeline that must both move the bytes over loopback
   and read/update them in the store would reach if the two ran one after the other (a serial
-  estimate, not a hard cap): 1 / (1/raw + 1/store) for tcp
+  estimate, not a hard cap): 1 / (1/raw + 1/store) for tcp and rdma
   and the store rate for local; ``ratio_vs_bound`` = transport / bound.
 
 The tcp shards run in this process on the server's native threads (the same code as the
@@ -37,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps import EmbeddingStore, PSClient, PSShard
+from torchrec_bagpipe.ps import EmbeddingStore, PSClient, PSShard, rdma
 
 GB = 1e9
 
@@ -81,6 +85,10 @@ def make_job(transport: str, shards: int, dim: int, max_rows: int, window: int
     servers: list[Any] = []
     if transport == "local":
         endpoints: list[Any] = shard_objs
+    elif transport.startswith("rdma-"):  # rdma-sm / rdma-tcp: UCX over that UCX_TLS
+        os.environ["UCX_TLS"] = transport.split("-", 1)[1]
+        servers = [s.serve_ucx("127.0.0.1", 0, job_token="bench") for s in shard_objs]
+        endpoints = [srv.address for srv in servers]
     else:
         servers = [s.serve("127.0.0.1", 0, job_token="bench") for s in shard_objs]
         endpoints = [srv.address for srv in servers]
@@ -96,8 +104,20 @@ def close_job(client: PSClient, servers: list[Any]) -> None:
         s.stop()
 
 
+def counters(client: PSClient) -> dict[str, int]:
+    """The client's counters plus the rdma transport's (summed over shards)."""
+    c = dict(client.stats())
+    channels = client.channel_stats()
+    c["one_sided_writes"] = sum(ch["one_sided_writes"] for ch in channels)
+    c["doorbells"] = sum(ch["doorbells"] for ch in channels)
+    return c
+
+
 def per_step(before: dict[str, int], after: dict[str, int], steps: int) -> dict[str, float]:
-    return {k: (after[k] - before[k]) / steps for k in ("packets", "bytes_sent", "ack_waits")}
+    keys = ["packets", "bytes_sent", "ack_waits"]
+    if "one_sided_writes" in before:
+        keys += ["one_sided_writes", "doorbells"]
+    return {k: (after[k] - before[k]) / steps for k in keys}
 
 
 def bench_throughput(transport: str, shards: int, dim: int, rows: int, repeats: int,
@@ -118,12 +138,12 @@ def bench_throughput(transport: str, shards: int, dim: int, rows: int, repeats: 
         out = torch.empty(rows, dim)
         client.get_async(keys, -1, out=out).wait()  # warm-up
         times = []
-        before = client.stats()
+        before = counters(client)
         for _ in range(repeats):
             t0 = time.perf_counter()
             client.get_async(keys, -1, out=out).wait()
             times.append(time.perf_counter() - t0)
-        counts = per_step(before, client.stats(), repeats)
+        counts = per_step(before, counters(client), repeats)
         t = statistics.median(times)
         emit(bench="ps_transport", metric="get_rows_per_s", value=rows / t, unit="rows/s",
              baseline=None, ratio=None, **common)
@@ -133,13 +153,13 @@ def bench_throughput(transport: str, shards: int, dim: int, rows: int, repeats: 
              ratio_vs_bound=payload / t / GB / cap, **common, **counts)
 
         times = []
-        before = client.stats()
+        before = counters(client)
         for step in range(repeats + 1):
             t0 = time.perf_counter()
             client.commit_async(step, keys, grads).wait()
             if step > 0:  # step 0 was the warm-up
                 times.append(time.perf_counter() - t0)
-        counts = per_step(before, client.stats(), repeats + 1)
+        counts = per_step(before, counters(client), repeats + 1)
         t = statistics.median(times)
         emit(bench="ps_transport", metric="commit_rows_per_s", value=rows / t, unit="rows/s",
              baseline=None, ratio=None, **common)
@@ -164,7 +184,7 @@ def bench_round_trip(transport: str, iterations: int) -> None:
         raw: list[float] = []
         blocks = 10
         step = 1
-        before = client.stats()
+        before = counters(client)
         for _ in range(blocks):
             raw.extend(C.raw_pingpong_seconds(iterations // blocks, 88))
             for _ in range(iterations // blocks):
@@ -172,7 +192,7 @@ def bench_round_trip(transport: str, iterations: int) -> None:
                 client.commit_async(step, empty_k, empty_g).wait()
                 times.append(time.perf_counter() - t0)
                 step += 1
-        counts = per_step(before, client.stats(), step - 1)
+        counts = per_step(before, counters(client), step - 1)
         us = statistics.median(times) * 1e6
         raw_us = statistics.median(raw) * 1e6
         emit(bench="ps_transport", metric="empty_commit_round_trip_us", value=us, unit="us",
@@ -214,7 +234,13 @@ def main() -> int:
     emit(bench="ps_transport", metric="raw_pingpong_us", value=raw_us, unit="us", baseline=None,
          ratio=None, threads=1, transport="raw-tcp", msg_bytes=88)
 
-    for transport in ("local", "tcp"):
+    transports = ["local", "tcp"]
+    if rdma.HAVE_UCX:
+        transports += ["rdma-sm", "rdma-tcp"]
+    else:
+        emit(bench="ps_transport", metric="note", value=None, unit=None, baseline=None,
+             ratio=None, note="rdma not measured: this build has no UCX")
+    for transport in transports:
         for shards in (1, 2):
             for d in dims:
                 bench_throughput(transport, shards, d, rows, repeats, raw, stores,

@@ -3,6 +3,8 @@
 * 2 ranks x 2 `torchrec-bagpipe-ps` servers for a few hundred steps equal the reference.
 * Killing a shard mid-run makes every rank raise within its timeout; restarting the shard
   from its checkpoint and replaying from the committed step ends equal to the reference.
+
+Both run over tcp and over rdma (UCX over shared memory, then over TCP).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 from ps_job import CLIENT, DIM, INIT, KEYS, LR, TABLE, batch
 from ps_reference import ReferencePS
+from ps_transports import address, params, server_args
 
 from torchrec_bagpipe.ps import PSClient, spawn_server
 
@@ -89,12 +92,22 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
     assert diff.size == 0, f"{diff.size} rows differ from the reference, e.g. key {diff[:5]}"
 
 
-def test_two_ranks_two_server_processes_equal_reference(tmp_path: Path) -> None:
+@pytest.fixture
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The transport of this run; rdma-* set UCX_TLS, which server and rank processes inherit."""
+    if request.param.startswith("rdma-"):
+        monkeypatch.setenv("UCX_TLS", request.param.split("-", 1)[1])
+    return str(request.param)
+
+
+@pytest.mark.parametrize("transport", params("tcp"), indirect=True)
+def test_two_ranks_two_server_processes_equal_reference(tmp_path: Path, transport: str) -> None:
     steps = 300
     logs = [open(tmp_path / f"shard{i}.log", "w") for i in range(2)]  # noqa: SIM115
-    servers = [spawn_server(i, 2, job_token=TOKEN, stderr=logs[i]) for i in range(2)]
+    servers = [spawn_server(i, 2, job_token=TOKEN, stderr=logs[i], args=server_args(transport))
+               for i in range(2)]
     try:
-        addresses = [s.address for s in servers]
+        addresses = [address(s, transport) for s in servers]
         ranks = [Rank(r, 2, addresses, steps) for r in range(2)]
         for r in ranks:
             assert r.finish(240) == 0, (r.events[-3:], r.stderr[-2000:])
@@ -116,19 +129,22 @@ def test_two_ranks_two_server_processes_equal_reference(tmp_path: Path) -> None:
     assert "rank 1/2 opened" in log and "rank 1 closed" in log and "SIGTERM: draining" in log
 
 
-def test_killed_shard_fails_every_rank_then_restart_and_replay(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", params("tcp"), indirect=True)
+def test_killed_shard_fails_every_rank_then_restart_and_replay(tmp_path: Path,
+                                                              transport: str) -> None:
     steps, timeout = 200, 20.0
     ckpt = [tmp_path / f"ckpt{i}" for i in range(2)]
     logs = [open(tmp_path / f"shard{i}.log", "w") for i in range(3)]  # noqa: SIM115
 
     def server(i: int, log: int) -> object:
         return spawn_server(i, 2, job_token=TOKEN, stderr=logs[log],
-                            args=["--checkpoint-dir", str(ckpt[i]), "--checkpoint-every", "25"])
+                            args=["--checkpoint-dir", str(ckpt[i]), "--checkpoint-every", "25",
+                                  *server_args(transport)])
 
     servers = [server(0, 0), server(1, 1)]
     restarted = None
     try:
-        addresses = [s.address for s in servers]
+        addresses = [address(s, transport) for s in servers]
         ranks = [Rank(r, 2, addresses, steps, timeout=timeout) for r in range(2)]
         deadline = time.monotonic() + 120
         while min(r.last_step() for r in ranks) < 60:
@@ -148,7 +164,7 @@ def test_killed_shard_fails_every_rank_then_restart_and_replay(tmp_path: Path) -
 
         # Restart shard 1 from its checkpoint; the ranks replay from the committed step.
         restarted = server(1, 2)
-        addresses = [servers[0].address, restarted.address]
+        addresses = [address(servers[0], transport), address(restarted, transport)]
         time.sleep(0.5)  # let shard 0 notice the dead ranks' connections are gone
         replay = [Rank(r, 2, addresses, steps, timeout=timeout) for r in range(2)]
         for r in replay:

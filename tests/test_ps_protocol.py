@@ -5,7 +5,8 @@
   immediate reads, conflicting retries and out-of-order steps. After every rule the table must
   equal the reference bitwise, and the committed step must match.
 * Through PSClient: the final weights do not depend on the shard count, the packet size, the
-  in-flight window or the partitioner.
+  in-flight window or the partitioner — over the local transport and over rdma (UCX over
+  shared memory, then over TCP).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hypothesis.stateful import (
     rule,
 )
 from ps_reference import ReferencePS
+from ps_transports import endpoint, params, transport_env
 
 from torchrec_bagpipe import SessionError
 from torchrec_bagpipe._native import C
@@ -277,14 +279,17 @@ TestCommitProtocol = CommitProtocol.TestCase
 # ---- independence of shard count, packet size, window and partitioner --------------------------
 
 def _run_job(num_shards: int, max_rows: int, window: int, partitioner: str, world: int,
-             steps: list[list[tuple[np.ndarray, np.ndarray]]], lr: float) -> np.ndarray:
+             steps: list[list[tuple[np.ndarray, np.ndarray]]], lr: float,
+             transport: str = "local") -> np.ndarray:
     shards = [PSShard(i, num_shards) for i in range(num_shards)]
-    clients = [
-        PSClient(shards, table="emb", dim=DIM, lr=lr, rank=r, world_size=world,
-                 partitioner=partitioner, max_packet_rows=max_rows, inflight_packets=window,
-                 timeout=30.0, **INIT)
-        for r in range(world)
-    ]
+    with transport_env(transport):
+        endpoints = [endpoint(s, transport) for s in shards]
+        clients = [
+            PSClient(endpoints, table="emb", dim=DIM, lr=lr, rank=r, world_size=world,
+                     partitioner=partitioner, max_packet_rows=max_rows, inflight_packets=window,
+                     timeout=30.0, **INIT)
+            for r in range(world)
+        ]
     for t, per_rank in enumerate(steps):
         handles = [c.commit_async(t, torch.from_numpy(k), torch.from_numpy(g))
                    for c, (k, g) in zip(clients, per_rank)]
@@ -293,15 +298,19 @@ def _run_job(num_shards: int, max_rows: int, window: int, partitioner: str, worl
     rows = clients[0].lookup(torch.arange(KEYS, dtype=torch.int64)).numpy()
     for c in clients:
         c.close()
+    for s in shards:
+        s.close()
     return rows
 
 
+@pytest.mark.parametrize("transport", params("local"))
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), world=st.integers(1, 3), shards=st.integers(1, 3),
        max_rows=st.sampled_from([1, 2, 5, 4096]), window=st.sampled_from([1, 2, 8]),
        partitioner=st.sampled_from(["modulo", "hash", "fast_range"]))
 def test_result_independent_of_sharding_and_packing(
-    data: st.DataObject, world: int, shards: int, max_rows: int, window: int, partitioner: str
+    transport: str, data: st.DataObject, world: int, shards: int, max_rows: int, window: int,
+    partitioner: str
 ) -> None:
     steps = []
     for _ in range(data.draw(st.integers(1, 4), label="steps")):
@@ -315,7 +324,7 @@ def test_result_independent_of_sharding_and_packing(
     ref = ReferencePS(DIM, 0.5, world, **INIT)
     for per_rank in steps:
         ref.apply_step(per_rank)
-    got = _run_job(shards, max_rows, window, partitioner, world, steps, 0.5)
+    got = _run_job(shards, max_rows, window, partitioner, world, steps, 0.5, transport)
     assert np.array_equal(got.view(np.uint32), ref.lookup(list(range(KEYS))).view(np.uint32))
 
 

@@ -246,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in range(args.ps_servers):
             cmd = [sys.executable, "-m", "torchrec_bagpipe.ps.server", "--shard-id", str(s),
                    "--num-shards", str(args.ps_servers), "--host", args.ps_host, "--port", "0",
+                   *(["--transport", "rdma"] if ps_type == "rdma" else []),
                    *args.ps_server_args.split()]
             servers.append(launcher.start(f"ps{s}", cmd, env, f"[ps {s}]"))
         deadline = time.monotonic() + args.startup_timeout

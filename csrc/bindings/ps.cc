@@ -31,6 +31,7 @@
 #include "server/shard_server.h"
 #include "transport/local_transport.h"
 #include "transport/loopback_probe.h"
+#include "transport/rdma.h"
 #include "transport/socket_io.h"
 #include "transport/tcp_transport.h"
 
@@ -389,16 +390,25 @@ BAGPIPE_BINDING(ps) {
              // Collect the endpoints with the GIL, connect without it.
              std::vector<std::shared_ptr<PSShard>> locals(endpoints.size());
              std::vector<std::pair<std::string, uint16_t>> remotes(endpoints.size());
+             std::vector<bool> rdma(endpoints.size(), false);  // ("ucx", host, port)
              for (size_t j = 0; j < endpoints.size(); ++j) {
                py::handle e = endpoints[j];
                if (py::isinstance<PSShard>(e)) {
                  locals[j] = e.cast<std::shared_ptr<PSShard>>();
+               } else if (py::isinstance<py::tuple>(e) && py::len(e) == 3) {
+                 auto t = e.cast<py::tuple>();
+                 if (t[0].cast<std::string>() != "ucx") {
+                   throw ValueError("endpoint " + std::to_string(j) + ": unknown scheme");
+                 }
+                 rdma[j] = true;
+                 remotes[j] = {t[1].cast<std::string>(), t[2].cast<uint16_t>()};
                } else if (py::isinstance<py::tuple>(e)) {
                  auto t = e.cast<py::tuple>();
                  remotes[j] = {t[0].cast<std::string>(), t[1].cast<uint16_t>()};
                } else {
                  throw TypeError("endpoint " + std::to_string(j) +
-                                 " must be a PSShardCore or a (host, port) tuple");
+                                 " must be a PSShardCore, a (host, port) or a "
+                                 "('ucx', host, port) tuple");
                }
              }
              py::gil_scoped_release release;
@@ -406,6 +416,9 @@ BAGPIPE_BINDING(ps) {
              for (size_t j = 0; j < locals.size(); ++j) {
                if (locals[j]) {
                  channels.push_back(std::make_unique<transport::LocalChannel>(locals[j], co));
+               } else if (rdma[j]) {
+                 channels.push_back(transport::ConnectRdmaChannel(
+                     remotes[j].first, remotes[j].second, job_token, co, connect_timeout));
                } else {
                  channels.push_back(transport::TcpChannel::Connect(
                      remotes[j].first, remotes[j].second, job_token, co, connect_timeout));
@@ -458,6 +471,29 @@ BAGPIPE_BINDING(ps) {
           s = c.stats();
         }
         return ClientStatsDict(s);
+      })
+      .def("channel_stats", [](PSClient& c) {
+        std::vector<transport::ChannelStats> cs;
+        {
+          py::gil_scoped_release release;
+          cs = c.channel_stats();
+        }
+        const auto peers = c.shard_peers();
+        py::list out;
+        for (size_t j = 0; j < cs.size(); ++j) {
+          py::dict d;
+          d["peer"] = j < peers.size() ? peers[j] : std::string();
+          d["frames_sent"] = cs[j].frames_sent;
+          d["bytes_sent"] = cs[j].bytes_sent;
+          d["frames_received"] = cs[j].frames_received;
+          d["bytes_received"] = cs[j].bytes_received;
+          d["slot_waits"] = cs[j].slot_waits;
+          d["flushes"] = cs[j].flushes;
+          d["one_sided_writes"] = cs[j].one_sided_writes;
+          d["doorbells"] = cs[j].doorbells;
+          out.append(d);
+        }
+        return out;
       })
       .def("close", &PSClient::Close, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
 

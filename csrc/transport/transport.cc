@@ -200,8 +200,13 @@ Error Channel::error() const {
 }
 
 ChannelStats Channel::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  ChannelStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = stats_;
+  }
+  BackendStats(&s);
+  return s;
 }
 
 void Channel::Close() {

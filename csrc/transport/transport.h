@@ -126,6 +126,9 @@ struct ChannelStats {
   uint64_t bytes_received = 0;
   uint64_t slot_waits = 0;  // AcquireSlot calls that had to wait for a reply (window full)
   uint64_t flushes = 0;
+  // Filled by backends that have them (BackendStats); 0 elsewhere.
+  uint64_t one_sided_writes = 0;  // rdma: frames written one-sided into the shard's slots
+  uint64_t doorbells = 0;         // rdma: doorbell messages announcing written frames
 };
 
 class Channel {
@@ -186,6 +189,8 @@ class Channel {
   // Stops the backend's receive path and joins its threads. After it returns, no receive
   // path call (Expect, Complete, ...) is in progress or will start.
   virtual void DoClose() = 0;
+  // Adds backend-specific counters to a stats() snapshot. Thread-safe.
+  virtual void BackendStats(ChannelStats* stats) const { (void)stats; }
 
   // ---- receive path, for backends ------------------------------------------------------
   // The request in flight in h.slot if h.tag matches; otherwise fails the channel (a stray

@@ -53,11 +53,11 @@ class BagPipeJob:
 
     Deployment (decided once per process, identically on every rank):
     * `ps_addresses` (or the launcher's ``BAGPIPE_PS_ADDRESSES``) given: the shards are
-      those servers, reached over TCP.
+      those servers, reached over TCP (over UCX with ``ps_type="rdma"``).
     * otherwise (zero-config): rank r < S hosts shard r (S = `ps_shards` or the world size)
-      in this process, serves it on loopback TCP for the other ranks, and reaches it
-      in-process itself (``ps_type="local"``) or over loopback too (``"tcp"``); the shards'
-      addresses go through torch.distributed's store.
+      in this process, serves it on loopback TCP (UCX for ``"rdma"``) for the other ranks,
+      and reaches it in-process itself (``ps_type="local"``) or through its server too
+      (``"tcp"``, ``"rdma"``); the shards' addresses go through torch.distributed's store.
     """
 
     def __init__(self, config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> None:
@@ -101,18 +101,17 @@ class BagPipeJob:
         if not addresses and os.environ.get("BAGPIPE_PS_ADDRESSES"):
             addresses = [a for a in os.environ["BAGPIPE_PS_ADDRESSES"].split(",") if a]
         if kind == "rdma":
-            raise ValueError(
-                "BagPipeConfig.ps_type='rdma' needs the UCX transport, which this build does "
-                "not have; use 'tcp' (or 'local' on one node: torchrec-bagpipe-launch "
-                "selects it automatically)"
-            )
+            from torchrec_bagpipe.ps.rdma import require_rdma
+
+            require_rdma()  # RdmaUnavailableError naming libucx-dev in a build without UCX
+        scheme = "ucx://" if kind == "rdma" else "tcp://"
         if addresses:
             if config.ps_shards is not None and config.ps_shards != len(addresses):
                 raise ValueError(
                     f"BagPipeConfig.ps_shards ({config.ps_shards}) does not match the "
                     f"{len(addresses)} PS addresses"
                 )
-            return [f"tcp://{a}" if "://" not in a else a for a in addresses]
+            return [f"{scheme}{a}" if "://" not in a else a for a in addresses]
         shards = config.ps_shards if config.ps_shards is not None else self.world_size
         if shards > self.world_size:
             raise ValueError(
@@ -126,8 +125,12 @@ class BagPipeJob:
                 memory_budget=config.memory_budget,
                 spill_dir=config.spill_dir,
             )
-            self.server = self.shard.serve("127.0.0.1", 0, job_token=self.job_token)
-            self._store.set(self._key(f"addr/{self.rank}"), self.server.address)
+            if kind == "rdma":
+                self.server = self.shard.serve_ucx("127.0.0.1", 0, job_token=self.job_token)
+            else:
+                self.server = self.shard.serve("127.0.0.1", 0, job_token=self.job_token)
+            self._store.set(self._key(f"addr/{self.rank}"),
+                            f"{self.server.host}:{self.server.port}")
         keys = [self._key(f"addr/{r}") for r in range(shards)]
         self._store.wait(keys, datetime.timedelta(seconds=self.config.connect_timeout))
         endpoints: list[Any] = []
@@ -135,7 +138,7 @@ class BagPipeJob:
             if r == self.rank and kind == "local":
                 endpoints.append(self.shard)
             else:
-                endpoints.append("tcp://" + self._store.get(key).decode())
+                endpoints.append(scheme + self._store.get(key).decode())
         return endpoints
 
     def _key(self, name: str) -> str:

@@ -15,6 +15,8 @@ _LAZY = {
     "ServerProcess": "torchrec_bagpipe.ps.shard",
     "ShardServer": "torchrec_bagpipe.ps.shard",
     "spawn_server": "torchrec_bagpipe.ps.shard",
+    "serve_ucx": "torchrec_bagpipe.ps.rdma",
+    "UcxShardServer": "torchrec_bagpipe.ps.rdma",
     "start_local_shards": "torchrec_bagpipe.ps.shard",
     "start_tcp_shard": "torchrec_bagpipe.ps.shard",
 }

@@ -7,7 +7,8 @@ with the GIL released. Tensors cross zero-copy and are borrowed until the handle
 the client keeps them alive, the caller must not modify them meanwhile.
 
 Endpoints, one per shard in shard order, may mix transports: a `PSShard` object of this
-process (local: no sockets), ``"host:port"`` / ``"tcp://host:port"`` / ``(host, port)`` (TCP).
+process (local: no sockets), ``"host:port"`` / ``"tcp://host:port"`` / ``(host, port)`` (TCP),
+``"ucx://host:port"`` / ``"rdma://host:port"`` (UCX, see `torchrec_bagpipe.ps.rdma`).
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def _endpoint(e: Any, index: int) -> Any:
         return (host, int(port))
     if isinstance(e, str):
         text = e
-        if text.startswith("ucx://") or text.startswith("rdma://"):
-            raise ValueError(
-                f"endpoints[{index}] = {e!r}: the rdma (UCX) transport is not available in this "
-                "build; use tcp:// or an in-process PSShard"
-            )
+        rdma = text.startswith("ucx://") or text.startswith("rdma://")
+        if rdma:
+            from torchrec_bagpipe.ps import rdma as _rdma
+
+            _rdma.require_rdma()
+            text = text.split("://", 1)[1]
         if text.startswith("tcp://"):
             text = text[len("tcp://"):]
         host, sep, port = text.rpartition(":")
@@ -59,7 +61,7 @@ def _endpoint(e: Any, index: int) -> Any:
             host = host[1:-1]
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"endpoints[{index}] = {e!r} is not host:port")
-        return (host, int(port))
+        return ("ucx", host, int(port)) if rdma else (host, int(port))
     raise TypeError(
         f"endpoints[{index}] must be a PSShard, 'host:port' or (host, port), got {type(e).__name__}"
     )
@@ -152,6 +154,7 @@ class PSClient:
         self._closed = False
         self._lock = threading.Lock()
         self._pending: list[PSHandle] = []
+        self._stager: Any = None  # DeviceStagerCore, created by the first CUDA commit
         if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
             raise TypeError("endpoints must be a sequence (one endpoint per shard, in shard order)")
         if len(endpoints) == 0:
@@ -264,14 +267,48 @@ class PSClient:
 
     # ---- protocol -------------------------------------------------------------------------
     def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> PSHandle:
-        """Commits this rank's gradient rows of `step` (keys: 1-D int64; grads: (n, dim)
-        float32; n may be 0 — every rank commits every step). The handle completes when every
-        shard has committed `step`."""
+        """Commits this rank's gradient rows of `step` (keys: 1-D int64 on the CPU; grads:
+        (n, dim) float32, on the CPU or in CUDA memory; n may be 0 — every rank commits every
+        step). The handle completes when every shard has committed `step`."""
         step = _int_arg(step, "step", minimum=0)
+        if isinstance(grads, torch.Tensor) and grads.is_cuda:
+            return self._commit_async_device(step, keys, grads)
         k = _keys_arg(keys)
         g = _rows_arg(grads, "grads", k.shape[0], self.dim)
         op = self._live().commit_async(step, k, g)
         return self._track(PSHandle(op, "commit", None, (keys, grads, k, g), self))
+
+    def _commit_async_device(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> PSHandle:
+        """Gradients in CUDA memory: an event is recorded on the current stream (after the
+        backward pass wrote them); a native worker waits for it, copies the rows into a pinned
+        host buffer and the client packs them from there. Keys stay on the CPU (they come from
+        the CPU-side plans: no device round trip). `grads` and the event are kept alive in the
+        handle until the commit is done."""
+        if isinstance(keys, torch.Tensor) and keys.device.type != "cpu":
+            raise TypeError(
+                f"keys must be a CPU tensor, got device {keys.device}: commit IDs come from the "
+                "CPU-side plans, never from a device round trip"
+            )
+        k = _keys_arg(keys)
+        if grads.dtype != torch.float32:
+            raise TypeError(f"grads must have dtype torch.float32, got {grads.dtype}")
+        if grads.layout != torch.strided or not grads.is_contiguous():
+            raise TypeError("grads must be a dense, contiguous tensor")
+        if grads.dim() != 2 or grads.shape[0] != k.shape[0] or grads.shape[1] != self.dim:
+            raise ValueError(
+                f"grads must have shape ({k.shape[0]}, {self.dim}), got {tuple(grads.shape)}"
+            )
+        g = grads.detach()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(g.device))
+        if self._stager is None:
+            self._stager = C.DeviceStagerCore(self.timeout)
+        op = C.commit_async_device(
+            self._live(), step, k, self._stager, g.data_ptr(), g.numel() * 4,
+            g.device.index if g.device.index is not None else torch.cuda.current_device(),
+            event.cuda_event,
+        )
+        return self._track(PSHandle(op, "commit", None, (keys, grads, k, g, event), self))
 
     def get_async(
         self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None
@@ -330,6 +367,12 @@ class PSClient:
         rows_read (counted by this client over every shard)."""
         return dict(self._live().stats())
 
+    def channel_stats(self) -> list[dict[str, Any]]:
+        """Per shard, in shard order: peer, frames_sent, bytes_sent, frames_received,
+        bytes_received, slot_waits (waits for an ACK with the window full), flushes, and for
+        the rdma transport one_sided_writes and doorbells."""
+        return list(self._live().channel_stats())
+
     def failure(self) -> str | None:
         """The error that failed this client, if any."""
         return self._live().failure()
@@ -347,6 +390,7 @@ class PSClient:
         finally:
             with self._lock:
                 self._pending.clear()
+            self._stager = None  # joins the staging worker
 
     def __enter__(self) -> PSClient:
         return self

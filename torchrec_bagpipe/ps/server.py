@@ -1,6 +1,7 @@
 """The PS shard server program: ``torchrec-bagpipe-ps`` / ``python -m torchrec_bagpipe.ps.server``.
 
-Serves one PS shard over TCP. On start it prints one line to stdout,
+Serves one PS shard over TCP (or over UCX with ``--transport rdma``: RDMA verbs on a fabric,
+shared memory or TCP elsewhere). On start it prints one line to stdout,
 ``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``), and logs
 one line per session event to stderr. SIGTERM (or SIGINT) drains: the server stops accepting,
 lets connected trainers finish and close their sessions (up to ``--drain-timeout``), closes
@@ -46,7 +47,7 @@ Examples:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrec-bagpipe-ps",
-        description="Serve one torchrec_bagpipe parameter-server shard over TCP.",
+        description="Serve one torchrec_bagpipe parameter-server shard over TCP or UCX (rdma).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -59,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=0,
                    help="TCP port; 0 picks a free one and prints it (default 0)")
+    g.add_argument("--transport", choices=("tcp", "rdma"), default="tcp",
+                   help="tcp: frames over TCP on --port; rdma: UCX (RDMA verbs on a fabric, "
+                        "shared memory or TCP elsewhere, per UCX_TLS / --ucx-tls), bootstrapped "
+                        "on the TCP control port --port; clients then use ucx://HOST:PORT "
+                        "(default tcp)")
+    g.add_argument("--ucx-tls", default=None,
+                   help="rdma: UCX transports, overriding $UCX_TLS (e.g. rc,sm,self or tcp)")
+    g.add_argument("--ucx-devices", default=None,
+                   help="rdma: UCX devices, overriding $UCX_NET_DEVICES (e.g. mlx5_0:1)")
     g.add_argument("--job-token", default=None,
                    help="token clients must present (default: $BAGPIPE_JOB_TOKEN, else empty)")
     g.add_argument("--handshake-timeout", type=float, default=10.0,
@@ -163,14 +173,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_frame_bytes=args.max_frame_bytes,
             verbose=not args.quiet,
         )
-        server = shard.serve(
-            args.host,
-            args.port,
-            job_token=token,
-            handshake_timeout=args.handshake_timeout,
-            max_connections=args.max_connections,
-        )
-    except (ValueError, TypeError, OSError) as e:
+        if args.transport == "rdma":
+            server = shard.serve_ucx(
+                args.host,
+                args.port,
+                job_token=token,
+                ucx_tls=args.ucx_tls,
+                ucx_devices=args.ucx_devices,
+                handshake_timeout=args.handshake_timeout,
+                max_connections=args.max_connections,
+            )
+        else:
+            server = shard.serve(
+                args.host,
+                args.port,
+                job_token=token,
+                handshake_timeout=args.handshake_timeout,
+                max_connections=args.max_connections,
+            )
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"torchrec-bagpipe-ps: {e}", file=sys.stderr)
         return 2
 

@@ -140,7 +140,7 @@ class PSShard:
             0 if page_rows is None else _int_arg(page_rows, "page_rows", minimum=1),
         )
         self.checkpoint_dir = ckpt or None
-        self._servers: list[ShardServer] = []
+        self._servers: list[Any] = []  # ShardServer, UcxShardServer
         self.restored: dict[str, int] = {}
         if restore is True:
             if not ckpt:
@@ -254,6 +254,15 @@ class PSShard:
             _int_arg(max_connections, "max_connections", minimum=1),
         )
         server = ShardServer(core, self)
+        self._servers.append(server)
+        return server
+
+    def serve_ucx(self, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> Any:
+        """Serves this shard over the rdma (UCX) transport (`torchrec_bagpipe.ps.rdma.serve_ucx`
+        takes the keyword arguments); clients use the returned server's ``address``."""
+        from torchrec_bagpipe.ps.rdma import serve_ucx
+
+        server = serve_ucx(self, host, port, **kwargs)
         self._servers.append(server)
         return server
 

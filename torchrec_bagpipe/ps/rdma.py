@@ -1,0 +1,140 @@
+"""The rdma (UCX) transport of the PS: availability, shard servers and endpoint names.
+
+Shards serve UCX clients on a TCP control port (the bootstrap: job token, worker addresses,
+the registered slot ring's remote key); frames then travel through UCX, written one-sided
+into the shard's registered slots where UCX has native RMA (RC verbs on InfiniBand/RoCE,
+shared memory on one host) or carried by active messages where it does not (TCP). UCX
+chooses transports and devices from ``UCX_TLS`` / ``UCX_NET_DEVICES`` (e.g.
+``UCX_TLS=rc,sm,self UCX_NET_DEVICES=mlx5_0:1``); the arguments below override them for
+one server.
+
+Clients name a UCX shard ``"ucx://host:port"`` (or ``"rdma://host:port"``) in
+`PSClient` endpoints. A build without UCX raises `RdmaUnavailableError` for either side.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from torchrec_bagpipe._native import C
+
+__all__ = [
+    "HAVE_UCX",
+    "UCX_VERSION",
+    "RdmaUnavailableError",
+    "UcxShardServer",
+    "rdma_endpoint",
+    "require_rdma",
+    "serve_ucx",
+]
+
+HAVE_UCX: bool = bool(C.HAVE_UCX)
+UCX_VERSION: str = str(C.UCX_VERSION)
+
+
+class RdmaUnavailableError(RuntimeError):
+    """ps_type='rdma' was asked for in a build compiled without UCX (libucx-dev)."""
+
+
+_UNAVAILABLE = (
+    "ps_type='rdma' needs UCX (the ucx library, Debian/Ubuntu package libucx-dev, found through "
+    "pkg-config 'ucx'), and this build of torchrec_bagpipe was compiled without it: install "
+    "libucx-dev and rebuild (make build / pip install .), or use ps_type='tcp' or the "
+    "single-node local backend"
+)
+
+
+def require_rdma() -> None:
+    """Raises `RdmaUnavailableError` naming the missing library when UCX is not built in."""
+    if not HAVE_UCX:
+        raise RdmaUnavailableError(str(C.RDMA_UNAVAILABLE) or _UNAVAILABLE)
+
+
+def rdma_endpoint(address: str) -> str:
+    """The `PSClient` endpoint of the UCX shard listening at ``host:port``."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str 'host:port', got {type(address).__name__}")
+    text = address
+    for prefix in ("ucx://", "rdma://", "tcp://"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{address!r} is not host:port")
+    return f"ucx://{text}"
+
+
+class UcxShardServer:
+    """A UCX server for one `PSShard`, running on background native threads."""
+
+    def __init__(self, core: Any, shard: Any) -> None:
+        self._core = core
+        self.shard = shard
+
+    @property
+    def host(self) -> str:
+        return str(self._core.host)
+
+    @property
+    def port(self) -> int:
+        return int(self._core.port)
+
+    @property
+    def address(self) -> str:
+        """``ucx://host:port``, ready to pass to `PSClient` as an endpoint."""
+        host = self.host
+        return f"ucx://[{host}]:{self.port}" if ":" in host else f"ucx://{host}:{self.port}"
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self._core.stopped)
+
+    def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stops accepting, waits up to `drain_timeout` s for clients to disconnect, then
+        closes the remaining connections (their ranks leave their sessions)."""
+        self._core.stop(float(drain_timeout))
+
+    def stats(self) -> dict[str, int]:
+        """accepted, refused, active, frames, bytes_in, bytes_out, closed_by_server."""
+        return dict(self._core.stats())
+
+    def __repr__(self) -> str:
+        return (f"UcxShardServer({self.address}, "
+                f"shard={self.shard.shard_id}/{self.shard.num_shards})")
+
+
+def serve_ucx(
+    shard: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    job_token: str = "",
+    ucx_tls: str | None = None,
+    ucx_devices: str | None = None,
+    handshake_timeout: float = 10.0,
+    max_connections: int = 1024,
+) -> UcxShardServer:
+    """Serves `shard` (a `PSShard`) over UCX; port 0 picks a free control port.
+
+    `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server.
+    """
+    require_rdma()
+    if not isinstance(host, str) or not host:
+        raise TypeError("host must be a non-empty str")
+    if isinstance(port, bool) or not isinstance(port, numbers.Integral):
+        raise TypeError(f"port must be an int, got {type(port).__name__}")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    for name, value in (("job_token", job_token), ("ucx_tls", ucx_tls or ""),
+                        ("ucx_devices", ucx_devices or "")):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str")
+    if not handshake_timeout > 0:
+        raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, numbers.Integral) \
+            or max_connections < 1:
+        raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
+    core = C.serve_ucx(shard.core, host, int(port), job_token, ucx_tls or "", ucx_devices or "",
+                       float(handshake_timeout), int(max_connections))
+    return UcxShardServer(core, shard)
