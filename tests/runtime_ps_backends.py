@@ -70,9 +70,4 @@ class LocalPSBackend:
 
 def local_backend(num_shards: int, partitioner: str = "modulo"):
     """A simulate() backend factory for `num_shards` in-process shards."""
-    return functools.partial(_make, num_shards=num_shards, partitioner=partitioner)
-
-
-def _make(num_keys, dim, world_size, lr, divide, init, timeout, *, num_shards, partitioner):
-    return LocalPSBackend(num_keys, dim, world_size, lr, divide, init, timeout,
-                          num_shards=num_shards, partitioner=partitioner)
+    return functools.partial(LocalPSBackend, num_shards=num_shards, partitioner=partitioner)

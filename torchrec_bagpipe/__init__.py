@@ -6,8 +6,7 @@ in torchrec until a TorchRec-facing name is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchrec_bagpipe._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -27,15 +26,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchrec_bagpipe' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = sorted(_LAZY)

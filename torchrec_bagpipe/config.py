@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -22,6 +23,31 @@ Partitioner = Literal["modulo", "hash", "fast_range"]
 
 ROWS_PER_CACHE_UNIT = 64
 
+
+_BYTE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_memory_budget(value: Any, name: str = "memory_budget") -> int:
+    """A memory budget in bytes: an int, or a string such as '512M' / '4G' (K, M, G, T are
+    binary units); 'auto' (any case) -> -1. Raises TypeError / ValueError naming `name`."""
+    if isinstance(value, str):
+        text = value.strip().upper()
+        if text == "AUTO":
+            return -1
+        mult = 1
+        if text and text[-1] in _BYTE_SUFFIX:
+            mult, text = _BYTE_SUFFIX[text[-1]], text[:-1]
+        try:
+            value = int(float(text) * mult)
+        except ValueError:
+            raise ValueError(
+                f"{name} must be bytes (an int, or e.g. '512M', '4G') or 'auto', got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0 bytes or 'auto', got {value}")
+    return int(value)
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -202,24 +228,7 @@ class BagPipeConfig:
         """The budget in bytes; -1 means 'auto'; None means unlimited."""
         if self.memory_budget is None:
             return None
-        text = str(self.memory_budget).strip().upper()
-        if text == "AUTO":
-            return -1
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-        mult = 1
-        if text and text[-1] in scale:
-            mult = scale[text[-1]]
-            text = text[:-1]
-        try:
-            value = int(float(text) * mult)
-        except ValueError:
-            raise ValueError(
-                f"BagPipeConfig.memory_budget must be bytes (e.g. 512M, 4G) or 'auto', "
-                f"got {self.memory_budget!r}"
-            ) from None
-        if value <= 0:
-            raise ValueError("BagPipeConfig.memory_budget must be > 0")
-        return value
+        return parse_memory_budget(str(self.memory_budget), "BagPipeConfig.memory_budget")
 
     def resolved_gradient_division(self) -> bool:
         """Whether summed gradients are divided by the world size (TorchRec's switch)."""

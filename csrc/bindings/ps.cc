@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bindings/buffers.h"
+#include "bindings/convert.h"
 #include "bindings/registry.h"
 #include "commit/client.h"
 #include "commit/partitioner.h"
@@ -42,26 +43,6 @@ using commit::ClientOp;
 using commit::PSClient;
 using commit::PSShard;
 using server::ShardServer;
-
-store::InitSpec MakeInitSpec(const std::string& kind, float bound, float value, uint64_t seed,
-                             std::vector<int64_t> starts, std::vector<float> bounds) {
-  store::InitSpec init;
-  if (kind == "uniform") {
-    init.kind = store::InitKind::kUniform;
-  } else if (kind == "zeros") {
-    init.kind = store::InitKind::kZeros;
-  } else if (kind == "constant") {
-    init.kind = store::InitKind::kConstant;
-  } else {
-    throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
-  }
-  init.bound = bound;
-  init.value = value;
-  init.seed = seed;
-  init.bound_starts = std::move(starts);
-  init.bound_values = std::move(bounds);
-  return init;
-}
 
 // Writes one timestamped line to stderr (log lines of a shard; no Python involved).
 commit::LogFn StderrLog(const std::string& prefix) {
@@ -180,18 +161,7 @@ BAGPIPE_BINDING(ps) {
       .def_property_readonly("port", &ShardServer::port)
       .def_property_readonly("stopped", &ShardServer::stopped)
       .def("stop", &ShardServer::Stop, py::arg("drain_timeout"), py::call_guard<py::gil_scoped_release>())
-      .def("stats", [](ShardServer& s) {
-        const auto st = s.stats();
-        py::dict d;
-        d["accepted"] = st.accepted;
-        d["refused"] = st.refused;
-        d["active"] = st.active;
-        d["frames"] = st.frames;
-        d["bytes_in"] = st.bytes_in;
-        d["bytes_out"] = st.bytes_out;
-        d["closed_by_server"] = st.closed_by_server;
-        return d;
-      });
+      .def("stats", [](ShardServer& s) { return ServerStatsDict(s.stats()); });
 
   py::class_<PSShard, std::shared_ptr<PSShard>>(m, "PSShardCore")
       .def(py::init([](uint32_t shard_id, uint32_t num_shards, uint32_t expected_dim,

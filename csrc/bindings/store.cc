@@ -14,6 +14,7 @@
 #include <string>
 
 #include "bindings/buffers.h"
+#include "bindings/convert.h"
 #include "bindings/registry.h"
 #include "common/errors.h"
 #include "store/checkpoint.h"
@@ -30,26 +31,6 @@ using store::StoreOptions;
 py::object& SpillWarningType() {
   static py::object type;
   return type;
-}
-
-InitSpec MakeInit(const std::string& kind, float bound, float value, uint64_t seed,
-                  std::vector<int64_t> starts, std::vector<float> bounds) {
-  InitSpec init;
-  if (kind == "uniform") {
-    init.kind = InitKind::kUniform;
-  } else if (kind == "zeros") {
-    init.kind = InitKind::kZeros;
-  } else if (kind == "constant") {
-    init.kind = InitKind::kConstant;
-  } else {
-    throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
-  }
-  init.bound = bound;
-  init.value = value;
-  init.seed = seed;
-  init.bound_starts = std::move(starts);
-  init.bound_values = std::move(bounds);
-  return init;
 }
 
 const char* KindName(InitKind k) {
@@ -143,8 +124,8 @@ BAGPIPE_BINDING(store) {
              o.dim = dim;
              o.num_shards = num_shards;
              o.num_threads = num_threads;
-             o.init = MakeInit(init, init_bound, init_value, seed, std::move(bound_starts),
-                               std::move(bound_values));
+             o.init = MakeInitSpec(init, init_bound, init_value, seed, std::move(bound_starts),
+                                   std::move(bound_values));
              o.key_bound = key_bound;
              o.page_rows = page_rows;
              o.memory_budget = memory_budget;
@@ -326,8 +307,8 @@ BAGPIPE_BINDING(store) {
         if (static_cast<size_t>(info.shape[0]) != k.size) {
           throw ValueError("out must have " + std::to_string(k.size) + " rows");
         }
-        InitSpec spec = MakeInit(init, init_bound, init_value, seed, std::move(bound_starts),
-                                 std::move(bound_values));
+        InitSpec spec = MakeInitSpec(init, init_bound, init_value, seed, std::move(bound_starts),
+                                     std::move(bound_values));
         const int dim = static_cast<int>(info.shape[1]);
         py::gil_scoped_release nogil;
         store::EmbeddingStore::InitialRows(spec, dim, k.data, k.size,

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "bindings/convert.h"
 #include "bindings/registry.h"
 #include "commit/ps_shard.h"
 #include "transport/rdma.h"
@@ -37,18 +38,7 @@ BAGPIPE_BINDING(ucx) {
       .def_property_readonly("stopped", &UcxShardServer::stopped)
       .def("stop", &UcxShardServer::Stop, py::arg("drain_timeout"),
            py::call_guard<py::gil_scoped_release>())
-      .def("stats", [](UcxShardServer& s) {
-        const auto st = s.stats();
-        py::dict d;
-        d["accepted"] = st.accepted;
-        d["refused"] = st.refused;
-        d["active"] = st.active;
-        d["frames"] = st.frames;
-        d["bytes_in"] = st.bytes_in;
-        d["bytes_out"] = st.bytes_out;
-        d["closed_by_server"] = st.closed_by_server;
-        return d;
-      });
+      .def("stats", [](UcxShardServer& s) { return ServerStatsDict(s.stats()); });
   m.def(
       "serve_ucx",
       [](std::shared_ptr<commit::PSShard> shard, const std::string& host, uint16_t port,

@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "commit/ps_shard.h"
+#include "transport/server_stats.h"
 
 namespace bagpipe::server {
 
@@ -40,15 +41,7 @@ struct ServerOptions {
   size_t max_queued_reply_bytes = size_t{1} << 30;  // per connection; beyond: the client is stuck
 };
 
-struct ServerStats {
-  uint64_t accepted = 0;
-  uint64_t refused = 0;          // over max_connections
-  uint64_t active = 0;
-  uint64_t frames = 0;
-  uint64_t bytes_in = 0;
-  uint64_t bytes_out = 0;
-  uint64_t closed_by_server = 0; // connections closed for a protocol / auth violation
-};
+using transport::ServerStats;
 
 class ShardServer {
  public:

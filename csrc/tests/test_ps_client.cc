@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <cstring>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -12,6 +11,7 @@
 #include "commit/ps_shard.h"
 #include "common/errors.h"
 #include "server/shard_server.h"
+#include "tests/ps_client_test_util.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
 #include "transport/local_transport.h"
@@ -24,76 +24,23 @@ using bagpipe::testing::MapTable;
 
 namespace {
 
-constexpr uint32_t kDim = 4;
+using bagpipe::testing::Batch;
+using bagpipe::testing::ChannelOpts;
+using bagpipe::testing::MakeShard;
 
-std::shared_ptr<PSShard> MakeShard(uint32_t id, uint32_t n) {
-  ShardOptions o;
-  o.shard_id = id;
-  o.num_shards = n;
-  return std::make_shared<PSShard>(o, bagpipe::testing::MapTableFactory(), bagpipe::testing::NoLoader());
-}
+constexpr uint32_t kDim = bagpipe::testing::kClientDim;
 
 ClientOptions Options(uint32_t rank, uint32_t world, uint32_t max_rows = 3, uint32_t inflight = 2) {
-  ClientOptions o;
-  o.table = "emb";
-  o.session = 7;
-  o.rank = rank;
-  o.world_size = world;
-  o.dim = kDim;
-  o.lr = 0.125f;
-  o.init.kind = store::InitKind::kConstant;
-  o.init.value = 0.5f;
-  o.max_packet_rows = max_rows;
-  o.inflight_packets = inflight;
-  o.partition = PartitionKind::kHash;
-  o.timeout = 20.0;
-  return o;
+  return bagpipe::testing::ClientOpts(/*session=*/7, rank, world, max_rows, inflight);
 }
-
-transport::ChannelOptions ChannelOpts(const ClientOptions& o) {
-  transport::ChannelOptions c;
-  c.num_slots = o.inflight_packets;
-  c.slot_bytes = SlotBytesFor(o);
-  return c;
-}
-
-struct Batch {
-  std::vector<int64_t> keys;
-  std::vector<float> grads;
-};
 
 // Deterministic per-(step, rank) gradients with duplicates and empty batches.
 Batch MakeBatch(int step, uint32_t rank) {
-  std::mt19937_64 rng(step * 131 + rank);
-  Batch b;
-  const int n = static_cast<int>(rng() % 9);  // 0..8 rows, sometimes none
-  for (int i = 0; i < n; ++i) {
-    b.keys.push_back(static_cast<int64_t>(rng() % 23));
-    for (uint32_t c = 0; c < kDim; ++c) {
-      b.grads.push_back(static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 97.0f);
-    }
-  }
-  return b;
+  return bagpipe::testing::SeededBatch(step * 131 + rank, /*max_rows=*/9, /*num_keys=*/23);
 }
 
-// The reference: one ApplySgd per step over rank 0's rows then rank 1's, ...
 std::unique_ptr<MapTable> Reference(int steps, uint32_t world) {
-  TableSpec spec;
-  spec.dim = kDim;
-  spec.init.kind = store::InitKind::kConstant;
-  spec.init.value = 0.5f;
-  auto ref = std::make_unique<MapTable>(spec);
-  for (int t = 0; t < steps; ++t) {
-    std::vector<int64_t> keys;
-    std::vector<float> grads;
-    for (uint32_t r = 0; r < world; ++r) {
-      auto b = MakeBatch(t, r);
-      keys.insert(keys.end(), b.keys.begin(), b.keys.end());
-      grads.insert(grads.end(), b.grads.begin(), b.grads.end());
-    }
-    ref->ApplySgd(keys.data(), keys.size(), grads.data(), 0.125f, static_cast<int>(world));
-  }
-  return ref;
+  return bagpipe::testing::ReferenceModel(steps, world, MakeBatch);
 }
 
 void RunRank(PSClient& client, int steps, uint32_t rank) {
@@ -110,10 +57,7 @@ void CheckEqualsReference(PSClient& client, int steps, uint32_t world) {
   for (int64_t k = 0; k < 23; ++k) keys.push_back(k);
   std::vector<float> got(keys.size() * kDim);
   client.GetAsync(keys.data(), keys.size(), steps - 1, got.data())->Wait(transport::DeadlineAfter(20));
-  for (size_t i = 0; i < keys.size(); ++i) {
-    auto want = ref->Row(keys[i]);
-    CHECK(std::memcmp(got.data() + i * kDim, want.data(), kDim * 4) == 0);
-  }
+  bagpipe::testing::CheckRows(keys, got, *ref);
 }
 
 }  // namespace

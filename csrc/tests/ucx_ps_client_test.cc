@@ -4,13 +4,13 @@
 // gets and commits in flight than slots, and the failure paths.
 #include <atomic>
 #include <cstring>
-#include <random>
 #include <thread>
 #include <vector>
 
 #include "commit/client.h"
 #include "commit/ps_shard.h"
 #include "common/errors.h"
+#include "tests/ps_client_test_util.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
 #include "transport/local_transport.h"
@@ -23,84 +23,26 @@ using bagpipe::testing::MapTable;
 
 namespace {
 
-constexpr uint32_t kDim = 4;
+using bagpipe::testing::Batch;
+using bagpipe::testing::ChannelOpts;
+using bagpipe::testing::MakeShard;
+using bagpipe::testing::CheckRows;
+
+constexpr uint32_t kDim = bagpipe::testing::kClientDim;
 constexpr int64_t kKeys = 23;
 const char* const kTlsList[] = {"sm", "tcp"};
 
-std::shared_ptr<PSShard> MakeShard(uint32_t id, uint32_t n) {
-  ShardOptions o;
-  o.shard_id = id;
-  o.num_shards = n;
-  return std::make_shared<PSShard>(o, bagpipe::testing::MapTableFactory(),
-                                   bagpipe::testing::NoLoader());
-}
-
 ClientOptions Options(uint32_t rank, uint32_t world, uint32_t max_rows, uint32_t inflight) {
-  ClientOptions o;
-  o.table = "emb";
-  o.session = 9;
-  o.rank = rank;
-  o.world_size = world;
-  o.dim = kDim;
-  o.lr = 0.125f;
-  o.init.kind = store::InitKind::kConstant;
-  o.init.value = 0.5f;
-  o.max_packet_rows = max_rows;
-  o.inflight_packets = inflight;
-  o.partition = PartitionKind::kHash;
-  o.timeout = 20.0;
-  return o;
+  return bagpipe::testing::ClientOpts(/*session=*/9, rank, world, max_rows, inflight);
 }
-
-transport::ChannelOptions ChannelOpts(const ClientOptions& o) {
-  transport::ChannelOptions c;
-  c.num_slots = o.inflight_packets;
-  c.slot_bytes = SlotBytesFor(o);
-  return c;
-}
-
-struct Batch {
-  std::vector<int64_t> keys;
-  std::vector<float> grads;
-};
 
 Batch MakeBatch(int step, uint32_t rank, int max_rows = 9) {
-  std::mt19937_64 rng(step * 977 + rank * 13 + 1);
-  Batch b;
-  const int n = static_cast<int>(rng() % max_rows);
-  for (int i = 0; i < n; ++i) {
-    b.keys.push_back(static_cast<int64_t>(rng() % kKeys));
-    for (uint32_t c = 0; c < kDim; ++c) {
-      b.grads.push_back(static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 97.0f);
-    }
-  }
-  return b;
+  return bagpipe::testing::SeededBatch(step * 977 + rank * 13 + 1, max_rows, kKeys);
 }
 
 std::unique_ptr<MapTable> Reference(int steps, uint32_t world, int max_rows = 9) {
-  TableSpec spec;
-  spec.dim = kDim;
-  spec.init.kind = store::InitKind::kConstant;
-  spec.init.value = 0.5f;
-  auto ref = std::make_unique<MapTable>(spec);
-  for (int t = 0; t < steps; ++t) {
-    std::vector<int64_t> keys;
-    std::vector<float> grads;
-    for (uint32_t r = 0; r < world; ++r) {
-      auto b = MakeBatch(t, r, max_rows);
-      keys.insert(keys.end(), b.keys.begin(), b.keys.end());
-      grads.insert(grads.end(), b.grads.begin(), b.grads.end());
-    }
-    ref->ApplySgd(keys.data(), keys.size(), grads.data(), 0.125f, static_cast<int>(world));
-  }
-  return ref;
-}
-
-void CheckRows(const std::vector<int64_t>& keys, const std::vector<float>& got, MapTable& ref) {
-  for (size_t i = 0; i < keys.size(); ++i) {
-    auto want = ref.Row(keys[i]);
-    CHECK(std::memcmp(got.data() + i * kDim, want.data(), kDim * 4) == 0);
-  }
+  return bagpipe::testing::ReferenceModel(
+      steps, world, [max_rows](int t, uint32_t r) { return MakeBatch(t, r, max_rows); });
 }
 
 struct Env {

@@ -5,12 +5,12 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
-#include <limits>
+#include <algorithm>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <vector>
 
+#include "commit/frame_mutator.h"
 #include "commit/wire.h"
 #include "common/errors.h"
 #include "transport/ucx_endpoint.h"
@@ -20,18 +20,19 @@
 namespace bagpipe::transport {
 namespace {
 
+using commit::wire::FrameMutator;
 using commit::wire::kHeaderBytes;
 using commit::wire::MsgType;
 using commit::wire::Status;
-using Bytes = std::vector<uint8_t>;
+using Bytes = FrameMutator::Bytes;
 
 constexpr size_t kSlotBytes = 4096;
 
 class UcxFuzzer {
  public:
   UcxFuzzer(std::string host, uint16_t port, std::string token, uint64_t seed)
-      : host_(std::move(host)), port_(port), token_(std::move(token)),
-        digest_(commit::wire::TokenDigest(token_)), rng_(seed), slot_(kSlotBytes) {}
+      : host_(std::move(host)), port_(port), m_(std::move(token), seed, /*random_routing=*/false),
+        slot_(kSlotBytes) {}
   ~UcxFuzzer() { Drop(); }
 
   void Run(uint64_t bootstraps, uint64_t frames) {
@@ -48,23 +49,7 @@ class UcxFuzzer {
   UcxFuzzStats stats;
 
  private:
-  uint64_t U(uint64_t n) { return n ? rng_() % n : 0; }
-  Bytes RandomBytes(size_t n) {
-    Bytes b(n);
-    for (auto& c : b) c = static_cast<uint8_t>(rng_());
-    return b;
-  }
-  template <typename T>
-  static void Append(Bytes* b, const T& v) {
-    const size_t at = b->size();
-    b->resize(at + sizeof(T));
-    std::memcpy(b->data() + at, &v, sizeof(T));
-  }
-  static void AppendBytes(Bytes* b, const void* p, size_t n) {
-    const size_t at = b->size();
-    b->resize(at + n);
-    if (n) std::memcpy(b->data() + at, p, n);
-  }
+  uint64_t U(uint64_t n) { return m_.U(n); }
   void Accepted(const std::string& what) {
     if (stats.accepted++ == 0) stats.first_accepted = what;
   }
@@ -78,13 +63,13 @@ class UcxFuzzer {
     h.version = ucx::wire::kBootVersion;
     h.num_slots = 1 + static_cast<uint32_t>(U(8));
     h.slot_bytes = 64 + U(4096);
-    std::string token = token_;
-    Bytes address = RandomBytes(16 + U(100));  // never used: every hello below is refused
+    std::string token = m_.token();
+    Bytes address = m_.RandomBytes(16 + U(100));  // never used: every hello below is refused
     Bytes raw;
     bool truncate = false;
     std::string what;
     switch (U(10)) {
-      case 0: what = "random bytes"; raw = RandomBytes(1 + U(200)); break;
+      case 0: what = "random bytes"; raw = m_.RandomBytes(1 + U(200)); break;
       case 1: what = "bad magic"; h.magic ^= 1u + static_cast<uint32_t>(U(1000)); break;
       case 2: what = "bad version"; h.version = static_cast<uint16_t>(2 + U(1000)); break;
       case 3: what = "no slots"; h.num_slots = U(2) ? 0 : ucx::wire::kMaxSlots + 1 + static_cast<uint32_t>(U(1000)); break;
@@ -93,14 +78,14 @@ class UcxFuzzer {
       case 6: what = "bad address length"; address.resize(U(2) ? 0 : ucx::wire::kMaxWorkerAddress + 1); break;
       case 7: what = "truncated hello"; truncate = true; break;
       case 8: what = "ring too large"; h.num_slots = ucx::wire::kMaxSlots; h.slot_bytes = size_t{256} << 20; break;
-      default: what = "stranger's token"; token = token_ + "x" + std::to_string(U(1000)); break;
+      default: what = "stranger's token"; token = m_.token() + "x" + std::to_string(U(1000)); break;
     }
     if (raw.empty()) {
       h.token_len = static_cast<uint32_t>(token.size());
       h.address_len = static_cast<uint32_t>(address.size());
-      Append(&raw, h);
-      AppendBytes(&raw, token.data(), token.size());
-      AppendBytes(&raw, address.data(), address.size());
+      FrameMutator::Append(&raw, h);
+      FrameMutator::AppendBytes(&raw, token.data(), token.size());
+      FrameMutator::AppendBytes(&raw, address.data(), address.size());
       if (truncate) raw.resize(1 + U(raw.size() - 1));
     }
     ucx::Socket s = ucx::ConnectTcp(host_, port_, ucx::DeadlineIn(10));
@@ -124,80 +109,35 @@ class UcxFuzzer {
 
   // ---- data path ---------------------------------------------------------------------------
 
-  Bytes Frame(MsgType type, const Bytes& body, uint64_t job) {
-    Bytes f(kHeaderBytes + body.size());
-    commit::wire::StoreHeader(f.data(), commit::wire::MakeHeader(type, job, body.size()));
-    if (!body.empty()) std::memcpy(f.data() + kHeaderBytes, body.data(), body.size());
-    return f;
-  }
-  Bytes HelloFrame(const std::string& token) {
-    Bytes b;
-    commit::wire::HelloBody h{static_cast<uint32_t>(token.size()), 0};
-    Append(&b, h);
-    AppendBytes(&b, token.data(), token.size());
-    return Frame(MsgType::kHello, b, commit::wire::TokenDigest(token));
-  }
-  Bytes CommitBody() {
-    commit::wire::CommitBody c{};
-    c.session = rng_();
-    c.world_size = 1 + static_cast<uint32_t>(U(4));
-    c.rank = static_cast<uint32_t>(U(c.world_size));
-    c.chunk_count = 1 + static_cast<uint32_t>(U(3));
-    c.chunk_index = static_cast<uint32_t>(U(c.chunk_count));
-    c.dim = 1 + static_cast<uint32_t>(U(8));
-    c.lr = 0.1f;
-    c.step = static_cast<int64_t>(U(5));
-    c.nrows = static_cast<uint32_t>(U(4));
-    Bytes b;
-    Append(&b, c);
-    Bytes rest = RandomBytes(size_t{c.nrows} * (8 + size_t{c.dim} * 4));
-    AppendBytes(&b, rest.data(), rest.size());
-    return b;
-  }
-
   // Frames that keep the connection (the shard answers them with an error).
   Bytes PersistentInvalid(std::string* what) {
     switch (U(6)) {
-      case 0: {
+      case 0:
         *what = "commit without a session";
-        return Frame(MsgType::kCommit, CommitBody(), digest_);
-      }
-      case 1: {
+        return m_.Frame(MsgType::kCommit, m_.CommitBody());
+      case 1:
         *what = "bit-flipped commit without a session";
-        Bytes body = CommitBody();
-        for (int i = 0, n = 1 + static_cast<int>(U(8)); i < n; ++i) body[U(body.size())] ^= 1 << U(8);
-        return Frame(MsgType::kCommit, body, digest_);
-      }
-      case 2: {
+        return m_.Frame(MsgType::kCommit, m_.BitFlippedCommitBody());
+      case 2:
         *what = "get without a session";
-        commit::wire::GetBody g{rng_(), static_cast<int64_t>(U(10)) - 1,
-                                static_cast<uint32_t>(U(4)), 1 + static_cast<uint32_t>(U(8))};
-        Bytes b;
-        Append(&b, g);
-        Bytes keys = RandomBytes(size_t{g.nrows} * 8);
-        AppendBytes(&b, keys.data(), keys.size());
-        return Frame(MsgType::kGet, b, digest_);
-      }
+        return m_.Frame(MsgType::kGet, m_.GetBody());
       case 3: {
         *what = "open with a random body";
-        Bytes b = RandomBytes(commit::wire::FixedBodyBytes(MsgType::kOpen) + U(40));
+        Bytes b = m_.RandomBytes(commit::wire::FixedBodyBytes(MsgType::kOpen) + U(40));
         commit::wire::OpenBody o;
         std::memcpy(&o, b.data(), sizeof(o));
         o.world_size = 0;  // never a valid session
         std::memcpy(b.data(), &o, sizeof(o));
-        return Frame(MsgType::kOpen, b, digest_);
+        return m_.Frame(MsgType::kOpen, b);
       }
-      case 4: {
+      case 4:
         *what = "checkpoint without a session";
-        return Frame(MsgType::kCheckpoint, RandomBytes(U(2) ? 8 : U(30)), digest_);
-      }
+        return m_.Frame(MsgType::kCheckpoint, m_.RandomBytes(U(2) ? 8 : U(30)));
       default: {
         *what = "random body of a request type";
-        const MsgType types[] = {MsgType::kCommit, MsgType::kGet, MsgType::kAssign};
-        const MsgType t = types[U(3)];
-        Bytes body = RandomBytes(U(300));
-        if (body.size() < commit::wire::FixedBodyBytes(t)) body.resize(commit::wire::FixedBodyBytes(t));
-        return Frame(t, body, digest_);
+        MsgType t;
+        Bytes body = m_.RandomRequest(&t);
+        return m_.Frame(t, body);
       }
     }
   }
@@ -208,41 +148,27 @@ class UcxFuzzer {
     *tag_delta = 0;
     *extra = 0;
     switch (U(9)) {
-      case 0: *what = "random bytes"; return RandomBytes(1 + U(200));
-      case 1: {
-        *what = "bad magic";
-        Bytes f = Frame(MsgType::kPing, {}, digest_);
-        f[U(4)] ^= static_cast<uint8_t>(1 + U(255));
-        return f;
-      }
-      case 2: {
-        *what = "unsupported version";
-        Bytes f = Frame(MsgType::kPing, {}, digest_);
-        const uint16_t v = static_cast<uint16_t>(2 + U(60000));
-        std::memcpy(f.data() + 4, &v, 2);
-        return f;
-      }
-      case 3: {
-        *what = "unknown type";
-        Bytes f = Frame(MsgType::kPing, {}, digest_);
-        const uint16_t t = static_cast<uint16_t>(20 + U(60000));
-        std::memcpy(f.data() + 6, &t, 2);
-        return f;
-      }
+      case 0: *what = "random bytes"; return m_.RandomBytes(1 + U(200));
+      case 1:
+      case 2:
+      case 3:
+        return m_.BrokenHeader(what);
       case 4: {
         *what = "body_len disagrees with the bytes written";
-        Bytes f = Frame(MsgType::kCommit, CommitBody(), digest_);
+        Bytes f = m_.Frame(MsgType::kCommit, m_.CommitBody());
         *extra = 1 + U(64);
         return f;
       }
       case 5: {
         *what = "frame does not match its doorbell";
         *tag_delta = 1 + U(1000);
-        return Frame(MsgType::kPing, {}, digest_);
+        return m_.Frame(MsgType::kPing, {});
       }
-      case 6: *what = "reply type sent by a client"; return Frame(MsgType::kAck, {}, digest_);
-      case 7: *what = "stranger's token"; return HelloFrame(token_ + "x" + std::to_string(U(100)));
-      default: *what = "another job's digest"; return Frame(MsgType::kPing, {}, digest_ ^ (1 + U(1000)));
+      case 6: *what = "reply type sent by a client"; return m_.Frame(MsgType::kAck, {});
+      case 7: *what = "stranger's token"; return m_.Hello(m_.token() + "x" + std::to_string(U(100)));
+      default:
+        *what = "another job's digest";
+        return m_.Frame(MsgType::kPing, {}, m_.digest() ^ (1 + U(1000)));
     }
   }
 
@@ -259,7 +185,7 @@ class UcxFuzzer {
     ucx::ConnectOptions o;
     o.host = host_;
     o.port = port_;
-    o.token = token_;
+    o.token = m_.token();
     o.num_slots = 1;
     o.slot_bytes = kSlotBytes;
     o.source_slots = {slot_.data()};
@@ -287,7 +213,7 @@ class UcxFuzzer {
     ep_ = ucx::Endpoint::Connect(o, h, ucx::DeadlineIn(10));
     ++stats.connections;
     // Authenticate with the server's own token: post-handshake parsing is fuzzed too.
-    const Bytes hello = HelloFrame(token_);
+    const Bytes hello = m_.Hello(m_.token());
     if (Send(hello, 0, 0) != 0) {
       throw TransportError("the fuzzer could not authenticate with the server's own token");
     }
@@ -374,9 +300,7 @@ class UcxFuzzer {
 
   const std::string host_;
   const uint16_t port_;
-  const std::string token_;
-  const uint64_t digest_;
-  std::mt19937_64 rng_;
+  FrameMutator m_;
   std::vector<uint8_t> slot_;
   std::shared_ptr<ucx::Endpoint> ep_;
   std::shared_ptr<Reply> reply_;

@@ -242,8 +242,8 @@ void UcxShardServer::Stop(double drain_timeout) {
   if (reaper_.joinable()) reaper_.join();
 }
 
-UcxServerStats UcxShardServer::stats() {
-  UcxServerStats s;
+ServerStats UcxShardServer::stats() {
+  ServerStats s;
   s.accepted = acceptor_->accepted();
   s.refused = acceptor_->refused();
   s.frames = frames_.load();

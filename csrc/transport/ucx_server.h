@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "commit/ps_shard.h"
+#include "transport/server_stats.h"
 #include "transport/ucx_acceptor.h"
 
 namespace bagpipe::transport {
@@ -40,16 +41,6 @@ struct UcxServerOptions {
   double handshake_timeout = 10.0;
   size_t max_connections = 1024;
   size_t max_ring_bytes = size_t{1} << 30;  // per connection
-};
-
-struct UcxServerStats {
-  uint64_t accepted = 0;
-  uint64_t refused = 0;
-  uint64_t active = 0;
-  uint64_t frames = 0;
-  uint64_t bytes_in = 0;
-  uint64_t bytes_out = 0;
-  uint64_t closed_by_server = 0;  // connections closed for a protocol / auth violation
 };
 
 class UcxShardServer {
@@ -68,7 +59,7 @@ class UcxShardServer {
   // rest (they see the shard say goodbye) and joins every thread. Idempotent.
   void Stop(double drain_timeout);
   bool stopped() const { return stopped_.load(); }
-  UcxServerStats stats();
+  ServerStats stats();
 
  private:
   class Link;

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
     "BAGPIPE_KERNEL": "torchrec_bagpipe.distributed.embeddingbag",
@@ -26,15 +25,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchrec_bagpipe.distributed' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = sorted(_LAZY)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
@@ -22,11 +21,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchrec_bagpipe.ps' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = sorted(_LAZY)

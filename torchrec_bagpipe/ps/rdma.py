@@ -18,6 +18,7 @@ import numbers
 from typing import Any
 
 from torchrec_bagpipe._native import C
+from torchrec_bagpipe.ps.shard import _NativeServer
 
 __all__ = [
     "HAVE_UCX",
@@ -65,43 +66,10 @@ def rdma_endpoint(address: str) -> str:
     return f"ucx://{text}"
 
 
-class UcxShardServer:
+class UcxShardServer(_NativeServer):
     """A UCX server for one `PSShard`, running on background native threads."""
 
-    def __init__(self, core: Any, shard: Any) -> None:
-        self._core = core
-        self.shard = shard
-
-    @property
-    def host(self) -> str:
-        return str(self._core.host)
-
-    @property
-    def port(self) -> int:
-        return int(self._core.port)
-
-    @property
-    def address(self) -> str:
-        """``ucx://host:port``, ready to pass to `PSClient` as an endpoint."""
-        host = self.host
-        return f"ucx://[{host}]:{self.port}" if ":" in host else f"ucx://{host}:{self.port}"
-
-    @property
-    def stopped(self) -> bool:
-        return bool(self._core.stopped)
-
-    def stop(self, drain_timeout: float = 0.0) -> None:
-        """Stops accepting, waits up to `drain_timeout` s for clients to disconnect, then
-        closes the remaining connections (their ranks leave their sessions)."""
-        self._core.stop(float(drain_timeout))
-
-    def stats(self) -> dict[str, int]:
-        """accepted, refused, active, frames, bytes_in, bytes_out, closed_by_server."""
-        return dict(self._core.stats())
-
-    def __repr__(self) -> str:
-        return (f"UcxShardServer({self.address}, "
-                f"shard={self.shard.shard_id}/{self.shard.num_shards})")
+    _scheme = "ucx://"
 
 
 def serve_ucx(

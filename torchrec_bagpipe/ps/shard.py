@@ -47,8 +47,11 @@ def _path_or_empty(value: Any, name: str) -> str:
     return os.fspath(value)
 
 
-class ShardServer:
-    """A TCP server for one `PSShard`, running on background native threads."""
+class _NativeServer:
+    """A shard server (TCP or UCX) running on background native threads; `_core` is its
+    native handle (host, port, stopped, stop(drain_timeout), stats())."""
+
+    _scheme = ""  # the endpoint prefix clients use for this transport
 
     def __init__(self, core: Any, shard: PSShard) -> None:
         self._core = core
@@ -64,8 +67,10 @@ class ShardServer:
 
     @property
     def address(self) -> str:
+        """The `PSClient` endpoint of this server (IPv6 hosts bracketed)."""
         host = self.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        port = self.port
+        return self._scheme + (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
 
     @property
     def stopped(self) -> bool:
@@ -81,7 +86,12 @@ class ShardServer:
         return dict(self._core.stats())
 
     def __repr__(self) -> str:
-        return f"ShardServer({self.address}, shard={self.shard.shard_id}/{self.shard.num_shards})"
+        return (f"{type(self).__name__}({self.address}, "
+                f"shard={self.shard.shard_id}/{self.shard.num_shards})")
+
+
+class ShardServer(_NativeServer):
+    """A TCP server for one `PSShard`, running on background native threads."""
 
 
 class PSShard:

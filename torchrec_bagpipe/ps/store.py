@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from torchrec_bagpipe._native import C
+from torchrec_bagpipe.config import parse_memory_budget
 
 __all__ = ["EmbeddingStore", "SpillWarning", "checkpoint_info", "initial_rows"]
 
 SpillWarning = C.SpillWarning
 
 _INIT_KINDS = ("uniform", "zeros", "constant")
-_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 # ---- argument checking ----------------------------------------------------------------------
@@ -82,27 +82,7 @@ def _rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
 
 def _budget_arg(value: Any) -> int:
     """None -> 0 (unlimited), 'auto' -> -1, else bytes (int or '512M' / '4G' strings)."""
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        text = value.strip().upper()
-        if text == "AUTO":
-            return -1
-        mult = 1
-        if text and text[-1] in _SUFFIX:
-            mult, text = _SUFFIX[text[-1]], text[:-1]
-        try:
-            parsed = int(float(text) * mult)
-        except ValueError:
-            raise ValueError(
-                f"memory_budget must be bytes (an int, or e.g. '512M', '4G') or 'auto', "
-                f"got {value!r}"
-            ) from None
-        value = parsed
-    value = _int_arg(value, "memory_budget")
-    if value <= 0:
-        raise ValueError(f"memory_budget must be > 0 bytes, 'auto' or None, got {value}")
-    return value
+    return 0 if value is None else parse_memory_budget(value, "memory_budget")
 
 
 def _init_args(
