@@ -1,6 +1,8 @@
 #include "common/thread_pool.h"
 
 #include <chrono>
+#include <stdexcept>
+#include <string>
 
 namespace bagpipe {
 
@@ -14,12 +16,12 @@ inline void CpuRelax() {
 // Polls done() for up to spin_us microseconds; returns whether it became true.
 template <typename Done>
 bool SpinUntil(int spin_us, Done done) {
-  if (spin_us <= 0) return false;
+  if (spin_us <= 0) return done();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
   for (int i = 0;; ++i) {
     if (done()) return true;
     CpuRelax();
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return false;
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return done();
   }
 }
 }  // namespace
@@ -31,82 +33,103 @@ ThreadPool::ThreadPool(int num_threads, int spin_us)
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    generation_seen_.fetch_add(1, std::memory_order_release);  // ends any spin
+    std::lock_guard<std::mutex> lock(sleep_mu_);
+    stop_.store(true);
+    gen_.fetch_add(1);  // ends any poll
   }
   work_cv_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::Drain() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (next_ < n_) {
-    size_t i = next_++;
-    const auto* fn = fn_;
-    lock.unlock();
+void ThreadPool::Drain(uint32_t gen) {
+  const uint64_t tag = uint64_t{gen} << 32;
+  uint64_t c = claim_.load(std::memory_order_acquire);
+  for (;;) {
+    // The word counts the job's unclaimed tasks down. A claim succeeds only while it still
+    // names job `gen` with a task left, so that job's Run has not returned: fn_ and n_ are
+    // that job's (published before the word, made visible by the acquire).
+    if ((c & ~uint64_t{0xFFFFFFFFu}) != tag || (c & 0xFFFFFFFFu) == 0) return;
+    if (!claim_.compare_exchange_weak(c, c - 1, std::memory_order_acq_rel,
+                                      std::memory_order_acquire)) {
+      continue;
+    }
+    const uint32_t n = n_.load(std::memory_order_relaxed);
     try {
-      (*fn)(i);
+      (*fn_)(n - static_cast<uint32_t>(c & 0xFFFFFFFFu));
     } catch (...) {
-      std::lock_guard<std::mutex> g(mu_);
+      std::lock_guard<std::mutex> g(error_mu_);
       if (!error_) error_ = std::current_exception();
     }
-    lock.lock();
-    busy_.fetch_sub(1, std::memory_order_release);
-    if (--remaining_ == 0) done_cv_.notify_all();
+    if (finished_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&
+        caller_waiting_.load(std::memory_order_seq_cst)) {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      done_cv_.notify_all();
+    }
+    c = claim_.load(std::memory_order_acquire);
   }
 }
 
 void ThreadPool::WorkerLoop() {
-  uint64_t seen = 0;
-  std::unique_lock<std::mutex> lock(mu_);
+  uint32_t seen = 0;
   for (;;) {
-    if (!stop_ && generation_ == seen && spin_us_ > 0) {
-      lock.unlock();
-      SpinUntil(spin_us_, [&] { return generation_seen_.load(std::memory_order_acquire) != seen; });
-      lock.lock();
+    if (!SpinUntil(spin_us_, [&] { return gen_.load(std::memory_order_seq_cst) != seen; })) {
+      std::unique_lock<std::mutex> lock(sleep_mu_);
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      work_cv_.wait(lock, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
+      sleepers_.fetch_sub(1, std::memory_order_relaxed);
     }
-    work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-    if (stop_) return;
-    seen = generation_;
-    ++active_;
-    busy_.fetch_add(1, std::memory_order_relaxed);
-    lock.unlock();
-    Drain();
-    lock.lock();
-    busy_.fetch_sub(1, std::memory_order_release);
-    if (--active_ == 0) done_cv_.notify_all();
+    if (stop_.load()) return;
+    seen = gen_.load(std::memory_order_acquire);
+    Drain(seen);
   }
 }
 
 void ThreadPool::Run(size_t n, const std::function<void(size_t)>& fn) {
   if (n == 0) return;
+  if (n > kMaxTasks) {
+    throw std::invalid_argument("ThreadPool::Run: n = " + std::to_string(n) + " exceeds " +
+                                std::to_string(kMaxTasks) + " tasks");
+  }
   if (num_threads_ == 1 || n == 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
+    // Same contract as the parallel path: every task runs, the first error is rethrown last.
+    std::exception_ptr err;
+    for (size_t i = 0; i < n; ++i) {
+      try {
+        fn(i);
+      } catch (...) {
+        if (!err) err = std::current_exception();
+      }
+    }
+    if (err) std::rethrow_exception(err);
     return;
   }
   std::lock_guard<std::mutex> run_lock(run_mu_);
+  fn_ = &fn;
+  n_.store(static_cast<uint32_t>(n), std::memory_order_relaxed);
+  finished_.store(0, std::memory_order_relaxed);
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    fn_ = &fn;
-    n_ = n;
-    next_ = 0;
-    remaining_ = n;
+    std::lock_guard<std::mutex> g(error_mu_);
     error_ = nullptr;
-    busy_.store(n, std::memory_order_relaxed);
-    ++generation_;
-    generation_seen_.store(generation_, std::memory_order_release);
   }
-  work_cv_.notify_all();
-  Drain();
-  SpinUntil(spin_us_, [&] { return busy_.load(std::memory_order_acquire) == 0; });
+  const uint32_t gen = gen_.load(std::memory_order_relaxed) + 1;
+  claim_.store(uint64_t{gen} << 32 | n, std::memory_order_release);
+  gen_.store(gen, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    { std::lock_guard<std::mutex> lock(sleep_mu_); }  // a sleeper between its check and wait
+    work_cv_.notify_all();
+  }
+  Drain(gen);
+  // Every task is claimed now; wait for the ones other threads are still running.
+  if (!SpinUntil(spin_us_, [&] { return finished_.load(std::memory_order_acquire) == n; })) {
+    std::unique_lock<std::mutex> lock(sleep_mu_);
+    caller_waiting_.store(true, std::memory_order_seq_cst);
+    done_cv_.wait(lock, [&] { return finished_.load(std::memory_order_seq_cst) == n; });
+    caller_waiting_.store(false, std::memory_order_relaxed);
+  }
+  fn_ = nullptr;
   std::exception_ptr err;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    // Wait for all tasks and for every worker to leave Drain (fn_ must outlive them).
-    done_cv_.wait(lock, [&] { return remaining_ == 0 && active_ == 0; });
-    fn_ = nullptr;
-    n_ = 0;
+    std::lock_guard<std::mutex> g(error_mu_);
     err = error_;
     error_ = nullptr;
   }

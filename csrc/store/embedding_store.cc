@@ -23,7 +23,7 @@ constexpr size_t kRowAlign = 64;                 // rows start on cache lines
 constexpr size_t kTargetPageBytes = size_t{2} << 20;
 constexpr size_t kPrefetchDistance = 16;        // keys between probe and prefetch (writes)
 constexpr int kPoolSpinMicros = 100;             // back-to-back ops skip futex wake-ups
-constexpr size_t kReadGroup = 32;                // keys per phase of the read pipeline
+constexpr size_t kReadGroup = 16;                // keys per stage of the read pipeline
 constexpr size_t kMinKeysPerTask = 512;          // read tasks stay long enough to pipeline
 constexpr size_t kTasksPerThread = 4;            // dynamic claiming balances uneven threads
 constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
@@ -81,11 +81,15 @@ struct Shard {
     uint64_t hash;
     uint32_t slot;   // set by Materialize
     uint32_t count;  // occurrences of the key in the op
-    uint32_t last;   // item (shard-local index) of the last occurrence
+    uint32_t first;  // item (shard-local index) of the first occurrence
+    uint32_t last;   // item of the last occurrence
   };
+  static constexpr uint32_t kNoItem = 0xFFFFFFFFu;
   std::vector<Group> groups;
   std::vector<uint32_t> item_group;  // shard-local item -> group
+  std::vector<uint32_t> next_item;   // item -> next occurrence of its key (kNoItem: none)
   std::vector<uint32_t> dedupe;      // open-addressing table of group ids
+  std::vector<uint32_t> deferred;    // groups whose key lies past its home bucket
   // Groups whose key this op inserted (with KeyMap::kPendingSlot), and where.
   struct Fresh {
     uint32_t group;
@@ -94,8 +98,7 @@ struct Shard {
   };
   std::vector<Fresh> fresh;
 
-  std::vector<uint32_t> group_seen, group_acc;  // ApplySgd accumulation
-  std::vector<float> acc;
+  std::vector<float> acc;                       // ApplySgd: one group's gradient sum
   std::vector<uint32_t> freed;                  // slots the current Erase released
 };
 
@@ -160,8 +163,7 @@ class EmbeddingStore::Impl {
   void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
                std::vector<uint32_t>* misses);
   template <int kDim>
-  void SgdShard(Shard& sh, uint32_t begin, uint32_t end, const float* grads, float lr,
-                int divisor);
+  void SgdShard(Shard& sh, uint32_t begin, const float* grads, float lr, int divisor);
   void Finish() { spill_.AfterOp(epoch_); }
 
   const StoreOptions opt_;
@@ -256,7 +258,9 @@ void EmbeddingStore::Impl::RunShards(
   });
 }
 
-// Deduplicates the shard's routed items into groups (first-occurrence order).
+// Deduplicates the shard's routed items into groups (first-occurrence order), links each
+// item to the next occurrence of its key, and prefetches each new key's home bucket for the
+// probe pass that follows.
 void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b, uint32_t e) {
   const uint32_t m = e - b;
   size_t table_size = 16;
@@ -267,35 +271,39 @@ void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b
   sh.groups.clear();
   sh.groups.reserve(m);
   sh.item_group.resize(m);
+  sh.next_item.resize(m);
+  sh.deferred.reserve(m);
+  // Size the ApplySgd scratch now, while a failure can still be rolled back: nothing in
+  // the write phase allocates.
+  if (sh.acc.size() < static_cast<size_t>(dim_)) sh.acc.resize(dim_);
+  const KeyMap::View v = sh.map.view();
   uint32_t* table = sh.dedupe.data();
+  uint32_t* next_item = sh.next_item.data();
   for (uint32_t k = 0; k < m; ++k) {
     const uint32_t i = order_[b + k];
     const int64_t key = keys[i];
     const uint64_t h = hashes_[i];
+    next_item[k] = Shard::kNoItem;
     for (uint64_t t = h & mask;; t = (t + 1) & mask) {
       const uint32_t g = table[t];
       if (g == kFree) {
-        table[t] = static_cast<uint32_t>(sh.groups.size());
-        sh.item_group[k] = static_cast<uint32_t>(sh.groups.size());
-        sh.groups.push_back({key, h, KeyMap::kPendingSlot, 1, k});
+        const uint32_t ng = static_cast<uint32_t>(sh.groups.size());
+        table[t] = ng;
+        sh.item_group[k] = ng;
+        sh.groups.push_back({key, h, KeyMap::kPendingSlot, 1, k, k});
+        __builtin_prefetch(v.bucket(v.Home(h)));
         break;
       }
       Shard::Group& grp = sh.groups[g];
       if (grp.key == key) {
         ++grp.count;
+        next_item[grp.last] = k;
         grp.last = k;
         sh.item_group[k] = g;
         break;
       }
     }
   }
-  // Size the ApplySgd scratch now, while a failure can still be rolled back: nothing in
-  // the write phase allocates.
-  size_t multi = 0;
-  for (const Shard::Group& grp : sh.groups) multi += grp.count > 1;
-  sh.group_seen.resize(sh.groups.size());
-  sh.group_acc.resize(sh.groups.size());
-  if (sh.acc.size() < multi * static_cast<size_t>(dim_)) sh.acc.resize(multi * dim_);
 }
 
 // Groups every shard's routed keys and finds or inserts each distinct key: fills the
@@ -311,27 +319,48 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
   try {
     RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
       GroupShard(sh, keys, b, e);
+      // Probe every group read-only (home buckets were prefetched by GroupShard; a key past
+      // its home bucket is deferred behind a prefetch of the next one), start each found
+      // row's miss for the write phase, then insert the absent keys in group order.
+      const KeyMap::View v = sh.map.view();
       const size_t ng = sh.groups.size();
+      Shard::Group* groups = sh.groups.data();
+      sh.deferred.clear();
+      auto found = [&](Shard::Group& grp, uint32_t slot) {
+        grp.slot = slot;
+        if (slot == KeyMap::kNotFound) return;
+        const char* r = Row(slot);
+        __builtin_prefetch(r, 1);
+        if (stride_ > 64) __builtin_prefetch(r + 64, 1);
+      };
       for (size_t g = 0; g < ng; ++g) {
-        if (g + kPrefetchDistance < ng && sh.map.capacity() != 0) {
-          __builtin_prefetch(sh.map.bucket(sh.map.Home(sh.groups[g + kPrefetchDistance].hash)));
-        }
-        Shard::Group& grp = sh.groups[g];
-        grp.slot = sh.map.Find(grp.key, grp.hash);
-        if (grp.slot != KeyMap::kNotFound) {
-          // The op writes this row next: start its miss now, overlapping the probes.
-          const char* r = Row(grp.slot);
-          __builtin_prefetch(r, 1);
-          if (stride_ > 64) __builtin_prefetch(r + 64, 1);
+        Shard::Group& grp = groups[g];
+        const size_t home = v.Home(grp.hash);
+        const KeyMap::Entry* bucket = v.bucket(home);
+        const KeyMap::Match mt = KeyMap::MatchBucket(bucket, grp.key);
+        if (mt.hit != 0) {
+          found(grp, bucket[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag - 1);
+        } else if (mt.empty != 0) {
+          grp.slot = KeyMap::kNotFound;
         } else {
-          if (sh.fresh.size() == sh.fresh.capacity()) {  // so push_back below cannot throw
-            sh.fresh.reserve(std::max<size_t>(16, 2 * sh.fresh.capacity()));
-          }
-          // Strong guarantee on bad_alloc; the bucket stays valid until the next growth.
-          const size_t bucket = sh.map.Insert(grp.key, grp.hash, KeyMap::kPendingSlot);
-          sh.fresh.push_back({static_cast<uint32_t>(g), bucket, sh.map.capacity()});
-          grp.slot = KeyMap::kPendingSlot;
+          sh.deferred.push_back(static_cast<uint32_t>(g));  // reserved by GroupShard
+          __builtin_prefetch(v.bucket(v.Next(home)));
         }
+      }
+      for (const uint32_t g : sh.deferred) {
+        Shard::Group& grp = groups[g];
+        found(grp, v.FindFrom(v.Next(v.Home(grp.hash)), grp.key));
+      }
+      for (size_t g = 0; g < ng; ++g) {
+        Shard::Group& grp = sh.groups[g];
+        if (grp.slot != KeyMap::kNotFound) continue;
+        if (sh.fresh.size() == sh.fresh.capacity()) {  // so push_back below cannot throw
+          sh.fresh.reserve(std::max<size_t>(16, 2 * sh.fresh.capacity()));
+        }
+        // Strong guarantee on bad_alloc; the entry stays valid until the next growth.
+        const size_t entry = sh.map.Insert(grp.key, grp.hash, KeyMap::kPendingSlot);
+        sh.fresh.push_back({static_cast<uint32_t>(g), entry, sh.map.capacity()});
+        grp.slot = KeyMap::kPendingSlot;
       }
     });
     // Slots for new keys in shard order, then first-occurrence order: deterministic.
@@ -405,17 +434,25 @@ inline void CopyRow(float* dst, const char* src, size_t bytes) {
 }
 }  // namespace
 
-// Reads keys[begin, end) in groups of kGroup: hash a group and prefetch its buckets, then
-// probe the previous group and prefetch its rows, then copy the group before that. Each
-// phase runs over a whole group, so the misses of ~kGroup keys overlap.
+// Reads keys[begin, end) through a four-stage software pipeline over groups of kReadGroup
+// keys. Iteration g runs: (A) group g+2: hash, shard and home bucket, prefetch the bucket
+// line; (B) group g+1: match each key in its home bucket -- a hit prefetches the row, an
+// empty entry means absent, a full bucket without the key (about 9% of keys at load 0.7)
+// defers the key and prefetches the next bucket; (C) group g: finish the deferred keys and
+// prefetch their rows; (D) group g-1: copy the rows out. Every line a stage touches was
+// prefetched at least one stage earlier, so the misses of a few dozen keys overlap.
 template <bool kTrack, size_t kRowBytes>
 void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out,
                                       bool record_misses, std::vector<uint32_t>* misses) {
   constexpr size_t G = kReadGroup;
-  // Stage state per key: its shard and home bucket (computed once), then its row.
-  uint32_t shard[2][G];
-  size_t home[2][G];
-  const char* rows[2][G];
+  struct Stage {
+    const KeyMap::View* view[G];    // the key's shard
+    const KeyMap::Entry* bucket[G]; // home bucket (A), then the next one for deferred keys (B)
+    const char* row[G];             // nullptr: absent
+    uint8_t deferred[G];            // indices in the group of keys B could not resolve
+    uint32_t num_deferred;
+  };
+  Stage stages[4];
   const KeyMap::View* views = views_.data();
   char* const* page_addr = page_addr_.data();
   const int page_shift = page_shift_;
@@ -427,50 +464,90 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
   const uint64_t num_shards = num_shards_;
   const uint32_t epoch = epoch_;
   const size_t lines = std::min<size_t>(stride / 64, 4);
-  auto hash_group = [&](size_t start, uint32_t* ss, size_t* hb) {
-    const size_t n = start < end ? std::min(G, end - start) : 0;
-    for (size_t j = 0; j < n; ++j) {
-      const uint64_t x = KeyHash(keys[start + j]);
-      const uint32_t s = static_cast<uint32_t>(((x >> 32) * num_shards) >> 32);
-      const KeyMap::View& v = views[s];
-      const size_t b = v.Home(x);
-      ss[j] = s;
-      hb[j] = b;
-      __builtin_prefetch(v.table + b);
+  const size_t n = end - begin;
+  const size_t groups = (n + G - 1) / G;
+  keys += begin;
+  out += begin * dim;
+  auto row_of = [&](uint32_t slot) -> const char* {
+    const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
+    __builtin_prefetch(r);
+    if (kStride > 64 || (kRowBytes == 0 && lines > 1)) {
+      for (size_t l = 1; l < lines; ++l) __builtin_prefetch(r + 64 * l);
+    }
+    if constexpr (kTrack) pages_[slot >> page_shift]->Touch(epoch);
+    return r;
+  };
+  auto hash_stage = [&](size_t g) {
+    if (g >= groups) return;
+    Stage& st = stages[g & 3];
+    const int64_t* k = keys + g * G;
+    const size_t m = std::min(G, n - g * G);
+    for (size_t j = 0; j < m; ++j) {
+      const uint64_t x = KeyHash(k[j]);
+      const KeyMap::View* v = views + (((x >> 32) * num_shards) >> 32);
+      const KeyMap::Entry* e = v->bucket(v->Home(x));
+      st.view[j] = v;
+      st.bucket[j] = e;
+      __builtin_prefetch(e);
     }
   };
-  hash_group(begin, shard[0], home[0]);
-  for (size_t gi = 0;; ++gi) {
-    const size_t cur = gi & 1;
-    const size_t start = begin + gi * G;
-    if (start >= end + G) break;
-    hash_group(start + G, shard[cur ^ 1], home[cur ^ 1]);
-    const size_t n = start < end ? std::min(G, end - start) : 0;
-    for (size_t j = 0; j < n; ++j) {
-      const uint32_t slot = views[shard[cur][j]].FindFrom(home[cur][j], keys[start + j]);
-      if (slot != KeyMap::kNotFound) {
-        const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
-        for (size_t l = 0; l < lines; ++l) __builtin_prefetch(r + 64 * l);
-        if constexpr (kTrack) pages_[slot >> page_shift]->Touch(epoch);
-        rows[cur][j] = r;
+  auto match_stage = [&](size_t g) {
+    if (g >= groups) return;
+    Stage& st = stages[g & 3];
+    const int64_t* k = keys + g * G;
+    const size_t m = std::min(G, n - g * G);
+    uint32_t deferred = 0;
+    for (size_t j = 0; j < m; ++j) {
+      const KeyMap::Entry* e = st.bucket[j];
+      const KeyMap::Match mt = KeyMap::MatchBucket(e, k[j]);
+      if (mt.hit != 0) {
+        st.row[j] = row_of(e[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag - 1);
+      } else if (mt.empty != 0) {
+        st.row[j] = nullptr;
       } else {
-        rows[cur][j] = nullptr;
+        const KeyMap::View* v = st.view[j];
+        const KeyMap::Entry* next = v->bucket(v->Next(v->BucketOf(e)));
+        st.bucket[j] = next;
+        st.deferred[deferred++] = static_cast<uint8_t>(j);
+        __builtin_prefetch(next);
       }
     }
-    if (gi == 0) continue;
-    const size_t pstart = start - G;
-    const size_t pn = std::min(G, end - pstart);
-    const char* const* pr = rows[cur ^ 1];
-    for (size_t j = 0; j < pn; ++j) {
-      float* dst = out + (pstart + j) * dim;
-      if (pr[j] != nullptr) {
-        CopyRow<kRowBytes>(dst, pr[j], row_bytes);
+    st.num_deferred = deferred;
+  };
+  auto finish_stage = [&](size_t g) {
+    if (g >= groups) return;
+    Stage& st = stages[g & 3];
+    const int64_t* k = keys + g * G;
+    for (uint32_t q = 0; q < st.num_deferred; ++q) {
+      const size_t j = st.deferred[q];
+      const KeyMap::View* v = st.view[j];
+      const uint32_t slot = v->FindFrom(v->BucketOf(st.bucket[j]), k[j]);
+      st.row[j] = slot != KeyMap::kNotFound ? row_of(slot) : nullptr;
+    }
+  };
+  auto copy_stage = [&](size_t g) {
+    const Stage& st = stages[g & 3];
+    const size_t m = std::min(G, n - g * G);
+    for (size_t j = 0; j < m; ++j) {
+      const size_t i = g * G + j;
+      float* dst = out + i * dim;
+      if (st.row[j] != nullptr) {
+        CopyRow<kRowBytes>(dst, st.row[j], row_bytes);
       } else if (record_misses) {
-        misses->push_back(static_cast<uint32_t>(pstart + j));
+        misses->push_back(static_cast<uint32_t>(begin + i));
       } else {
-        InitRow(opt_.init, dim_, keys[pstart + j], KeyHash(keys[pstart + j]), dst);
+        InitRow(opt_.init, dim_, keys[i], KeyHash(keys[i]), dst);
       }
     }
+  };
+  hash_stage(0);
+  hash_stage(1);
+  match_stage(0);
+  for (size_t g = 0; g <= groups; ++g) {
+    hash_stage(g + 2);
+    match_stage(g + 1);
+    finish_stage(g);
+    if (g > 0) copy_stage(g - 1);
   }
 }
 
@@ -587,44 +664,34 @@ inline void AddRow(float* __restrict a, const float* __restrict g, int runtime_d
 }
 }  // namespace
 
+// One update per group, in group order: the gradient rows of a key's occurrences are summed
+// in input order (the first copied, the rest added), then applied once. Rows were
+// prefetched for writing by Materialize.
 template <int kDim>
-void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, uint32_t e, const float* grads,
-                                    float lr, int divisor) {
-  const uint32_t m = e - b;
+void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads, float lr,
+                                    int divisor) {
   const size_t ng = sh.groups.size();
   const float div = static_cast<float>(divisor);
   const bool divide = divisor != 1;
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
   const size_t dim = static_cast<size_t>(kDim > 0 ? kDim : dim_);
-  std::fill(sh.group_seen.begin(), sh.group_seen.begin() + ng, 0u);  // sized by GroupShard
-  uint32_t accs = 0;
-  for (uint32_t k = 0; k < m; ++k) {
-    if (k + kPrefetchDistance < m) {
-      const char* r = Row(sh.groups[sh.item_group[k + kPrefetchDistance]].slot);
-      __builtin_prefetch(r, 1);
-      if (stride_ > 64) __builtin_prefetch(r + 64, 1);
-    }
-    const uint32_t g = sh.item_group[k];
+  const uint32_t* order = order_.data() + b;
+  const uint32_t* next_item = sh.next_item.data();
+  float* acc = sh.acc.data();  // sized by GroupShard
+  for (size_t g = 0; g < ng; ++g) {
     const Shard::Group& grp = sh.groups[g];
-    const float* grad = grads + static_cast<size_t>(order_[b + k]) * dim;
-    if (grp.count == 1) {
-      SgdRow<kDim>(reinterpret_cast<float*>(Row(grp.slot)), grad, lr, div, divide, dim_);
-      if (track) Touch(grp.slot, epoch);
-      continue;
+    float* w = reinterpret_cast<float*>(Row(grp.slot));
+    const float* grad = grads + static_cast<size_t>(order[grp.first]) * dim;
+    if (grp.count > 1) {
+      std::memcpy(acc, grad, dim * sizeof(float));
+      for (uint32_t k = next_item[grp.first]; k != Shard::kNoItem; k = next_item[k]) {
+        AddRow<kDim>(acc, grads + static_cast<size_t>(order[k]) * dim, dim_);
+      }
+      grad = acc;
     }
-    const uint32_t seen = sh.group_seen[g]++;
-    if (seen == 0) {
-      sh.group_acc[g] = accs++;
-      std::memcpy(sh.acc.data() + sh.group_acc[g] * dim, grad, dim * sizeof(float));
-      continue;
-    }
-    float* a = sh.acc.data() + sh.group_acc[g] * dim;
-    AddRow<kDim>(a, grad, dim_);
-    if (seen + 1 == grp.count) {
-      SgdRow<kDim>(reinterpret_cast<float*>(Row(grp.slot)), a, lr, div, divide, dim_);
-      if (track) Touch(grp.slot, epoch);
-    }
+    SgdRow<kDim>(w, grad, lr, div, divide, dim_);
+    if (track) Touch(grp.slot, epoch);
   }
 }
 
@@ -640,14 +707,14 @@ void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* 
   Materialize(keys);
   ++mutations_;
   const uint32_t epoch = epoch_;
-  RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
+  RunShards([&](Shard& sh, uint32_t b, uint32_t) {
     Publish(sh, /*init=*/true, epoch);
     switch (dim_) {
-      case 16: return SgdShard<16>(sh, b, e, grads, lr, divisor);
-      case 32: return SgdShard<32>(sh, b, e, grads, lr, divisor);
-      case 64: return SgdShard<64>(sh, b, e, grads, lr, divisor);
-      case 128: return SgdShard<128>(sh, b, e, grads, lr, divisor);
-      default: return SgdShard<0>(sh, b, e, grads, lr, divisor);
+      case 16: return SgdShard<16>(sh, b, grads, lr, divisor);
+      case 32: return SgdShard<32>(sh, b, grads, lr, divisor);
+      case 64: return SgdShard<64>(sh, b, grads, lr, divisor);
+      case 128: return SgdShard<128>(sh, b, grads, lr, divisor);
+      default: return SgdShard<0>(sh, b, grads, lr, divisor);
     }
   });
   for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());

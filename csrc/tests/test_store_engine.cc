@@ -149,11 +149,16 @@ std::vector<float> Workload(const StoreOptions& o, Model* model) {
 }  // namespace
 
 TEST_CASE(store_engine_matches_model) {
-  StoreOptions o = Options(5);
-  Model model{5, o.init, {}};
-  const auto final_rows = Workload(o, &model);
-  for (int64_t k = -200; k < 800; ++k) {
-    CHECK(SameBits(final_rows.data() + (k + 200) * 5, model.Get(k).data(), 5));
+  // Dims with a generic and with a specialised row size (16, 32, 128 floats), on one and on
+  // two threads (the read pipeline and the SGD kernels are templated on both).
+  for (auto [dim, threads] : {std::pair{5, 1}, std::pair{16, 2}, std::pair{32, 1}, std::pair{32, 2},
+                              std::pair{128, 2}}) {
+    StoreOptions o = Options(dim, threads);
+    Model model{dim, o.init, {}};
+    const auto final_rows = Workload(o, &model);
+    for (int64_t k = -200; k < 800; ++k) {
+      CHECK(SameBits(final_rows.data() + (k + 200) * dim, model.Get(k).data(), dim));
+    }
   }
 }
 
