@@ -23,7 +23,7 @@ The tcp shards run in this process on the server's native threads (the same code
 `torchrec-bagpipe-ps` program); client and shard therefore share the machine's cores, as they
 do when a trainer hosts its shard. Medians over repeats. ``--quick`` finishes in under 60 s.
 
-Usage: python benchmarks/ps_transport.py [--quick] [--rows N] [--repeats R]
+Usage: python benchmarks/ps_transport.py [--quick] [--rows N] [--repeats R] [--transports tcp]
 """
 
 from __future__ import annotations
@@ -211,6 +211,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--max-packet-rows", type=int, default=4096)
     p.add_argument("--inflight-packets", type=int, default=8)
+    p.add_argument("--transports", default=None,
+                   help="comma-separated subset of local,tcp,rdma-sm,rdma-tcp (default: all)")
     args = p.parse_args()
     rows = args.rows or (32768 if args.quick else 131072)
     repeats = args.repeats or (3 if args.quick else 7)
@@ -240,6 +242,12 @@ def main() -> int:
     else:
         emit(bench="ps_transport", metric="note", value=None, unit=None, baseline=None,
              ratio=None, note="rdma not measured: this build has no UCX")
+    if args.transports:
+        wanted = args.transports.split(",")
+        unknown = set(wanted) - {"local", "tcp", "rdma-sm", "rdma-tcp"}
+        if unknown:
+            p.error(f"--transports: unknown {sorted(unknown)}")
+        transports = [t for t in transports if t in wanted]
     for transport in transports:
         for shards in (1, 2):
             for d in dims:

@@ -541,22 +541,28 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
             fixed = sizeof(b);
             len = wire::AssignFrameBytes(count, dim);
           }
-          auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + fixed);
-          auto* rows = reinterpret_cast<float*>(f + kHeaderBytes + fixed + count * 8);
+          WriteHeader(f, is_commit ? MsgType::kCommit : MsgType::kAssign, len);
+          auto request = std::make_shared<ChunkRequest>(this, op, j);
           if (identity) {
+            // The chunk's keys and rows are contiguous in the caller's inputs: the channel
+            // sends them from there (or copies them into the slot if it cannot gather).
+            transport::ConstSpan pieces[2];
             if (count) {
-              std::memcpy(keys, op->keys_ + begin, count * 8);
-              std::memcpy(rows, op->rows_ + begin * dim, count * dim * 4);
+              pieces[0] = {reinterpret_cast<const uint8_t*>(op->keys_ + begin), count * 8};
+              pieces[1] = {reinterpret_cast<const uint8_t*>(op->rows_ + begin * dim),
+                           count * dim * 4};
             }
+            ch.PostGather(slot, kHeaderBytes + fixed, pieces, count ? 2 : 0, std::move(request));
           } else {
+            auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + fixed);
+            auto* rows = reinterpret_cast<float*>(f + kHeaderBytes + fixed + count * 8);
             for (size_t i = 0; i < count; ++i) {
               const int64_t p = order[begin + i];
               keys[i] = op->keys_[p];
               std::memcpy(rows + i * dim, op->rows_ + p * static_cast<int64_t>(dim), dim * 4);
             }
+            ch.Post(slot, len, std::move(request));
           }
-          WriteHeader(f, is_commit ? MsgType::kCommit : MsgType::kAssign, len);
-          ch.Post(slot, len, std::make_shared<ChunkRequest>(this, op, j));
         }
       }
       for (uint32_t j = 0; j < S; ++j) {

@@ -53,13 +53,20 @@ class ShardServer::Connection : public transport::ServerLink,
 
   bool Send(MsgType type, Status status, uint64_t tag, uint32_t slot, const void* fixed,
             size_t fixed_len, size_t payload_len, const transport::PayloadFill& fill) override {
-    Buffer buf = TakeBuffer();
     const size_t total = kHeaderBytes + fixed_len + payload_len;
+    const auto header = commit::wire::MakeHeader(type, job_digest, fixed_len + payload_len,
+                                                 status, tag, slot);
+    if (payload_len == 0 && total <= kSmallFrame) {
+      // ACKs, notifications, *Ok replies: built on the stack, no pooled buffer.
+      uint8_t small[kSmallFrame];
+      commit::wire::StoreHeader(small, header);
+      if (fixed_len) std::memcpy(small + kHeaderBytes, fixed, fixed_len);
+      return SendBytes(small, total, Buffer{});
+    }
+    Buffer buf = TakeBuffer(total);
     buf.Reserve(total);
     buf.len = total;
-    commit::wire::StoreHeader(buf.data.get(), commit::wire::MakeHeader(type, job_digest,
-                                                                       fixed_len + payload_len,
-                                                                       status, tag, slot));
+    commit::wire::StoreHeader(buf.data.get(), header);
     if (fixed_len) std::memcpy(buf.data.get() + kHeaderBytes, fixed, fixed_len);
     if (payload_len) {
       try {
@@ -69,28 +76,43 @@ class ShardServer::Connection : public transport::ServerLink,
         throw;
       }
     }
-    buf.sent = 0;
-    std::lock_guard<std::mutex> lock(mu_);
+    const uint8_t* bytes = buf.data.get();
+    return SendBytes(bytes, total, std::move(buf));
+  }
+
+  // Sends `total` bytes at `bytes`: `buf` is empty (the bytes live on the caller's stack and
+  // are copied into a buffer only if they must be queued) or owns them.
+  bool SendBytes(const uint8_t* bytes, size_t total, Buffer buf) {
+    size_t sent = 0;
+    std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return false;
     if (queue_.empty() && !writing_) {
       // Fast path: write what the socket takes right now, without blocking and without
       // waking the writer; only a remainder is queued. (Ordering holds: nothing is queued
       // or being written.)
-      const ssize_t n = ::send(fd_, buf.data.get(), total, MSG_DONTWAIT | MSG_NOSIGNAL);
+      const ssize_t n = ::send(fd_, bytes, total, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (n == static_cast<ssize_t>(total)) {
         server_->bytes_out_.fetch_add(total);
-        if (pool_.size() < 4) pool_.push_back(std::move(buf));
+        if (buf.data) PoolLocked(std::move(buf));
         return true;
       }
       if (n > 0) {
-        buf.sent = static_cast<size_t>(n);
-        server_->bytes_out_.fetch_add(buf.sent);
+        sent = static_cast<size_t>(n);
+        server_->bytes_out_.fetch_add(sent);
       } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         closed_ = true;
         ::shutdown(fd_, SHUT_RDWR);
         return false;
       }
     }
+    if (!buf.data) {
+      // A stack frame that must wait for the writer: copy it (it is small). Ordering still
+      // holds: the lock is held from the send attempt to the enqueue below.
+      buf.Reserve(total);
+      buf.len = total;
+      std::memcpy(buf.data.get(), bytes, total);
+    }
+    buf.sent = sent;
     if (queued_bytes_ + total > server_->options_.max_queued_reply_bytes) {
       // The client does not read its replies: give up on it rather than buffer forever.
       closed_ = true;
@@ -118,17 +140,35 @@ class ShardServer::Connection : public transport::ServerLink,
   }
 
  private:
-  Buffer TakeBuffer() {
+  // A pooled buffer of at least `need` bytes if there is one, else the largest (grown by
+  // the caller), else an empty one.
+  Buffer TakeBuffer(size_t need) {
     std::lock_guard<std::mutex> lock(mu_);
     if (pool_.empty()) return Buffer{};
+    size_t pick = 0;
+    for (size_t i = 0; i < pool_.size(); ++i) {
+      const size_t cap = pool_[i].cap;
+      const size_t best = pool_[pick].cap;
+      if ((cap >= need && (best < need || cap < best)) || (best < need && cap > best)) pick = i;
+    }
+    if (pick + 1 != pool_.size()) std::swap(pool_[pick], pool_.back());
     Buffer b = std::move(pool_.back());
     pool_.pop_back();
+    pool_bytes_ -= b.cap;
     return b;
   }
 
   void Recycle(Buffer b) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (pool_.size() < 4) pool_.push_back(std::move(b));
+    PoolLocked(std::move(b));
+  }
+
+  // Keeps a sent reply buffer for the next reply, so a window of large replies reuses warm
+  // memory instead of faulting in fresh pages each time (bounded in count and bytes).
+  void PoolLocked(Buffer b) {
+    if (pool_.size() >= kPoolBuffers || pool_bytes_ + b.cap > kPoolBytes) return;
+    pool_bytes_ += b.cap;
+    pool_.push_back(std::move(b));
   }
 
   void WriteLoop() {
@@ -157,7 +197,7 @@ class ShardServer::Connection : public transport::ServerLink,
         std::lock_guard<std::mutex> lock(mu_);
         writing_ = false;
         queued_bytes_ -= b.len;
-        if (pool_.size() < 4) pool_.push_back(std::move(b));
+        PoolLocked(std::move(b));
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -170,12 +210,13 @@ class ShardServer::Connection : public transport::ServerLink,
     auto& shard = *server_->shard_;
     const size_t max_frame = shard.options().max_frame_bytes;
     Buffer body;
+    transport::FrameReader in(fd_, peer_);
     bool violation = false;
     try {
       transport::SetRecvTimeout(fd_, server_->options_.handshake_timeout);
       for (;;) {
         uint8_t hb[kHeaderBytes];
-        if (!transport::ReadFull(fd_, hb, kHeaderBytes, true, peer_)) break;
+        if (!in.Read(hb, kHeaderBytes, true)) break;
         const FrameHeader h = commit::wire::LoadHeader(hb);
         const size_t limit = authenticated ? max_frame - kHeaderBytes
                                            : sizeof(commit::wire::HelloBody) +
@@ -187,7 +228,7 @@ class ShardServer::Connection : public transport::ServerLink,
           break;
         }
         body.Reserve(h.body_len);
-        transport::ReadFull(fd_, body.data.get(), h.body_len, false, peer_);
+        in.Read(body.data.get(), h.body_len, false);
         server_->frames_.fetch_add(1);
         server_->bytes_in_.fetch_add(kHeaderBytes + h.body_len);
         const bool was_authenticated = authenticated;
@@ -236,6 +277,10 @@ class ShardServer::Connection : public transport::ServerLink,
   std::condition_variable cv_;
   std::deque<Buffer> queue_;
   std::vector<Buffer> pool_;
+  size_t pool_bytes_ = 0;  // capacity held by pool_
+  static constexpr size_t kPoolBuffers = 16;
+  static constexpr size_t kSmallFrame = 256;
+  static constexpr size_t kPoolBytes = size_t{64} << 20;
   size_t queued_bytes_ = 0;
   bool closed_ = false;       // no more replies accepted
   bool writer_stop_ = false;  // the writer exits once the queue is empty

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/errors.h"
@@ -220,6 +221,47 @@ bool ReadFull(int fd, void* data, size_t len, bool eof_ok, const std::string& pe
     }
     throw TransportError("read from " + peer + " failed: " + Errno(errno));
   }
+  return true;
+}
+
+FrameReader::FrameReader(int fd, std::string peer, size_t capacity)
+    : fd_(fd), peer_(std::move(peer)), cap_(capacity < 1024 ? 1024 : capacity),
+      buf_(new uint8_t[cap_]) {}
+
+bool FrameReader::Read(void* data, size_t len, bool eof_ok) {
+  auto* out = static_cast<uint8_t*>(data);
+  size_t got = std::min(len, end_ - begin_);
+  if (got) {
+    std::memcpy(out, buf_.get() + begin_, got);
+    begin_ += got;
+  }
+  if (got == len) return true;
+  begin_ = end_ = 0;  // the buffer is empty here
+  const size_t rest = len - got;
+  if (rest > cap_ / 2) {
+    // Large: straight into the destination (no copy through the buffer).
+    if (!ReadFull(fd_, out + got, rest, eof_ok && got == 0, peer_)) return false;
+    return true;
+  }
+  // Small: fill the buffer with whatever the socket has (at least `rest` bytes).
+  while (end_ < rest) {
+    const ssize_t n = ::recv(fd_, buf_.get() + end_, cap_ - end_, 0);
+    if (n > 0) {
+      end_ += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) {
+      if (got == 0 && end_ == 0 && eof_ok) return false;
+      throw TransportError(peer_ + " closed the connection in the middle of a frame");
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      throw TimeoutError("no data from " + peer_ + " within the receive timeout");
+    }
+    throw TransportError("read from " + peer_ + " failed: " + Errno(errno));
+  }
+  std::memcpy(out + got, buf_.get(), rest);
+  begin_ = rest;
   return true;
 }
 

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "transport/transport.h"
@@ -33,6 +34,33 @@ void WriteAll(int fd, const void* data, size_t len, const std::string& peer);
 // otherwise throws TransportError (TimeoutError if a receive timeout set with
 // SetRecvTimeout expired).
 bool ReadFull(int fd, void* data, size_t len, bool eof_ok, const std::string& peer);
+
+// A buffered reader of one socket's byte stream, for frame receive loops: small frames
+// (headers, ACKs, notifications) arrive several per recv() instead of one recv() per field,
+// while a large read (a GET reply's rows, a commit chunk) goes from the socket straight into
+// its destination once the few bytes already buffered are copied out.
+// Thread safety: one reader thread per FrameReader.
+// Invariants:
+//   1. The buffered bytes are exactly the stream bytes after those already returned: Read
+//      consumes the stream in order, as ReadFull would, with the same errors and EOF rules.
+//   2. At most capacity() bytes are held; a read larger than half of it bypasses the buffer.
+class FrameReader {
+ public:
+  // REQUIRES: capacity >= 1024. The socket stays owned by the caller.
+  FrameReader(int fd, std::string peer, size_t capacity = size_t{16} << 10);
+  // As ReadFull(fd, data, len, eof_ok, peer) (invariant 1).
+  bool Read(void* data, size_t len, bool eof_ok);
+  size_t capacity() const { return cap_; }
+  size_t buffered() const { return end_ - begin_; }
+
+ private:
+  const int fd_;
+  const std::string peer_;
+  const size_t cap_;
+  std::unique_ptr<uint8_t[]> buf_;
+  size_t begin_ = 0;  // first unread byte in buf_
+  size_t end_ = 0;    // one past the last buffered byte
+};
 
 // SO_RCVTIMEO / SO_SNDTIMEO; seconds <= 0 clears it.
 void SetRecvTimeout(int fd, double seconds);

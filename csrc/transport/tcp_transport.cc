@@ -94,6 +94,20 @@ void TcpChannel::DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) {
   WriteAll(fd_, frame, frame_len, peer());
 }
 
+void TcpChannel::DoPostGather(uint32_t slot, const uint8_t* head, size_t head_len,
+                              const ConstSpan* extra, size_t n_extra) {
+  (void)slot;
+  constexpr size_t kMaxPieces = 16;
+  if (n_extra + 1 > kMaxPieces) throw ValueError("a gathered frame has too many pieces");
+  struct iovec iov[kMaxPieces];
+  int n = 0;
+  iov[n++] = {const_cast<uint8_t*>(head), head_len};
+  for (size_t i = 0; i < n_extra; ++i) {
+    if (extra[i].len) iov[n++] = {const_cast<uint8_t*>(extra[i].data), extra[i].len};
+  }
+  WriteAllV(fd_, iov, n, peer());
+}
+
 void TcpChannel::DoClose() {
   closing_.store(true);
   if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
@@ -102,17 +116,18 @@ void TcpChannel::DoClose() {
 
 void TcpChannel::ReceiveLoop() {
   std::vector<uint8_t> scratch;
+  FrameReader in(fd_, peer());
   try {
-    for (;;) ReceiveOne(&scratch);
+    for (;;) ReceiveOne(&in, &scratch);
   } catch (const std::exception& e) {
     if (closing_.load()) return;
     FailChannel({ErrorKind::kTransport, std::string("connection lost: ") + e.what()});
   }
 }
 
-void TcpChannel::ReceiveOne(std::vector<uint8_t>* scratch) {
+void TcpChannel::ReceiveOne(FrameReader* in, std::vector<uint8_t>* scratch) {
   uint8_t hb[kHeaderBytes];
-  if (!ReadFull(fd_, hb, kHeaderBytes, true, peer())) {
+  if (!in->Read(hb, kHeaderBytes, true)) {
     throw TransportError("the shard closed the connection");
   }
   const FrameHeader h = commit::wire::LoadHeader(hb);
@@ -127,7 +142,7 @@ void TcpChannel::ReceiveOne(std::vector<uint8_t>* scratch) {
   }
   uint8_t fixed[64];
   const size_t fixed_len = commit::wire::FixedBodyBytes(type);
-  ReadFull(fd_, fixed, fixed_len, false, peer());
+  in->Read(fixed, fixed_len, false);
   const size_t payload_len = h.body_len - fixed_len;
   Reply r;
   r.header = h;
@@ -137,7 +152,7 @@ void TcpChannel::ReceiveOne(std::vector<uint8_t>* scratch) {
   if (h.slot == commit::wire::kNoSlot) {
     if (payload_len > commit::wire::kMaxMessageBytes) throw TransportError("oversized notification");
     scratch->resize(payload_len);
-    ReadFull(fd_, scratch->data(), payload_len, false, peer());
+    in->Read(scratch->data(), payload_len, false);
     r.payload = scratch->data();
     CountReceived(kHeaderBytes + h.body_len);
     DeliverNotification(r);
@@ -147,7 +162,7 @@ void TcpChannel::ReceiveOne(std::vector<uint8_t>* scratch) {
   if (!request) throw TransportError("stray reply");  // the channel has already failed
   uint8_t* sink = payload_len ? request->ReplySink(r, payload_len) : nullptr;
   if (sink == nullptr && payload_len) sink = ReplyBuffer(h.slot, payload_len);
-  ReadFull(fd_, sink, payload_len, false, peer());
+  in->Read(sink, payload_len, false);
   r.payload = sink;
   CountReceived(kHeaderBytes + h.body_len);
   Complete(request, r);

@@ -1,8 +1,10 @@
 // The tcp backend, client side: one TCP connection per (client, shard) carrying
 // length-prefixed frames (commit/wire.h). Connect() authenticates with a Hello carrying the
 // job token before anything else; every later frame carries the token's digest. A receive
-// thread reads replies: a GET reply's rows go straight from the socket into the request's
-// sink (the caller's output tensor when it can be).
+// thread reads replies through a FrameReader (small frames batched per recv); a GET reply's
+// rows go straight from the socket into the request's sink (the caller's output tensor when
+// it can be). A gathered post (a commit chunk's header from its slot, keys and gradients
+// from the caller's tensors) is one sendmsg of all its pieces: no staging copy.
 //
 // Thread safety: as Channel. The socket is written only by the posting thread and read only
 // by the receive thread.
@@ -18,6 +20,7 @@
 #include <string>
 #include <thread>
 
+#include "transport/socket_io.h"
 #include "transport/transport.h"
 
 namespace bagpipe::transport {
@@ -37,13 +40,16 @@ class TcpChannel : public Channel {
 
  protected:
   void DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) override;
+  bool CanGather() const override { return true; }
+  void DoPostGather(uint32_t slot, const uint8_t* head, size_t head_len, const ConstSpan* extra,
+                    size_t n_extra) override;
   void DoClose() override;
 
  private:
   TcpChannel(int fd, std::string peer, const ChannelOptions& options);
   void Handshake(const std::string& token, Deadline deadline);
   void ReceiveLoop();
-  void ReceiveOne(std::vector<uint8_t>* scratch);
+  void ReceiveOne(FrameReader* in, std::vector<uint8_t>* scratch);
 
   int fd_;
   const double io_timeout_;

@@ -116,6 +116,31 @@ void Channel::FreeSlotLocked(uint32_t slot) {
 }
 
 void Channel::Post(uint32_t slot, size_t frame_len, std::shared_ptr<PendingRequest> request) {
+  PostFrame(slot, frame_len, frame_len, nullptr, 0, std::move(request));
+}
+
+void Channel::PostGather(uint32_t slot, size_t head_len, const ConstSpan* extra, size_t n_extra,
+                         std::shared_ptr<PendingRequest> request) {
+  size_t frame_len = head_len;
+  for (size_t i = 0; i < n_extra; ++i) frame_len += extra[i].len;
+  if (n_extra > 8 || head_len < kHeaderBytes || head_len > slot_bytes_) {
+    ReleaseUnposted(slot);
+    throw ValueError("a gathered frame needs a staged header and at most 8 pieces");
+  }
+  if (!CanGather() && frame_len <= slot_bytes_) {
+    uint8_t* at = slots_[slot].frame.get() + head_len;
+    for (size_t i = 0; i < n_extra; ++i) {
+      if (extra[i].len) std::memcpy(at, extra[i].data, extra[i].len);
+      at += extra[i].len;
+    }
+    PostFrame(slot, frame_len, frame_len, nullptr, 0, std::move(request));
+    return;
+  }
+  PostFrame(slot, head_len, frame_len, extra, n_extra, std::move(request));
+}
+
+void Channel::PostFrame(uint32_t slot, size_t head_len, size_t frame_len, const ConstSpan* extra,
+                        size_t n_extra, std::shared_ptr<PendingRequest> request) {
   if (frame_len > slot_bytes_ || frame_len < kHeaderBytes) {
     ReleaseUnposted(slot);
     throw ValueError("frame of " + std::to_string(frame_len) + " bytes does not fit a slot of " +
@@ -132,18 +157,18 @@ void Channel::Post(uint32_t slot, size_t frame_len, std::shared_ptr<PendingReque
       slot_cv_.notify_all();
       err = error_;
     } else {
-    s.state = Slot::State::kInFlight;
-    s.request = request;
-    s.tag = ++next_tag_;
-    ++in_flight_;
-    ++stats_.frames_sent;
-    stats_.bytes_sent += frame_len;
-    FrameHeader h = commit::wire::LoadHeader(frame);
-    h.slot = slot;
-    h.tag = s.tag;
-    h.job = job_digest_;
-    h.body_len = frame_len - kHeaderBytes;
-    commit::wire::StoreHeader(frame, h);
+      s.state = Slot::State::kInFlight;
+      s.request = request;
+      s.tag = ++next_tag_;
+      ++in_flight_;
+      ++stats_.frames_sent;
+      stats_.bytes_sent += frame_len;
+      FrameHeader h = commit::wire::LoadHeader(frame);
+      h.slot = slot;
+      h.tag = s.tag;
+      h.job = job_digest_;
+      h.body_len = frame_len - kHeaderBytes;
+      commit::wire::StoreHeader(frame, h);
     }
   }
   if (err) {
@@ -152,7 +177,11 @@ void Channel::Post(uint32_t slot, size_t frame_len, std::shared_ptr<PendingReque
     throw TransportError(err->message);
   }
   try {
-    DoPost(slot, frame, frame_len);
+    if (n_extra == 0) {
+      DoPost(slot, frame, frame_len);
+    } else {
+      DoPostGather(slot, frame, head_len, extra, n_extra);
+    }
   } catch (const TransportError& e) {
     FailChannel({ErrorKind::kTransport, e.what()});
     throw;

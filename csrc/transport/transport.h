@@ -113,6 +113,12 @@ class PendingRequest {
   std::atomic<bool> finished_{false};
 };
 
+// A borrowed byte range (a piece of a gathered frame).
+struct ConstSpan {
+  const uint8_t* data = nullptr;
+  size_t len = 0;
+};
+
 struct ChannelOptions {
   uint32_t num_slots = 8;  // the in-flight window; REQUIRES: >= 1
   size_t slot_bytes = 0;   // capacity of each request slot (the largest frame); REQUIRES: > header
@@ -168,6 +174,13 @@ class Channel {
   // REQUIRES: slot acquired; frame_len <= slot_bytes. Throws TransportError if the channel
   // failed (the request then got OnFailure).
   void Post(uint32_t slot, size_t frame_len, std::shared_ptr<PendingRequest> request);
+  // As Post, for a frame whose first head_len bytes are staged in `slot` and whose remaining
+  // bytes are the n_extra pieces of `extra`, in order (borrowed: read only during the call).
+  // A backend that can send from several buffers (CanGather) sends them as they are, with no
+  // staging copy; otherwise the pieces are copied into the slot after the head first.
+  // REQUIRES: as Post, with head_len + the pieces' bytes <= slot_bytes; n_extra <= 8.
+  void PostGather(uint32_t slot, size_t head_len, const ConstSpan* extra, size_t n_extra,
+                  std::shared_ptr<PendingRequest> request);
   // Makes every posted frame visible to the shard.
   void Flush();
   // Waits until no request is in flight. Throws TimeoutError at the deadline.
@@ -185,6 +198,19 @@ class Channel {
   // Puts the packet of `slot` on its way. May deliver its reply synchronously (local).
   // Throws TransportError when the connection is broken.
   virtual void DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) = 0;
+  // Whether DoPostGather sends pieces without staging them (the base copies them into the
+  // slot and calls DoPost).
+  virtual bool CanGather() const { return false; }
+  // Puts a frame made of `head` (the slot's head_len staged bytes) then the pieces on its way.
+  // Only called when CanGather(). Throws TransportError when the connection is broken.
+  virtual void DoPostGather(uint32_t slot, const uint8_t* head, size_t head_len,
+                            const ConstSpan* extra, size_t n_extra) {
+    (void)slot;
+    (void)head;
+    (void)head_len;
+    (void)extra;
+    (void)n_extra;
+  }
   virtual void DoFlush() {}
   // Stops the backend's receive path and joins its threads. After it returns, no receive
   // path call (Expect, Complete, ...) is in progress or will start.
@@ -220,6 +246,10 @@ class Channel {
   };
 
   void FreeSlotLocked(uint32_t slot);
+  // Post / PostGather: stamps the header of a frame_len-byte frame whose first head_len
+  // bytes are in the slot, then hands it to the backend.
+  void PostFrame(uint32_t slot, size_t head_len, size_t frame_len, const ConstSpan* extra,
+                 size_t n_extra, std::shared_ptr<PendingRequest> request);
 
   const std::string peer_;
   const size_t slot_bytes_;
