@@ -67,6 +67,9 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str], out: Any) -> N
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    # The example prints its plan and metrics table; the benchmark's stdout carries only
+    # JSON lines, so the ranks' output goes to stderr.
+    sys.stdout = sys.stderr
     try:
         import torch
 
