@@ -126,21 +126,8 @@ class PSClient::GetRequest : public transport::PendingRequest {
 };
 
 // A request answered while the caller waits synchronously (Open, Close).
-class PSClient::SyncRequest : public transport::PendingRequest {
+class PSClient::SyncRequest : public transport::ReplyCapture {
  public:
-  void OnReply(const Reply& r) override {
-    std::lock_guard<std::mutex> lock(mu);
-    type = r.type();
-    status = r.status();
-    fixed.assign(r.fixed, r.fixed + r.fixed_len);
-    if (r.type() == MsgType::kError) text = r.Text();
-    done = true;
-  }
-  void OnFailure(const Error& e) override {
-    std::lock_guard<std::mutex> lock(mu);
-    failure = e;
-    done = true;
-  }
   // The outcome as an error, or nullopt if the reply is `want` with status ok.
   std::optional<Error> Check(MsgType want, const std::string& peer) {
     std::lock_guard<std::mutex> lock(mu);
@@ -153,14 +140,6 @@ class PSClient::SyncRequest : public transport::PendingRequest {
     }
     return std::nullopt;
   }
-
-  std::mutex mu;
-  bool done = false;
-  MsgType type = MsgType::kError;
-  Status status = Status::kOk;
-  std::vector<uint8_t> fixed;
-  std::string text;
-  std::optional<Error> failure;
 };
 
 // ---- construction -------------------------------------------------------------------------

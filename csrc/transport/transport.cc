@@ -47,6 +47,28 @@ void ThrowError(const Error& error) {
   throw std::runtime_error(error.message);
 }
 
+void ReplyCapture::OnReply(const Reply& reply) {
+  std::lock_guard<std::mutex> lock(mu);
+  type = reply.type();
+  status = reply.status();
+  fixed.assign(reply.fixed, reply.fixed + reply.fixed_len);
+  if (reply.type() == commit::wire::MsgType::kError) text = reply.Text();
+  done = true;
+  cv.notify_all();
+}
+
+void ReplyCapture::OnFailure(const Error& error) {
+  std::lock_guard<std::mutex> lock(mu);
+  failure = error;
+  done = true;
+  cv.notify_all();
+}
+
+bool ReplyCapture::WaitUntil(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu);
+  return cv.wait_until(lock, deadline, [&] { return done; });
+}
+
 std::string Reply::Text() const {
   const size_t n = std::min(payload_len, commit::wire::kMaxMessageBytes);
   return std::string(reinterpret_cast<const char*>(payload), n);

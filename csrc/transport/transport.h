@@ -43,6 +43,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -111,6 +112,26 @@ class PendingRequest {
 
  private:
   std::atomic<bool> finished_{false};
+};
+
+// A request whose caller waits for the answer (Hello, Open, Close): records the reply's
+// type, status, fixed body and error text, or the failure. Fields are guarded by mu and
+// final once done is true.
+class ReplyCapture : public PendingRequest {
+ public:
+  void OnReply(const Reply& reply) override;
+  void OnFailure(const Error& error) override;
+  // Waits until the reply or failure arrived; false if the deadline passed first.
+  bool WaitUntil(Deadline deadline);
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  commit::wire::MsgType type = commit::wire::MsgType::kError;
+  commit::wire::Status status = commit::wire::Status::kOk;
+  std::vector<uint8_t> fixed;
+  std::string text;
+  std::optional<Error> failure;
 };
 
 // A borrowed byte range (a piece of a gathered frame).

@@ -1,7 +1,6 @@
 #include "transport/ucx_transport.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
 #include <optional>
 
@@ -12,40 +11,6 @@ namespace bagpipe::transport {
 using commit::wire::FrameHeader;
 using commit::wire::kHeaderBytes;
 using commit::wire::MsgType;
-using commit::wire::Status;
-
-namespace {
-
-// The Hello exchange of Connect, answered on the progress thread.
-class HelloRequest : public PendingRequest {
- public:
-  void OnReply(const Reply& r) override {
-    std::lock_guard<std::mutex> lock(mu);
-    type = r.type();
-    status = r.status();
-    fixed.assign(r.fixed, r.fixed + r.fixed_len);
-    if (r.type() == MsgType::kError) text = r.Text();
-    done = true;
-    cv.notify_all();
-  }
-  void OnFailure(const Error& e) override {
-    std::lock_guard<std::mutex> lock(mu);
-    failure = e;
-    done = true;
-    cv.notify_all();
-  }
-
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  MsgType type = MsgType::kError;
-  Status status = Status::kOk;
-  std::vector<uint8_t> fixed;
-  std::string text;
-  std::optional<Error> failure;
-};
-
-}  // namespace
 
 UcxChannel::UcxChannel(std::string peer, const ChannelOptions& options)
     : Channel(std::move(peer), options), slot_tags_(options.num_slots, 0) {
@@ -103,11 +68,10 @@ void UcxChannel::Handshake(const std::string& token, Deadline deadline) {
   commit::wire::StoreHeader(f, commit::wire::MakeHeader(MsgType::kHello, digest, len - kHeaderBytes));
   std::memcpy(f + kHeaderBytes, &hello, sizeof(hello));
   std::memcpy(f + kHeaderBytes + sizeof(hello), token.data(), token.size());
-  auto req = std::make_shared<HelloRequest>();
+  auto req = std::make_shared<ReplyCapture>();
   Post(slot, len, req);
   Flush();
-  std::unique_lock<std::mutex> lock(req->mu);
-  if (!req->cv.wait_until(lock, deadline, [&] { return req->done; })) {
+  if (!req->WaitUntil(deadline)) {
     throw TimeoutError("PS shard " + peer() + " did not answer the Hello within the timeout");
   }
   if (req->failure) ThrowError(*req->failure);
