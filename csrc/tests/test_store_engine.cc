@@ -11,23 +11,13 @@
 
 #include "common/errors.h"
 #include "store/embedding_store.h"
+#include "tests/temp_dir.h"
 #include "tests/test_harness.h"
 
 using namespace bagpipe::store;
+using bagpipe::testing::TempDir;
 
 namespace {
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char buf[] = "/tmp/bagpipe-test-XXXXXX";
-    path = mkdtemp(buf);
-  }
-  ~TempDir() {
-    std::string cmd = "rm -rf '" + path + "'";
-    if (std::system(cmd.c_str()) != 0) std::perror("rm");
-  }
-};
 
 StoreOptions Options(int dim, int threads = 1, int shards = 16) {
   StoreOptions o;

@@ -9,23 +9,13 @@
 #include "common/errors.h"
 #include "store/page_arena.h"
 #include "store/spill.h"
+#include "tests/temp_dir.h"
 #include "tests/test_harness.h"
 
 using namespace bagpipe::store;
+using bagpipe::testing::TempDir;
 
 namespace {
-// A private temp directory, removed (with the files in it) at scope exit.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char buf[] = "/tmp/bagpipe-test-XXXXXX";
-    path = mkdtemp(buf);
-  }
-  ~TempDir() {
-    std::string cmd = "rm -rf '" + path + "'";
-    if (std::system(cmd.c_str()) != 0) std::perror("rm");
-  }
-};
 
 void Fill(PageArena::Page* p, size_t bytes, unsigned char seed) {
   for (size_t i = 0; i < bytes; ++i) p->addr[i] = static_cast<char>(seed + i * 13);
