@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import numbers
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -293,42 +292,6 @@ class BagPipeConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         values.update(overrides)
         return cls(**values)
-
-    @classmethod
-    def from_env(cls, prefix: str = "BAGPIPE_", **overrides: Any) -> BagPipeConfig:
-        """Reads ``BAGPIPE_<FIELD>`` variables (used by the launcher to hand configs down)."""
-        parser = argparse.ArgumentParser(add_help=False)
-        cls.add_arguments(parser)
-        argv: list[str] = []
-        for f in fields(cls):
-            raw = os.environ.get(prefix + f.name.upper())
-            if raw is None:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            hint = get_type_hints(cls)[f.name]
-            if hint is bool:
-                argv.append(flag if _parse_bool(raw) else "--no-" + flag[2:])
-            elif get_origin(_strip_optional(hint)) is list:
-                argv.extend([flag, *[a for a in raw.split(",") if a]])
-            else:
-                argv.extend([flag, raw])
-        ns = parser.parse_args(argv)
-        return cls.from_args(ns, **overrides)
-
-    def to_env(self, prefix: str = "BAGPIPE_") -> dict[str, str]:
-        """The inverse of `from_env` for every field that differs from its default."""
-        env: dict[str, str] = {}
-        default = type(self)()
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value == getattr(default, f.name) or value is None:
-                continue
-            if isinstance(value, list):
-                env[prefix + f.name.upper()] = ",".join(value)
-            else:
-                text = str(value).lower() if isinstance(value, bool) else str(value)
-                env[prefix + f.name.upper()] = text
-        return env
 
 
 def _strip_optional(tp: Any) -> Any:

@@ -14,24 +14,17 @@ std::map<std::string, InitFn>& Inits() {
   static std::map<std::string, InitFn> inits;
   return inits;
 }
-py::object g_session_error;
-py::object g_transport_error;
 }  // namespace
 
 Registrar::Registrar(const std::string& name, InitFn fn) { Inits().emplace(name, std::move(fn)); }
-py::object SessionErrorType() { return g_session_error; }
-py::object TransportErrorType() { return g_transport_error; }
 
 }  // namespace bagpipe::bindings
 
 PYBIND11_MODULE(_C, m) {
   using namespace bagpipe;
   m.doc() = "torchrec_bagpipe native core (no libtorch dependency)";
-  auto& session_error = py::register_exception<SessionError>(m, "SessionError", PyExc_RuntimeError);
-  auto& transport_error =
-      py::register_exception<TransportError>(m, "TransportError", PyExc_ConnectionError);
-  bindings::g_session_error = session_error;
-  bindings::g_transport_error = transport_error;
+  py::register_exception<SessionError>(m, "SessionError", PyExc_RuntimeError);
+  py::register_exception<TransportError>(m, "TransportError", PyExc_ConnectionError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

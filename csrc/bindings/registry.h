@@ -15,10 +15,6 @@ struct Registrar {
   Registrar(const std::string& name, InitFn fn);
 };
 
-// Python exception classes shared by all bindings (created in module.cc).
-pybind11::object SessionErrorType();
-pybind11::object TransportErrorType();
-
 }  // namespace bagpipe::bindings
 
 #define BAGPIPE_BINDING(name)                                                            \

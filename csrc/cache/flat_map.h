@@ -116,13 +116,6 @@ class FlatMap {
     size_ = 0;
   }
 
-  template <typename Fn>
-  void ForEach(Fn&& fn) const {
-    for (const auto& c : cells_) {
-      if (c.key != kEmptyKey) fn(c.key, c.value);
-    }
-  }
-
  private:
   void Rehash(size_t new_capacity) {
     std::vector<Cell> old;

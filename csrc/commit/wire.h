@@ -225,9 +225,6 @@ inline size_t CommitFrameBytes(size_t nrows, size_t dim) {
   return kHeaderBytes + sizeof(CommitBody) + nrows * 8 + nrows * dim * 4;
 }
 inline size_t GetFrameBytes(size_t nrows) { return kHeaderBytes + sizeof(GetBody) + nrows * 8; }
-inline size_t GetOkFrameBytes(size_t nrows, size_t dim) {
-  return kHeaderBytes + sizeof(GetOkBody) + nrows * dim * 4;
-}
 inline size_t AssignFrameBytes(size_t nrows, size_t dim) {
   return kHeaderBytes + sizeof(AssignBody) + nrows * 8 + nrows * dim * 4;
 }

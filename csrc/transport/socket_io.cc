@@ -62,26 +62,6 @@ std::string PeerName(int fd) {
   return std::string(host) + ":" + std::to_string(port);
 }
 
-void ParseHostPort(const std::string& address_in, std::string* host, uint16_t* port) {
-  std::string address = address_in;
-  if (address.rfind("tcp://", 0) == 0) address = address.substr(6);
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
-    throw ValueError("address '" + address_in + "' is not host:port");
-  }
-  std::string h = address.substr(0, colon);
-  const std::string p = address.substr(colon + 1);
-  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  for (char c : p) {
-    if (c < '0' || c > '9') throw ValueError("address '" + address_in + "' has a bad port");
-  }
-  if (p.size() > 5 || std::stoul(p) > 65535) {
-    throw ValueError("address '" + address_in + "' has a port above 65535");
-  }
-  *host = h;
-  *port = static_cast<uint16_t>(std::stoul(p));
-}
-
 int ConnectTcp(const std::string& host, uint16_t port, Deadline deadline) {
   const std::string where = host + ":" + std::to_string(port);
   addrinfo hints{};

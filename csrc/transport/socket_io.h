@@ -69,7 +69,4 @@ void SetNoDelay(int fd);
 // "host:port" of the socket's peer.
 std::string PeerName(int fd);
 
-// Splits "host:port" / "[v6]:port" / "tcp://host:port". Throws ValueError.
-void ParseHostPort(const std::string& address, std::string* host, uint16_t* port);
-
 }  // namespace bagpipe::transport

@@ -77,10 +77,6 @@ std::string Hex(uint64_t v) {
 
 }  // namespace
 
-const char* FrameModeName(FrameMode mode) {
-  return mode == FrameMode::kPut ? "put" : "message";
-}
-
 // A UCX request we own (flush, send, receive, get). Deleted on the progress thread once its
 // completion was processed.
 struct Endpoint::Op {
@@ -233,9 +229,6 @@ void Endpoint::CreateEndpoint(const std::vector<uint8_t>& remote_address) {
   if (st == UCS_ERR_UNREACHABLE && want_peer) {
     p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
     st = ucp_ep_create(worker_, &p, &ep_);
-    peer_errors_ = false;
-  } else {
-    peer_errors_ = want_peer;
   }
   if (st != UCS_OK) {
     ep_ = nullptr;

@@ -102,7 +102,6 @@ struct EndpointHandlers {
 };
 
 enum class FrameMode : uint8_t { kPut = 0, kMessage = 1 };
-const char* FrameModeName(FrameMode mode);
 
 struct EndpointStats {
   uint64_t frames = 0;           // frames posted (PostPut calls)
@@ -173,9 +172,6 @@ class Endpoint {
   const std::string& peer() const { return peer_; }
   uint32_t num_slots() const { return num_slots_; }
   size_t slot_bytes() const { return slot_bytes_; }
-  // Whether UCP peer-failure detection is on for this endpoint (off for shared memory in
-  // UCX 1.13; liveness then rests on the control connection).
-  bool peer_error_handling() const { return peer_errors_; }
   // How this client writes frames (set by Connect; shards accept both).
   FrameMode frame_mode() const { return frame_mode_; }
 
@@ -280,7 +276,6 @@ class Endpoint {
   std::unique_ptr<Region> ring_;                  // shard: RingHeader + slots
   std::vector<std::unique_ptr<Region>> sources_;  // client: one registration per source slot
   std::vector<uint8_t*> source_ptrs_;
-  bool peer_errors_ = false;
   FrameMode frame_mode_ = FrameMode::kPut;
   Socket control_;  // handshake thread, then (after StartMonitoring) the progress thread
   int wake_fd_ = -1;

@@ -97,6 +97,14 @@ class BagPipeJob:
 
         config = self.config
         kind = config.ps_type
+        launched = os.environ.get("BAGPIPE_PS_TYPE")
+        if kind == "local" and launched:
+            # The launcher's choice, for a training command that names no --ps-type.
+            kind = launched.lower()
+            if kind not in ("local", "tcp", "rdma"):
+                raise ValueError(
+                    f"BAGPIPE_PS_TYPE={launched!r}: expected one of local, tcp, rdma"
+                )
         addresses = list(config.ps_addresses)
         if not addresses and os.environ.get("BAGPIPE_PS_ADDRESSES"):
             addresses = [a for a in os.environ["BAGPIPE_PS_ADDRESSES"].split(",") if a]
