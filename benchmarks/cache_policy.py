@@ -232,10 +232,10 @@ def part_overhead(args) -> None:
     trace = make_trace("zipf1.05", rows, args.overhead_steps, args.overhead_batch, seed=3)
     cap = max(1, rows // 100 // ROWS_PER_CACHE_UNIT)
     results = {}
+    oracle = BagPipeConfig(optimization_cache_capacity=cap, lookahead=8, gradient_division=True)
     for name, cfg in (
         ("no_cache", BagPipeConfig(read_mode="ps", gradient_division=True)),
-        ("oracle", BagPipeConfig(optimization_cache_capacity=cap, lookahead=8,
-                                 gradient_division=True)),
+        ("oracle", oracle),
     ):
         walls = []
         for _ in range(args.repeats):
@@ -243,7 +243,8 @@ def part_overhead(args) -> None:
             simulate(cfg, trace, num_keys=rows, dim=args.dim, lr=0.01)
             walls.append((time.perf_counter() - t0) / args.overhead_steps)
         results[name] = float(np.median(walls))
-    emit(bench="cache_policy", metric="controller_step_ms", policy="oracle", lookahead=8,
+    emit(bench="cache_policy", metric="controller_step_ms", policy="oracle",
+         lookahead=oracle.lookahead,
          value=results["oracle"] * 1e3, unit="ms", baseline=results["no_cache"] * 1e3,
          ratio=results["oracle"] / results["no_cache"], dim=args.dim,
          ids_per_step=args.overhead_batch, rows=rows)

@@ -333,18 +333,3 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: 
             problems.append(f"{label}: {k} differs (max abs err {err:.3g})")
     return problems
 
-
-def equivalence_worker(rank: int, world: int, cases: list[Case],
-                       setup: Any = None) -> list[str]:
-    """Trains every case on this rank; rank 0 compares each with the reference."""
-    if setup is not None:
-        setup(rank, world)
-    problems: list[str] = []
-    for case in cases:
-        state, losses = train_dmp(case, rank, world)
-        if rank == 0:
-            want = train_reference(case, world)
-            problems.extend(compare(state, want, case.label()))
-            if any(x != x for x in losses):
-                problems.append(f"{case.label()}: NaN loss")
-    return problems

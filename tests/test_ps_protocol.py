@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import ps_wire as w
 import pytest
@@ -338,3 +340,59 @@ def test_client_reports_protocol_failures_as_session_errors() -> None:
         with pytest.raises(SessionError, match="out-of-order"):
             c.commit(1, torch.tensor([1]), torch.ones(1, DIM))
     assert shard.committed_step("t") == 0
+
+
+def _read_frame(sock: socket.socket) -> w.Reply:
+    head = b""
+    while len(head) < w.HEADER.size:
+        chunk = sock.recv(w.HEADER.size - len(head))
+        assert chunk, "the shard closed the connection"
+        head += chunk
+    body_len = w.HEADER.unpack_from(head)[-1]
+    body = b""
+    while len(body) < body_len:
+        chunk = sock.recv(body_len - len(body))
+        assert chunk, "the shard closed the connection mid-frame"
+        body += chunk
+    return w.parse(head + body)
+
+
+def test_independent_encoder_speaks_to_a_tcp_shard() -> None:
+    """The Python wire encoder (its own token digest included) against a live TCP shard: a
+    Hello with the job's token is accepted and one with another token refused; a session
+    opens, commits a step, reads it back and closes, all from hand-built frames."""
+    token = "job-token-7"
+    shard = PSShard(0, 1)
+    server = shard.serve("127.0.0.1", 0, job_token=token)
+    job = w.token_digest(token)
+    try:
+        with socket.create_connection((server.host, server.port), timeout=10) as s:
+            s.sendall(w.hello("another-job"))
+            reply = _read_frame(s)
+            assert reply.type == w.ERROR and reply.status == w.UNAUTHORIZED, reply
+        with socket.create_connection((server.host, server.port), timeout=10) as s:
+            s.sendall(w.hello(token))
+            assert _read_frame(s).type == w.HELLO_OK
+            s.sendall(w.open_session("t", session=SESSION, rank=0, world_size=1, dim=DIM,
+                                     lr=0.5, init="zeros", job=job))
+            assert _read_frame(s).type == w.OPEN_OK
+            keys = np.array([3, 1, 3], dtype=np.int64)
+            grads = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
+            s.sendall(w.commit(session=SESSION, step=0, rank=0, world_size=1, chunk_index=0,
+                               chunk_count=1, dim=DIM, lr=0.5, keys=keys, grads=grads, tag=2,
+                               job=job))
+            replies = [_read_frame(s), _read_frame(s)]
+            assert sorted(r.type for r in replies) == [w.ACK, w.NOTIFY_COMMITTED], replies
+            s.sendall(w.get(session=SESSION, at_step=0, dim=DIM, keys=np.array([1, 3, 5]),
+                            tag=3, job=job))
+            rows = _read_frame(s)
+            assert rows.type == w.GET_OK
+            want = np.zeros((3, DIM), dtype=np.float32)
+            want[0] = -0.5 * grads[1]
+            want[1] = -0.5 * (grads[0] + grads[2])
+            np.testing.assert_array_equal(rows.rows(DIM), want)
+            s.sendall(w.close(session=SESSION, rank=0, tag=4, job=job))
+            closed = _read_frame(s)
+            assert closed.type == w.CLOSE_OK and closed.fields[1] == 0, closed
+    finally:
+        server.stop()

@@ -4,7 +4,7 @@ The PS is the real one (PSShard + PSClient over the local transport, 1-3 shards,
 partitioner) or the exact numpy reference PS (with commits applied asynchronously late); in
 both cases the plain reference SGD (`reference_run`) is the oracle.
 
-The property test checks the coherence invariants of DESIGN §2 on every example:
+The property test checks the coherence invariants (docs/ARCHITECTURE.md §1) on every example:
   1 freshness: every row a forward reads is bitwise the PS's value after the previous step;
   final PS equals a plain reference SGD (bitwise);
   2 capacity: resident rows never exceed the cache;

@@ -1,7 +1,8 @@
 """One typed configuration object for every BagPipe knob.
 
-Field names are the design's flag names with ``_`` for ``-``: the field
-``optimization_cache_capacity`` is the CLI flag ``--optimization-cache-capacity``.
+Field names are BagPipe's flag names (as upstream BagPipe and `examples/dlrm` spell them)
+with ``_`` for ``-``: the field ``optimization_cache_capacity`` is the CLI flag
+``--optimization-cache-capacity``.
 `BagPipeConfig.add_arguments` adds every field to an ``argparse`` parser and
 `BagPipeConfig.from_args` reads them back, so scripts never restate the knobs.
 """
@@ -47,6 +48,7 @@ def parse_memory_budget(value: Any, name: str = "memory_budget") -> int:
     if value <= 0:
         raise ValueError(f"{name} must be > 0 bytes or 'auto', got {value}")
     return int(value)
+
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -252,13 +254,11 @@ class BagPipeConfig:
 
     # ---- CLI ------------------------------------------------------------------------------
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Adds one ``--flag`` per field (``--foo-bar`` for ``foo_bar``)."""
         hints = get_type_hints(cls)
         group = parser.add_argument_group("BagPipe")
         for f in fields(cls):
-            if f.name in skip:
-                continue
             flag = "--" + f.name.replace("_", "-")
             tp = hints[f.name]
             help_text = f.metadata.get("help", "")

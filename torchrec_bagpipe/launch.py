@@ -3,7 +3,7 @@
     torchrec-bagpipe-launch --nproc-per-node 2 [--ps-servers K] train.py --ps-type rdma ...
 
 * On a single node the local backend is used whatever `--ps-type` the training command
-  names (the design's rs_demo rule): `--ps-type rdma|tcp` in the command is rewritten to
+  names (as upstream BagPipe's demo does): `--ps-type rdma|tcp` in the command is rewritten to
   `--ps-type local` and `BAGPIPE_PS_TYPE=local` is exported. Without `--ps-servers`, the PS
   shards live inside the trainers (BagPipeConfig's zero-config default); with
   `--ps-servers K`, K `torchrec-bagpipe-ps` servers are started on this node and their

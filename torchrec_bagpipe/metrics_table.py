@@ -11,19 +11,19 @@ from typing import Any
 
 __all__ = ["format_table", "summarize"]
 
-# Counter names the runtime reports (ARCHITECTURE §4 metrics()); the first present wins.
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "accesses": ("accesses", "lookups"),
-    "hits": ("hits", "cache_hits"),
-    "prefetch_served": ("prefetch_served", "prefetch_hits"),
-    "demand_rows": ("demand_fetched", "demand_fetches", "demand_rows"),
-    "prefetch_rows": ("prefetched", "prefetched_rows", "prefetch_rows"),
-    "commit_wait_s": ("commit_wait_s", "commit_wait_seconds"),
-    "fetched_bytes": ("fetched_bytes", "get_bytes", "bytes_fetched"),
-    "gradient_bytes": ("gradient_payload_bytes", "gradient_bytes"),
-    "allreduce_bytes": ("allreduce_payload_bytes",),
-    "evictions": ("evictions",),
-    "invalidations": ("invalidations",),
+# Summary name -> the runtime's counter (docs/ARCHITECTURE.md §4.1, controller.metrics()).
+_COUNTERS: dict[str, str] = {
+    "accesses": "accesses",
+    "hits": "hits",
+    "prefetch_served": "prefetch_served",
+    "demand_rows": "demand_fetched",
+    "prefetch_rows": "prefetched",
+    "commit_wait_s": "commit_wait_s",
+    "fetched_bytes": "fetched_bytes",
+    "gradient_bytes": "gradient_payload_bytes",
+    "allreduce_bytes": "allreduce_payload_bytes",
+    "evictions": "evictions",
+    "invalidations": "invalidations",
 }
 
 
@@ -38,10 +38,7 @@ def _sum_numeric(dicts: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def _pick(totals: Mapping[str, float], name: str) -> float | None:
-    for key in _ALIASES[name]:
-        if key in totals:
-            return totals[key]
-    return None
+    return totals.get(_COUNTERS[name])
 
 
 def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
@@ -57,8 +54,6 @@ def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
     served = _pick(totals, "prefetch_served") or 0.0
     demand = _pick(totals, "demand_rows")
     prefetch = _pick(totals, "prefetch_rows")
-    if accesses is None and demand is not None:
-        accesses = hits + served + demand
     if accesses:
         out["hit_rate"] = hits / accesses
         out["served_rate"] = (hits + served) / accesses

@@ -1,5 +1,5 @@
 // The one transport interface between PS clients and PS shards. Every backend (local:
-// in-process, tcp: sockets, and later ucx_*: RDMA through UCX) carries the frames of
+// in-process, tcp: sockets, ucx_*: RDMA through UCX) carries the frames of
 // commit/wire.h and differs only behind the two classes here:
 //
 //   Channel     client side of one (client, shard) connection. It OWNS SLOT OWNERSHIP AND THE

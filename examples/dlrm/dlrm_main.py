@@ -59,9 +59,6 @@ from torchrec_bagpipe.distributed import (
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
 
-# The BagPipe flags TorchRec's script already defines (or that make no sense here).
-_SKIPPED_CONFIG_FLAGS: tuple[str, ...] = ()
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="torchrec dlrm example trainer (BagPipe)")
@@ -142,7 +139,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--metrics_json", type=str, default=None,
                         help="write the final metrics (rank 0) to this JSON file")
     parser.add_argument("--no_progress", action="store_true", help="hide the tqdm bars")
-    BagPipeConfig.add_arguments(parser, skip=_SKIPPED_CONFIG_FLAGS)
+    BagPipeConfig.add_arguments(parser)
     parser.set_defaults(pin_memory=None, mmap_mode=None, shuffle_batches=None)
     args = parser.parse_args(argv)
     for name in ("num_embeddings_per_feature", "dense_arch_layer_sizes",

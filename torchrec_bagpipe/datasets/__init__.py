@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
     "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
@@ -16,15 +15,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchrec_bagpipe.datasets' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
-
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 __all__ = sorted(_LAZY)

@@ -18,12 +18,13 @@ import threading
 import time
 from collections.abc import Sequence
 
+from torchrec_bagpipe.config import parse_memory_budget
+
 __all__ = ["build_parser", "main"]
 
 # Kept equal to torchrec_bagpipe.ps.shard.DEFAULT_MAX_FRAME_BYTES; this module imports the
 # shard (and torch) only after the arguments are checked, so --help and usage errors are fast.
 DEFAULT_MAX_FRAME_BYTES = 256 << 20
-_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 EPILOG = """\
 Clients authenticate with the job token (--job-token, or the BAGPIPE_JOB_TOKEN environment
@@ -125,16 +126,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"shard_id {args.shard_id} must be below num_shards {args.num_shards}"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
-    if args.memory_budget is not None and args.memory_budget.strip().upper() != "AUTO":
-        text = args.memory_budget.strip().upper()
-        mult = _SUFFIX.get(text[-1:], 1)
+    if args.memory_budget is not None:
         try:
-            value = float(text[:-1] if text[-1:] in _SUFFIX else text) * mult
-        except ValueError:
-            return ("--memory-budget (memory_budget) must be bytes, e.g. 512M or 4G, or 'auto', "
-                    f"got {args.memory_budget!r}")
-        if value <= 0:
-            return "--memory-budget (memory_budget) must be > 0"
+            parse_memory_budget(args.memory_budget, "--memory-budget (memory_budget)")
+        except (TypeError, ValueError) as e:
+            return str(e)
     if args.checkpoint_every < 0:
         return "--checkpoint-every must be >= 0"
     if args.checkpoint_every and not args.checkpoint_dir:
