@@ -1,5 +1,11 @@
 // Zero-copy argument checking for the bindings. Every check names the argument and raises
 // TypeError (dtype, layout) or ValueError (shape) before any native work starts.
+//
+// Thread safety: the checks read Python objects, so they run with the GIL held; the views
+// they return may be used after the GIL is released while the caller keeps the arrays alive.
+// Invariants:
+//   1. A view is never a copy: its data pointer is the array's own buffer.
+//   2. A failed check has written nothing anywhere.
 #pragma once
 
 #include <pybind11/numpy.h>

@@ -1,5 +1,11 @@
 // Each binding file registers one init function; module.cc calls them all in name order.
 // Adding a binding file never edits another one.
+//
+// Thread safety: registration runs during static initialisation (one thread); the init
+// functions run once, in PYBIND11_MODULE, with the GIL held.
+// Invariants:
+//   1. Every BAGPIPE_BINDING name is unique; a second registration of a name is ignored.
+//   2. Init functions run in name order, so the module's contents do not depend on link order.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -1,6 +1,6 @@
 // PSShard: one parameter-server shard hosting named tables, each an embedding store plus a
 // CommitCoordinator (tables may have different dims). It is transport-independent: a
-// backend (local, tcp's ShardServer, a future ucx one) delivers each request frame to
+// backend (local, tcp's ShardServer, UCX's UcxShardServer) delivers each request frame to
 // HandleFrame together with the ServerLink the reply goes back through.
 //
 // Thread safety: every public method is thread-safe. Requests of one link are delivered by
