@@ -43,7 +43,9 @@ global step < t that touched k.
 Threading: call the controller from one thread. It runs collectives and commit submissions
 on a worker thread per `Collectives` instance (shared by the controllers of one rank, FIFO),
 so the `Collectives` instance must not be used by anything else while controllers are open.
-PS client calls are serialized by a lock; handles are waited outside it.
+PS client calls are serialized by a lock; handles are waited outside it. Online, each
+submitted batch's ID exchange and its planning (`add_step`) run as one worker task, so the
+training thread only waits for a plan it needs; the planner is guarded by its own lock.
 """
 
 from __future__ import annotations
