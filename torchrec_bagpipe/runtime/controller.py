@@ -43,7 +43,9 @@ global step < t that touched k.
 Threading: call the controller from one thread. It runs collectives and commit submissions
 on a worker thread per `Collectives` instance (shared by the controllers of one rank, FIFO),
 so the `Collectives` instance must not be used by anything else while controllers are open.
-PS client calls are serialized by a lock; handles are waited outside it.
+PS client calls are serialized by a lock; handles are waited outside it. Online, each
+submitted batch's ID exchange and its planning (`add_step`) run as one worker task, so the
+training thread only waits for a plan it needs; the planner is guarded by its own lock.
 """
 
 from __future__ import annotations
@@ -237,8 +239,10 @@ class BagPipeController:
         self._next = 0
         self._active: Step | None = None
         self._local_keys: deque[np.ndarray] = deque()          # submitted, not yet run
-        # Online: (step, exchange future, this rank's batch), not yet planned.
-        self._exchanges: deque[tuple[int, Future, np.ndarray]] = deque()
+        # Online: (step, future of its exchange + add_step on the worker), not yet awaited.
+        self._exchanges: deque[tuple[int, Future]] = deque()
+        # Guards the online planner: the worker adds steps while this thread reads plans.
+        self._plan_lock = threading.Lock()
         self._exchange_dtype = np.int32 if num_keys <= _INT32_KEYS else np.int64
         self._entered = -1                                     # last step in the window
         # Prefetch candidates (keys, deps, upos: index in the use step's unique keys, use).
@@ -315,16 +319,10 @@ class BagPipeController:
         if self._prescan is not None:
             self._prescan.check(s, arr)
         else:
-            # The other ranks' planners need this batch's distinct keys only (first-occurrence
-            # order keeps every rank's plans identical to prescan's) and its id count; int32
-            # when the fused keys fit.
-            unique = C.unique_keys(arr)
-            msg = np.empty(unique.size + 1, dtype=self._exchange_dtype)
-            msg[0] = arr.size
-            msg[1:] = unique
-            fut = self._worker.submit(self._coll.all_gather, torch.from_numpy(msg))
-            self._exchanges.append((s, fut, arr))
-            self.metrics_.add(id_exchange_bytes=msg.nbytes, collectives_issued=1)
+            # The exchange and the planning of this batch run on the worker, off the training
+            # thread; `_absorb` waits for them (bounded) when a step needs the plan.
+            fut = self._worker.submit(self._exchange_and_plan, s, arr)
+            self._exchanges.append((s, fut))
         self._local_keys.append(arr)
         self._submitted += 1
 
@@ -431,8 +429,11 @@ class BagPipeController:
         d["planner_s"] = self._online.plan_seconds + (
             self._prescan.plan_seconds if self._prescan is not None else 0.0
         )
-        planner = self._prescan if self._prescan is not None else self._online
-        d["plan_memory_bytes"] = planner.memory_bytes()
+        if self._prescan is not None:
+            d["plan_memory_bytes"] = self._prescan.memory_bytes()
+        else:
+            with self._plan_lock:
+                d["plan_memory_bytes"] = self._online.memory_bytes()
         d["capacity_rows"] = self.capacity_rows
         d["resident_bytes"] = self._dev.resident_bytes
         d["prepared_bytes"] = sum(
@@ -549,28 +550,49 @@ class BagPipeController:
 
     # ---- planning ---------------------------------------------------------------------
     def _plan(self, s: int) -> StepPlan:
-        planner = self._prescan if self._prescan is not None else self._online
-        return planner.plan(s)
+        if self._prescan is not None:
+            return self._prescan.plan(s)
+        with self._plan_lock:
+            return self._online.plan(s)
+
+    def _exchange_and_plan(self, s: int, own: np.ndarray) -> None:
+        """Runs on the worker (FIFO, so steps are added in order): exchanges batch s with
+        every rank and adds it to the online planner.
+
+        The other ranks' planners need this batch's distinct keys only (first-occurrence
+        order keeps every rank's plans identical to prescan's) and its id count; int32 when
+        the fused keys fit. A plan read by the training thread is a copy, and the fields the
+        controller uses do not depend on steps added past its window (next_use beyond the
+        entered steps is masked in `_prepare_cached`), so adding steps early changes no
+        decision.
+        """
+        unique = C.unique_keys(own)
+        msg = np.empty(unique.size + 1, dtype=self._exchange_dtype)
+        msg[0] = own.size
+        msg[1:] = unique
+        self.metrics_.add(id_exchange_bytes=msg.nbytes, collectives_issued=1)
+        parts = self._coll.all_gather(torch.from_numpy(msg))
+        per_rank: list[np.ndarray] = []
+        global_ids = 0
+        for q, part in enumerate(parts):
+            m = part.numpy()
+            if m.size < 1:
+                raise RuntimeError(f"ID exchange of step {s}: rank {q} sent no header")
+            global_ids += int(m[0])
+            per_rank.append(own if q == self.rank else m[1:].astype(np.int64))
+        with self._plan_lock:
+            added = self._online.add_step(per_rank, global_ids=global_ids)
+        if added != s:
+            raise RuntimeError(f"planner out of step: added {added}, expected {s}")
 
     def _absorb(self, upto: int) -> None:
-        """Online: plans every exchanged batch with step <= upto, in order."""
+        """Online: waits until every batch with step <= upto is exchanged and planned."""
         while self._exchanges and self._exchanges[0][0] <= upto:
-            s, fut, own = self._exchanges[0]
+            _, fut = self._exchanges[0]
             t0 = time.perf_counter()
-            parts = fut.result(timeout=self._timeout)
+            fut.result(timeout=self._timeout)
             self.metrics_.add(collective_wait_s=time.perf_counter() - t0)
             self._exchanges.popleft()
-            per_rank: list[np.ndarray] = []
-            global_ids = 0
-            for q, part in enumerate(parts):
-                msg = part.numpy()
-                if msg.size < 1:
-                    raise RuntimeError(f"ID exchange of step {s}: rank {q} sent no header")
-                global_ids += int(msg[0])
-                per_rank.append(own if q == self.rank else msg[1:].astype(np.int64))
-            added = self._online.add_step(per_rank, global_ids=global_ids)
-            if added != s:
-                raise RuntimeError(f"planner out of step: added {added}, expected {s}")
 
     def _enter_window(self, t: int) -> None:
         """Steps up to t + lookahead that were submitted enter the window (REQUIRES: lock)."""
@@ -693,7 +715,8 @@ class BagPipeController:
         upto = min(t + self._lookahead, self._submitted - 1)
         if self._prescan is None:
             self._absorb(upto)
-            self._online.release(t)
+            with self._plan_lock:
+                self._online.release(t)
         # Collective: S_later updates of steps <= t - 2 must land before their pins expire.
         for s in [s for s in self._later_pins if s <= t - 2]:
             self._later_pins.pop(s).result(timeout=self._timeout)

@@ -89,8 +89,13 @@ class DeviceCache:
         if len(slots) == 0:
             return
         g = grads.to(self.device, non_blocking=True)
-        u = g / self.divisor_t if self.divisor_t is not None else g
-        u = u * self.lr_t
+        # The same ops as the PS (u = g / W, u = u * lr, w = w - u), in one fresh buffer:
+        # `g` may be the caller's gradient and is never written.
+        if self.divisor_t is not None:
+            u = g / self.divisor_t
+            u.mul_(self.lr_t)
+        else:
+            u = g * self.lr_t
         u.neg_()  # (index_add_'s alpha=-1 would take a slow path)
         self.values.index_add_(0, self.index(slots), u)
 
