@@ -421,10 +421,6 @@ class ShardedBagPipeEmbeddingBagCollection(
         return {spec.name: rt.controller.metrics() for spec, rt in zip(self._fused, self._runtimes)}
 
     @property
-    def fused_tables(self) -> list[FusedTableSpec]:
-        return list(self._fused)
-
-    @property
     def bagpipe_config(self) -> BagPipeConfig:
         return self._config
 

@@ -14,9 +14,9 @@ makes the same sequence of calls (the same number of submits before each next_st
 window a step sees, and hence every cache decision, is a function of that sequence, so the
 cache contents are deterministic. Only *when* a fetch is issued depends on commit timing.
 
-Coherence (PS-owned BagPipe, DESIGN §2). A resident row carries a version: the step whose
-commit its values reflect (-1: initial). Step t reads row k at version dep(k, t), the last
-global step < t that touched k.
+Coherence (PS-owned BagPipe; invariants in docs/ARCHITECTURE.md §1). A resident row carries a
+version: the step whose commit its values reflect (-1: initial). Step t reads row k at version
+dep(k, t), the last global step < t that touched k.
   * ps aggregation: after step t a rank updates the resident rows only it touched with its own
     gradient (u = g / W, u = u * lr, w = w - u: bitwise the PS's result) and sets their version
     to t; resident rows another rank touched are invalidated (it knows them from the exchanged
@@ -267,10 +267,6 @@ class BagPipeController:
     def capacity_rows(self) -> int:
         return self._meta.capacity_rows if self._meta is not None else 0
 
-    @property
-    def next_step_index(self) -> int:
-        return self._next
-
     def prescan(self, local_trace: Sequence[torch.Tensor | np.ndarray], *,
                 progress: bool = True) -> None:
         """Plans every step from the whole trace of all ranks before training.
@@ -451,7 +447,7 @@ class BagPipeController:
         d["committed_step"] = self._committed()
         return d
 
-    snapshot = metrics
+    snapshot = metrics  # the metrics as a plain dict, under the name the runtime API documents
 
     # ---- helpers ------------------------------------------------------------------------
     def _check_usable(self) -> None:

@@ -8,7 +8,7 @@ row was fetched by a get issued before the step began) or demand-fetched (fetche
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 __all__ = ["RuntimeMetrics"]
 
@@ -58,6 +58,3 @@ class RuntimeMetrics:
         d["hit_rate"] = d["hits"] / acc if acc else 0.0
         d["cache_served_rate"] = (d["hits"] + d["prefetch_served"]) / acc if acc else 0.0
         return d
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
