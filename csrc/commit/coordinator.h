@@ -6,8 +6,9 @@
 // step t, every rank sends this shard its chunks (chunk_index / chunk_count; a rank with no
 // rows sends one empty chunk, the marker). Each chunk is acknowledged at once (the ACK is
 // sent before any SGD work). When every rank's chunks of the pending step are in, the
-// gradients are concatenated rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, and applied with
-// ONE TableStore::ApplySgd(keys, grads, lr, grad_division ? W : 1); then committed_step
+// chunks are applied in the order rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, with ONE
+// TableStore::ApplySgdSegments(chunks, lr, grad_division ? W : 1) (bitwise one ApplySgd on
+// their concatenation, without copying the gradients); then committed_step
 // becomes t, deferred reads waiting for t are served and every attached rank is notified.
 //
 // Thread safety: every public method is thread-safe; one internal mutex serializes them,
@@ -192,8 +193,7 @@ class CommitCoordinator {
   std::vector<RankPending> pending_;  // by rank, for step committed_ + 1
   uint32_t ranks_complete_ = 0;
   std::deque<Waiter> waiters_;
-  std::vector<int64_t> apply_keys_;  // concatenation buffers, reused across steps
-  std::vector<float> apply_grads_;
+  std::vector<store::GradSegment> apply_segments_;  // the step's chunks in order (reused)
   std::condition_variable committed_cv_;
   CoordinatorStats stats_;
 };
