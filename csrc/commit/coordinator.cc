@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "common/errors.h"
 
@@ -245,7 +247,7 @@ void CommitCoordinator::FailLocked(const std::string& why) {
 
 void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
                                     const std::shared_ptr<ServerLink>& link, uint64_t tag,
-                                    uint32_t slot) {
+                                    uint32_t slot, transport::RecvBuffer* owner) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& b = chunk.body;
   auto reply_error = [&](Status st, const std::string& text) {
@@ -308,8 +310,8 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
   }
   if (rp.chunk_count != 0 && rp.chunks[b.chunk_index].present) {
     const Chunk& c = rp.chunks[b.chunk_index];
-    if (c.nrows == b.nrows && c.payload.size() == chunk.payload_len &&
-        std::memcmp(c.payload.data(), chunk.payload, chunk.payload_len) == 0) {
+    if (c.nrows == b.nrows && c.len == chunk.payload_len &&
+        (chunk.payload_len == 0 || std::memcmp(c.payload(), chunk.payload, chunk.payload_len) == 0)) {
       ++stats_.duplicate_chunks;
       return ack(wire::Disposition::kDuplicate);
     }
@@ -327,7 +329,17 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
     for (auto& c : rp.chunks) c.present = false;
   }
   Chunk& c = rp.chunks[b.chunk_index];
-  c.payload.assign(chunk.payload, chunk.payload + chunk.payload_len);
+  if (owner != nullptr && owner->Holds(chunk.payload, chunk.payload_len) &&
+      reinterpret_cast<uintptr_t>(chunk.payload) % alignof(int64_t) == 0) {
+    // Take the receive buffer; the reader gets this slot's previous one back.
+    c.offset = static_cast<size_t>(chunk.payload - owner->data.get());
+    std::swap(c.buf, *owner);
+  } else {
+    c.buf.Reserve(chunk.payload_len);
+    if (chunk.payload_len > 0) std::memcpy(c.buf.data.get(), chunk.payload, chunk.payload_len);
+    c.offset = 0;
+  }
+  c.len = chunk.payload_len;
   c.nrows = b.nrows;
   c.present = true;
   ++rp.received;
@@ -345,7 +357,7 @@ void CommitCoordinator::ApplyLocked() {
     for (uint32_t i = 0; i < rp.chunk_count; ++i) {
       const Chunk& c = rp.chunks[i];
       if (c.nrows == 0) continue;
-      const uint8_t* p = c.payload.data();
+      const uint8_t* p = c.payload();
       apply_segments_.push_back({reinterpret_cast<const int64_t*>(p),
                                  reinterpret_cast<const float*>(p + size_t{c.nrows} * 8), c.nrows});
       total += c.nrows;
