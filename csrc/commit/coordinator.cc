@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "common/errors.h"
 
@@ -245,7 +247,7 @@ void CommitCoordinator::FailLocked(const std::string& why) {
 
 void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
                                     const std::shared_ptr<ServerLink>& link, uint64_t tag,
-                                    uint32_t slot) {
+                                    uint32_t slot, transport::RecvBuffer* owner) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& b = chunk.body;
   auto reply_error = [&](Status st, const std::string& text) {
@@ -308,8 +310,8 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
   }
   if (rp.chunk_count != 0 && rp.chunks[b.chunk_index].present) {
     const Chunk& c = rp.chunks[b.chunk_index];
-    if (c.nrows == b.nrows && c.payload.size() == chunk.payload_len &&
-        std::memcmp(c.payload.data(), chunk.payload, chunk.payload_len) == 0) {
+    if (c.nrows == b.nrows && c.len == chunk.payload_len &&
+        (chunk.payload_len == 0 || std::memcmp(c.payload(), chunk.payload, chunk.payload_len) == 0)) {
       ++stats_.duplicate_chunks;
       return ack(wire::Disposition::kDuplicate);
     }
@@ -327,7 +329,17 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
     for (auto& c : rp.chunks) c.present = false;
   }
   Chunk& c = rp.chunks[b.chunk_index];
-  c.payload.assign(chunk.payload, chunk.payload + chunk.payload_len);
+  if (owner != nullptr && owner->Holds(chunk.payload, chunk.payload_len) &&
+      reinterpret_cast<uintptr_t>(chunk.payload) % alignof(int64_t) == 0) {
+    // Take the receive buffer; the reader gets this slot's previous one back.
+    c.offset = static_cast<size_t>(chunk.payload - owner->data.get());
+    std::swap(c.buf, *owner);
+  } else {
+    c.buf.Reserve(chunk.payload_len);
+    if (chunk.payload_len > 0) std::memcpy(c.buf.data.get(), chunk.payload, chunk.payload_len);
+    c.offset = 0;
+  }
+  c.len = chunk.payload_len;
   c.nrows = b.nrows;
   c.present = true;
   ++rp.received;
@@ -339,47 +351,24 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
 
 void CommitCoordinator::ApplyLocked() {
   const int64_t step = committed_ + 1;
-  const size_t dim = spec_.dim;
   size_t total = 0;
-  const Chunk* only = nullptr;
-  size_t nonempty = 0;
-  for (const auto& rp : pending_) {
+  apply_segments_.clear();
+  for (const auto& rp : pending_) {  // rank order, then chunk order
     for (uint32_t i = 0; i < rp.chunk_count; ++i) {
       const Chunk& c = rp.chunks[i];
+      if (c.nrows == 0) continue;
+      const uint8_t* p = c.payload();
+      apply_segments_.push_back({reinterpret_cast<const int64_t*>(p),
+                                 reinterpret_cast<const float*>(p + size_t{c.nrows} * 8), c.nrows});
       total += c.nrows;
-      if (c.nrows > 0) {
-        ++nonempty;
-        only = &c;
-      }
     }
   }
   const int divisor = params_.grad_division ? static_cast<int>(params_.world_size) : 1;
   if (total > 0) {
-    const int64_t* keys;
-    const float* grads;
-    if (nonempty == 1) {
-      // One chunk carries every row: its payload is already keys then grads.
-      keys = reinterpret_cast<const int64_t*>(only->payload.data());
-      grads = reinterpret_cast<const float*>(only->payload.data() + total * 8);
-    } else {
-      apply_keys_.resize(total);
-      apply_grads_.resize(total * dim);
-      size_t at = 0;
-      for (const auto& rp : pending_) {  // rank order, then chunk order
-        for (uint32_t i = 0; i < rp.chunk_count; ++i) {
-          const Chunk& c = rp.chunks[i];
-          if (c.nrows == 0) continue;
-          std::memcpy(apply_keys_.data() + at, c.payload.data(), size_t{c.nrows} * 8);
-          std::memcpy(apply_grads_.data() + at * dim, c.payload.data() + size_t{c.nrows} * 8,
-                      size_t{c.nrows} * dim * 4);
-          at += c.nrows;
-        }
-      }
-      keys = apply_keys_.data();
-      grads = apply_grads_.data();
-    }
     try {
-      store_->ApplySgd(keys, total, grads, params_.lr, divisor);
+      // The segments are read in place: no concatenation of the step's gradients.
+      store_->ApplySgdSegments(apply_segments_.data(), apply_segments_.size(), params_.lr,
+                               divisor);
     } catch (const std::exception& e) {
       // The store changed nothing (its invariant 3): the table stays at the committed step.
       FailLocked("applying step " + std::to_string(step) + " failed: " + e.what());

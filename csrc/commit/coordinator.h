@@ -6,8 +6,9 @@
 // step t, every rank sends this shard its chunks (chunk_index / chunk_count; a rank with no
 // rows sends one empty chunk, the marker). Each chunk is acknowledged at once (the ACK is
 // sent before any SGD work). When every rank's chunks of the pending step are in, the
-// gradients are concatenated rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, and applied with
-// ONE TableStore::ApplySgd(keys, grads, lr, grad_division ? W : 1); then committed_step
+// chunks are applied in the order rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, with ONE
+// TableStore::ApplySgdSegments(chunks, lr, grad_division ? W : 1) (bitwise one ApplySgd on
+// their concatenation, without copying the gradients); then committed_step
 // becomes t, deferred reads waiting for t are served and every attached rank is notified.
 //
 // Thread safety: every public method is thread-safe; one internal mutex serializes them,
@@ -44,6 +45,7 @@
 
 #include "commit/table_store.h"
 #include "commit/wire.h"
+#include "transport/recv_buffer.h"
 #include "transport/transport.h"
 
 namespace bagpipe::commit {
@@ -111,8 +113,10 @@ class CommitCoordinator {
   // Takes one commit chunk from the rank attached through `link` and replies (ACK or error)
   // through it; then applies the step if it is complete. Never throws: errors become
   // replies, and protocol violations fail the session (invariants 2, 3).
+  // `owner`, if not null and holding chunk.payload, may be taken over (swapped with the
+  // chunk slot's previous buffer) instead of copying the payload; otherwise it is untouched.
   void SubmitChunk(const wire::CommitView& chunk, const std::shared_ptr<transport::ServerLink>& link,
-                   uint64_t tag, uint32_t slot);
+                   uint64_t tag, uint32_t slot, transport::RecvBuffer* owner = nullptr);
 
   // Serves a read of n keys now or once committed_step >= at_step, replying through `link`
   // (kGetOk with the rows, or an error). Never throws.
@@ -147,8 +151,14 @@ class CommitCoordinator {
  private:
   struct Chunk {
     bool present = false;
-    std::vector<uint8_t> payload;  // keys (nrows x int64) then grads (nrows x dim x fp32)
+    // The payload, keys (nrows x int64) then grads (nrows x dim x fp32), is
+    // buf.data[offset, offset + len): a copy, or the receive buffer it arrived in. buf
+    // outlives the step and is reused (or handed back to a reader) by the next one.
+    transport::RecvBuffer buf;
+    size_t offset = 0;
+    size_t len = 0;
     uint32_t nrows = 0;
+    const uint8_t* payload() const { return buf.data.get() + offset; }
   };
   struct RankPending {
     uint32_t chunk_count = 0;  // 0: no chunk of this rank yet
@@ -192,8 +202,7 @@ class CommitCoordinator {
   std::vector<RankPending> pending_;  // by rank, for step committed_ + 1
   uint32_t ranks_complete_ = 0;
   std::deque<Waiter> waiters_;
-  std::vector<int64_t> apply_keys_;  // concatenation buffers, reused across steps
-  std::vector<float> apply_grads_;
+  std::vector<store::GradSegment> apply_segments_;  // the step's chunks in order (reused)
   std::condition_variable committed_cv_;
   CoordinatorStats stats_;
 };

@@ -139,13 +139,13 @@ ShardStats PSShard::stats() {
 }
 
 bool PSShard::HandleFrame(const std::shared_ptr<ServerLink>& link, const wire::FrameHeader& h,
-                          const uint8_t* body, size_t body_len) {
+                          const uint8_t* body, size_t body_len, transport::RecvBuffer* owner) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.frames;
   }
   try {
-    return Dispatch(link, h, body, body_len);
+    return Dispatch(link, h, body, body_len, owner);
   } catch (const std::exception& e) {
     // Dispatch answers every error it expects; this is a last line of defence.
     link->SendError(h.tag, h.slot, Status::kInternal, link->session,
@@ -158,7 +158,7 @@ bool PSShard::HandleFrame(const std::shared_ptr<ServerLink>& link, const wire::F
 }
 
 bool PSShard::Dispatch(const std::shared_ptr<ServerLink>& link, const wire::FrameHeader& h,
-                       const uint8_t* body, size_t len) {
+                       const uint8_t* body, size_t len, transport::RecvBuffer* owner) {
   const auto type = static_cast<MsgType>(h.type);
   auto reject = [&](Status st, const std::string& text, bool keep) {
     {
@@ -267,7 +267,7 @@ bool PSShard::Dispatch(const std::shared_ptr<ServerLink>& link, const wire::Fram
       if (!link->session_open) {
         return reject(Status::kNotOpen, "Commit before Open on this connection", true);
       }
-      coord->SubmitChunk(chunk, link, h.tag, h.slot);
+      coord->SubmitChunk(chunk, link, h.tag, h.slot, owner);
       return true;
     }
     case MsgType::kGet: {

@@ -29,6 +29,7 @@
 #include "commit/coordinator.h"
 #include "commit/table_store.h"
 #include "commit/wire.h"
+#include "transport/recv_buffer.h"
 #include "transport/transport.h"
 
 namespace bagpipe::commit {
@@ -71,8 +72,11 @@ class PSShard {
 
   // Handles one request frame from `link`; replies through it. Returns false when the
   // connection must be closed (invariant 1). Never throws.
+  // `owner`, if not null, is the buffer that holds body: a commit chunk may take it over
+  // (swapping in another buffer) instead of copying its payload.
   bool HandleFrame(const std::shared_ptr<transport::ServerLink>& link,
-                   const wire::FrameHeader& header, const uint8_t* body, size_t body_len);
+                   const wire::FrameHeader& header, const uint8_t* body, size_t body_len,
+                   transport::RecvBuffer* owner = nullptr);
   // The connection behind `link` is gone: its rank leaves its session.
   void LinkClosed(transport::ServerLink* link);
 
@@ -94,7 +98,7 @@ class PSShard {
 
  private:
   bool Dispatch(const std::shared_ptr<transport::ServerLink>& link, const wire::FrameHeader& h,
-                const uint8_t* body, size_t len);
+                const uint8_t* body, size_t len, transport::RecvBuffer* owner);
   CoordinatorOptions MakeCoordinatorOptions(const std::string& name) const;
 
   const ShardOptions options_;

@@ -20,6 +20,9 @@ class StoreTable : public TableStore {
   void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int div) override {
     store_->ApplySgd(keys, n, grads, lr, div);
   }
+  void ApplySgdSegments(const store::GradSegment* segs, size_t count, float lr, int div) override {
+    store_->ApplySgdSegments(segs, count, lr, div);
+  }
   void Read(const int64_t* keys, size_t n, float* out) override {
     store_->Lookup(keys, n, out, /*insert_missing=*/false);
   }

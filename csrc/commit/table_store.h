@@ -8,6 +8,7 @@
 // Invariants (inherited from store/embedding_store.h):
 //   1. ApplySgd sums the gradient rows of duplicate keys in input order (first one copied),
 //      divides by float(grad_divisor) when it is not 1, and sets w = w - float(lr) * g.
+//      ApplySgdSegments is bitwise ApplySgd on the segments' concatenation.
 //   2. Read never inserts: an absent row reads as its deterministic initial value.
 //   3. A call that throws changed nothing.
 #pragma once
@@ -18,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "store/embedding_store.h"
 
@@ -37,6 +39,11 @@ class TableStore {
   // REQUIRES: grad_divisor >= 1; keys within spec().key_bound (checked by the caller).
   virtual void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr,
                         int grad_divisor) = 0;
+  // ApplySgd over segs[0..count) concatenated in order. The default concatenates into
+  // scratch and calls ApplySgd once; a store that can read the segments in place overrides
+  // it. REQUIRES: as ApplySgd.
+  virtual void ApplySgdSegments(const store::GradSegment* segs, size_t count, float lr,
+                                int grad_divisor);
   // Pure read of n rows (n x dim) into out.
   virtual void Read(const int64_t* keys, size_t n, float* out) = 0;
   // Bulk load; for duplicate keys the last occurrence wins.
@@ -45,6 +52,10 @@ class TableStore {
   virtual void Save(const std::string& dir, const std::map<std::string, std::string>& meta) = 0;
   // Counters for stats() (rows, bytes_resident, ...).
   virtual std::map<std::string, int64_t> Stats() = 0;
+
+ private:
+  std::vector<int64_t> concat_keys_;  // the default ApplySgdSegments' scratch
+  std::vector<float> concat_grads_;
 };
 
 // Creates an empty table.

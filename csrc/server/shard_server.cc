@@ -209,7 +209,7 @@ class ShardServer::Connection : public transport::ServerLink,
     auto self = shared_from_this();
     auto& shard = *server_->shard_;
     const size_t max_frame = shard.options().max_frame_bytes;
-    Buffer body;
+    transport::RecvBuffer body;  // a commit chunk may take it (and give another back)
     transport::FrameReader in(fd_, peer_);
     bool violation = false;
     try {
@@ -232,7 +232,7 @@ class ShardServer::Connection : public transport::ServerLink,
         server_->frames_.fetch_add(1);
         server_->bytes_in_.fetch_add(kHeaderBytes + h.body_len);
         const bool was_authenticated = authenticated;
-        if (!shard.HandleFrame(self, h, body.data.get(), h.body_len)) {
+        if (!shard.HandleFrame(self, h, body.data.get(), h.body_len, &body)) {
           violation = true;
           break;
         }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "common/errors.h"
@@ -129,6 +130,7 @@ class EmbeddingStore::Impl {
   void Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing);
   void Assign(const int64_t* keys, size_t n, const float* rows);
   void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int divisor);
+  void ApplySgdSegments(const GradSegment* segs, size_t count, float lr, int divisor);
   void Contains(const int64_t* keys, size_t n, uint8_t* present);
   size_t Erase(const int64_t* keys, size_t n);
   void Reserve(size_t total_rows);
@@ -162,8 +164,12 @@ class EmbeddingStore::Impl {
   template <bool kTrack>
   void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
                std::vector<uint32_t>* misses);
-  template <int kDim>
-  void SgdShard(Shard& sh, uint32_t begin, const float* grads, float lr, int divisor);
+  // Gradient row i is grads + i * dim, or grad_rows[i] when grad_rows is not null.
+  void ApplySgdLocked(const int64_t* keys, size_t n, const float* grads,
+                      const float* const* grad_rows, float lr, int divisor);
+  template <int kDim, bool kRowTable>
+  void SgdShard(Shard& sh, uint32_t begin, const float* grads, const float* const* grad_rows,
+                float lr, int divisor);
   void Finish() { spill_.AfterOp(epoch_); }
 
   const StoreOptions opt_;
@@ -200,6 +206,8 @@ class EmbeddingStore::Impl {
   std::vector<uint32_t> miss_rows_;
   std::vector<uint32_t> route_pos_;
   std::vector<uint16_t> route_shard_;          // shard of each routed key (< 4096)
+  std::vector<int64_t> segment_keys_;          // ApplySgdSegments: the segments' keys in order
+  std::vector<const float*> segment_rows_;     // ApplySgdSegments: each key's gradient row
 };
 
 void EmbeddingStore::Impl::CheckKeys(const int64_t* keys, size_t n) const {
@@ -667,9 +675,9 @@ inline void AddRow(float* __restrict a, const float* __restrict g, int runtime_d
 // One update per group, in group order: the gradient rows of a key's occurrences are summed
 // in input order (the first copied, the rest added), then applied once. Rows were
 // prefetched for writing by Materialize.
-template <int kDim>
-void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads, float lr,
-                                    int divisor) {
+template <int kDim, bool kRowTable>
+void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads,
+                                    const float* const* grad_rows, float lr, int divisor) {
   const size_t ng = sh.groups.size();
   const float div = static_cast<float>(divisor);
   const bool divide = divisor != 1;
@@ -679,14 +687,21 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads, f
   const uint32_t* order = order_.data() + b;
   const uint32_t* next_item = sh.next_item.data();
   float* acc = sh.acc.data();  // sized by GroupShard
+  auto row = [&](uint32_t i) -> const float* {
+    if constexpr (kRowTable) {
+      return grad_rows[i];
+    } else {
+      return grads + static_cast<size_t>(i) * dim;
+    }
+  };
   for (size_t g = 0; g < ng; ++g) {
     const Shard::Group& grp = sh.groups[g];
     float* w = reinterpret_cast<float*>(Row(grp.slot));
-    const float* grad = grads + static_cast<size_t>(order[grp.first]) * dim;
+    const float* grad = row(order[grp.first]);
     if (grp.count > 1) {
       std::memcpy(acc, grad, dim * sizeof(float));
       for (uint32_t k = next_item[grp.first]; k != Shard::kNoItem; k = next_item[k]) {
-        AddRow<kDim>(acc, grads + static_cast<size_t>(order[k]) * dim, dim_);
+        AddRow<kDim>(acc, row(order[k]), dim_);
       }
       grad = acc;
     }
@@ -702,19 +717,75 @@ void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* 
   std::lock_guard<std::mutex> lock(mu_);
   CheckKeys(keys, n);
   if (n == 0) return;
+  ApplySgdLocked(keys, n, grads, nullptr, lr, divisor);
+}
+
+// The segments' keys are gathered (routing wants one key array, 8 bytes a row); their
+// gradient rows stay where they are and are reached through a per-row pointer table, so the
+// update reads every gradient byte once, as ApplySgd on the concatenation would.
+void EmbeddingStore::Impl::ApplySgdSegments(const GradSegment* segs, size_t count, float lr,
+                                            int divisor) {
+  if (divisor < 1) throw ValueError("grad_divisor must be >= 1, got " + std::to_string(divisor));
+  if (!std::isfinite(lr)) throw ValueError("lr must be finite");
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  size_t nonempty = 0;
+  const GradSegment* only = nullptr;
+  for (size_t s = 0; s < count; ++s) {
+    if (segs[s].n == 0) continue;
+    if (segs[s].n > kMaxKeysPerCall - n) {
+      throw ValueError("keys: at most " + std::to_string(kMaxKeysPerCall) +
+                       " keys per call over all segments");
+    }
+    n += segs[s].n;
+    ++nonempty;
+    only = &segs[s];
+  }
+  if (n == 0) return;
+  if (nonempty == 1) {
+    CheckKeys(only->keys, n);
+    ApplySgdLocked(only->keys, n, only->grads, nullptr, lr, divisor);
+    return;
+  }
+  segment_keys_.resize(n);
+  segment_rows_.resize(n);
+  const size_t dim = static_cast<size_t>(dim_);
+  size_t at = 0;
+  for (size_t s = 0; s < count; ++s) {
+    const GradSegment& seg = segs[s];
+    if (seg.n == 0) continue;
+    std::memcpy(segment_keys_.data() + at, seg.keys, seg.n * sizeof(int64_t));
+    const float** rows = segment_rows_.data() + at;
+    for (size_t i = 0; i < seg.n; ++i) rows[i] = seg.grads + i * dim;
+    at += seg.n;
+  }
+  CheckKeys(segment_keys_.data(), n);
+  ApplySgdLocked(segment_keys_.data(), n, nullptr, segment_rows_.data(), lr, divisor);
+}
+
+void EmbeddingStore::Impl::ApplySgdLocked(const int64_t* keys, size_t n, const float* grads,
+                                          const float* const* grad_rows, float lr, int divisor) {
   ++epoch_;
   Route(keys, n);
   Materialize(keys);
   ++mutations_;
   const uint32_t epoch = epoch_;
+  auto sgd = [&](auto row_table, Shard& sh, uint32_t b) {
+    constexpr bool kTable = decltype(row_table)::value;
+    switch (dim_) {
+      case 16: return SgdShard<16, kTable>(sh, b, grads, grad_rows, lr, divisor);
+      case 32: return SgdShard<32, kTable>(sh, b, grads, grad_rows, lr, divisor);
+      case 64: return SgdShard<64, kTable>(sh, b, grads, grad_rows, lr, divisor);
+      case 128: return SgdShard<128, kTable>(sh, b, grads, grad_rows, lr, divisor);
+      default: return SgdShard<0, kTable>(sh, b, grads, grad_rows, lr, divisor);
+    }
+  };
   RunShards([&](Shard& sh, uint32_t b, uint32_t) {
     Publish(sh, /*init=*/true, epoch);
-    switch (dim_) {
-      case 16: return SgdShard<16>(sh, b, grads, lr, divisor);
-      case 32: return SgdShard<32>(sh, b, grads, lr, divisor);
-      case 64: return SgdShard<64>(sh, b, grads, lr, divisor);
-      case 128: return SgdShard<128>(sh, b, grads, lr, divisor);
-      default: return SgdShard<0>(sh, b, grads, lr, divisor);
+    if (grad_rows != nullptr) {
+      sgd(std::true_type{}, sh, b);
+    } else {
+      sgd(std::false_type{}, sh, b);
     }
   });
   for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());
@@ -912,6 +983,11 @@ void EmbeddingStore::Assign(const int64_t* keys, size_t n, const float* rows) {
 void EmbeddingStore::ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr,
                               int grad_divisor) {
   impl_->ApplySgd(keys, n, grads, lr, grad_divisor);
+}
+
+void EmbeddingStore::ApplySgdSegments(const GradSegment* segs, size_t count, float lr,
+                                      int grad_divisor) {
+  impl_->ApplySgdSegments(segs, count, lr, grad_divisor);
 }
 void EmbeddingStore::Contains(const int64_t* keys, size_t n, uint8_t* present) {
   impl_->Contains(keys, n, present);

@@ -87,6 +87,14 @@ struct LoadOverrides {
   bool weights_only = false;
 };
 
+// One run of gradient rows for EmbeddingStore::ApplySgdSegments: keys[0..n) and their
+// gradients (n x dim, row-major). The store only reads through the pointers.
+struct GradSegment {
+  const int64_t* keys = nullptr;
+  const float* grads = nullptr;
+  size_t n = 0;
+};
+
 class EmbeddingStore {
  public:
   // REQUIRES: options valid (throws ValueError naming the field otherwise).
@@ -111,6 +119,12 @@ class EmbeddingStore {
   // Absent keys are materialised from their initial value first.
   // REQUIRES: grad_divisor >= 1, lr finite.
   void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int grad_divisor);
+
+  // ApplySgd over the concatenation of segs[0..count) in order, without copying the
+  // gradients: bitwise equal to ApplySgd on the concatenated keys and grads (duplicates
+  // across segments are summed in segment order). A bad key is reported at its index in
+  // the concatenation. REQUIRES: as ApplySgd; the segments' total below 2^32 rows.
+  void ApplySgdSegments(const GradSegment* segs, size_t count, float lr, int grad_divisor);
 
   // Writes 1 to present[i] if keys[i] is stored, else 0.
   void Contains(const int64_t* keys, size_t n, uint8_t* present);

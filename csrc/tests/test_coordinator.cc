@@ -26,6 +26,10 @@ struct Fixture {
   std::vector<std::shared_ptr<RecordingLink>> links;
   TableSpec spec;
   SessionParams params;
+  // owned: chunks arrive in `reader`, a receive buffer the coordinator may take over (as
+  // the TCP server's), which is then overwritten by the next frame.
+  bool owned = false;
+  transport::RecvBuffer reader;
 
   explicit Fixture(uint32_t world, bool division = true) {
     spec.dim = kDim;
@@ -61,10 +65,19 @@ struct Fixture {
     b.lr = kLr;
     b.nrows = static_cast<uint32_t>(keys.size());
     auto bytes = bagpipe::testing::CommitBodyBytes(b, keys, grads);
+    const uint8_t* body = bytes.data();
+    if (owned) {
+      reader.Reserve(bytes.size());
+      std::memcpy(reader.data.get(), bytes.data(), bytes.size());
+      body = reader.data.get();
+    }
     wire::CommitView v;
     std::string why;
-    CHECK(wire::ParseCommit(bytes.data(), bytes.size(), &v, &why));
-    coord->SubmitChunk(v, links[rank], 1000 + index, index);
+    CHECK(wire::ParseCommit(body, bytes.size(), &v, &why));
+    coord->SubmitChunk(v, links[rank], 1000 + index, index, owned ? &reader : nullptr);
+    if (owned && reader.cap > 0) {
+      std::memset(reader.data.get(), 0xAB, reader.cap);  // the reader's next frame
+    }
     return links[rank]->Take();
   }
 };
@@ -164,6 +177,43 @@ TEST_CASE(coordinator_sums_in_rank_then_chunk_order_and_applies_once) {
   // A retry of the committed step: acknowledged without SGD.
   CHECK(AckOf(fx.Send(0, 0, 0, 1, {5, 9}, {9.f, 9.f, 9.f, 9.f})) == Disposition::kAlreadyCommitted);
   CHECK_EQ(fx.table->apply_calls, 1);
+}
+
+// Chunks kept in taken receive buffers: the reader's buffer is overwritten after every
+// frame, so a chunk that still referred to it would apply (or compare) garbage.
+TEST_CASE(coordinator_owned_receive_buffers_stay_exact) {
+  Fixture fx(2);
+  fx.owned = true;
+  MapTable ref(fx.spec);
+  for (int64_t step = 0; step < 4; ++step) {
+    const float s = static_cast<float>(step + 1);
+    const std::vector<int64_t> k10{5, 9}, k11{9}, k00{7, 5, 5};
+    const std::vector<float> g10{0.1f * s, 0.2f, 1.5f, 2.5f * s}, g11{0.3f, -0.7f * s};
+    const std::vector<float> g00{1.f, s, 0.25f, 0.5f, s, -2.f};
+    CHECK(AckOf(fx.Send(step, 1, 1, 2, k11, g11)) == Disposition::kStored);
+    CHECK(AckOf(fx.Send(step, 0, 0, 1, k00, g00)) == Disposition::kStored);
+    // A duplicate is compared with the kept copy, not with the reader's buffer.
+    CHECK(AckOf(fx.Send(step, 1, 1, 2, k11, g11)) == Disposition::kDuplicate);
+    CHECK(AckOf(fx.Send(step, 0, 0, 1, k00, g00)) == Disposition::kDuplicate);
+    CHECK(AckOf(fx.Send(step, 1, 0, 2, k10, g10)) == Disposition::kStored);
+    CHECK_EQ(fx.coord->committed_step(), step);
+    std::vector<int64_t> keys = k00;
+    keys.insert(keys.end(), k10.begin(), k10.end());
+    keys.insert(keys.end(), k11.begin(), k11.end());
+    std::vector<float> grads = g00;
+    grads.insert(grads.end(), g10.begin(), g10.end());
+    grads.insert(grads.end(), g11.begin(), g11.end());
+    ref.ApplySgd(keys.data(), keys.size(), grads.data(), kLr, 2);
+    for (int64_t k : {5, 7, 9}) {
+      auto got = ReadRow(*fx.coord, k);
+      auto want = ref.Row(k);
+      CHECK(std::memcmp(got.data(), want.data(), kDim * 4) == 0);
+    }
+  }
+  CHECK_EQ(fx.table->apply_calls, 4);
+  // A conflicting retry of a kept chunk is still detected.
+  fx.Send(4, 0, 0, 1, {1}, {1.f, 1.f});
+  CHECK(HasError(fx.Send(4, 0, 0, 1, {1}, {1.f, 2.f}), Status::kSessionFailed, "conflicting retry"));
 }
 
 TEST_CASE(coordinator_empty_step_advances) {
