@@ -136,31 +136,24 @@ def run_workload(
             for b in batches:
                 store.apply_sgd(b, grads, 0.01)
 
-        t_store, t_base = timed_pair(store_lookup, base_lookup, batches, args.repeats)
-        ours, base = total / t_store / 1e6, total / t_base / 1e6
-        emit(
-            bench="ps_store",
-            metric="lookup",
-            value=round(ours, 2),
-            unit="M keys/s",
-            baseline=round(base, 2),
-            ratio=round(ours / base, 3),
-            threads=threads,
-            **common,
-        )
-        t_store, t_base = timed_pair(store_sgd, base_sgd, batches, args.repeats)
-        ours, base = total / t_store / 1e6, total / t_base / 1e6
-        emit(
-            bench="ps_store",
-            metric="apply_sgd",
-            value=round(ours, 2),
-            unit="M rows/s",
-            baseline=round(base, 2),
-            ratio=round(ours / base, 3),
-            threads=threads,
-            distinct_rows_per_batch=round(distinct / len(batches), 1),
-            **common,
-        )
+        for metric, unit, ours_fn, base_fn, extra in (
+            ("lookup", "M keys/s", store_lookup, base_lookup, {}),
+            ("apply_sgd", "M rows/s", store_sgd, base_sgd,
+             {"distinct_rows_per_batch": round(distinct / len(batches), 1)}),
+        ):
+            t_store, t_base = timed_pair(ours_fn, base_fn, batches, args.repeats)
+            ours, base = total / t_store / 1e6, total / t_base / 1e6
+            emit(
+                bench="ps_store",
+                metric=metric,
+                value=round(ours, 2),
+                unit=unit,
+                baseline=round(base, 2),
+                ratio=round(ours / base, 3),
+                threads=threads,
+                **extra,
+                **common,
+            )
         st = store.stats()
         per_row = (st["bytes_resident"] + st["bytes_spilled"]) / st["rows"]
         emit(

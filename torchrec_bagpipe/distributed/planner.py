@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
+import abc
 import copy
 import dataclasses
-from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
@@ -127,11 +127,24 @@ def _ebcs(module: nn.Module) -> list[tuple[str, EmbeddingBagCollection]]:
 
 
 class _SplitEstimator(ShardEstimator):
-    """Runs `stock` on stock sharding options and `ours` on BagPipe ones."""
+    """Runs TorchRec's `_STOCK` estimator on stock sharding options and `_estimate` on
+    BagPipe ones."""
 
-    def __init__(self, stock: ShardEstimator, ours: Callable[[ShardingOption], None]) -> None:
-        self._stock = stock
-        self._ours = ours
+    _STOCK: type[ShardEstimator]
+
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        config: BagPipeConfig | None = None,
+    ) -> None:
+        self._topology = topology
+        self._config = config if config is not None else BagPipeConfig()
+        self._stock = self._STOCK(topology, constraints)
+
+    @abc.abstractmethod
+    def _estimate(self, so: ShardingOption) -> None:
+        """Fills `so`'s shards' estimate (storage or perf) for a BagPipe table."""
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:  # type: ignore[override]
         rest = [so for so in sharding_options if so.compute_kernel != BAGPIPE_KERNEL]
@@ -139,7 +152,7 @@ class _SplitEstimator(ShardEstimator):
             self._stock.estimate(rest, sharder_data_map=sharder_data_map)
         for so in sharding_options:
             if so.compute_kernel == BAGPIPE_KERNEL:
-                self._ours(so)
+                self._estimate(so)
 
 
 def _fused_rows(so: ShardingOption) -> int:
@@ -169,15 +182,7 @@ def _lookups(so: ShardingOption) -> float:
 class BagPipeStorageEstimator(_SplitEstimator):
     """Device memory of a BagPipe table: its cache share, metadata and batch tensors."""
 
-    def __init__(
-        self,
-        topology: Topology,
-        constraints: dict[str, ParameterConstraints] | None = None,
-        config: BagPipeConfig | None = None,
-    ) -> None:
-        self._topology = topology
-        self._config = config if config is not None else BagPipeConfig()
-        super().__init__(EmbeddingStorageEstimator(topology, constraints), self._estimate)
+    _STOCK = EmbeddingStorageEstimator
 
     def _estimate(self, so: ShardingOption) -> None:
         dim = int(so.tensor.shape[1])
@@ -196,15 +201,7 @@ class BagPipePerfEstimator(_SplitEstimator):
     """Per-batch time of a BagPipe table: pooling on the device plus the row traffic to the
     PS for the expected misses (prefetch overlaps it with compute; charged as comms)."""
 
-    def __init__(
-        self,
-        topology: Topology,
-        constraints: dict[str, ParameterConstraints] | None = None,
-        config: BagPipeConfig | None = None,
-    ) -> None:
-        self._topology = topology
-        self._config = config if config is not None else BagPipeConfig()
-        super().__init__(EmbeddingPerfEstimator(topology, constraints), self._estimate)
+    _STOCK = EmbeddingPerfEstimator
 
     def _estimate(self, so: ShardingOption) -> None:
         dim = int(so.tensor.shape[1])
