@@ -55,8 +55,12 @@ build: setup $(BUILD_DIR)/CMakeCache.txt
 	    printf '#!%s\nimport sys\nfrom %s import main\nsys.exit(main())\n' "$(abspath $(PY))" "$${s#*:}" > $$f; \
 	    chmod +x $$f; done;; esac
 
+# Every native wait has its own timeout; `timeout` is the backstop that turns a hang into a
+# failure (the last [ ok ] line names the test before the one that hung).
+NATIVE_TEST_TIMEOUT ?= 900
+
 native-test: build
-	$(BUILD_DIR)/bagpipe_native_tests
+	timeout $(NATIVE_TEST_TIMEOUT) $(BUILD_DIR)/bagpipe_native_tests
 
 $(ASAN_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
 	$(VENV)/bin/cmake -S . -B $(ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -66,7 +70,7 @@ $(ASAN_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
 asan-test: setup $(ASAN_DIR)/CMakeCache.txt
 	$(VENV)/bin/cmake --build $(ASAN_DIR) -j $(JOBS) --target bagpipe_native_tests
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  $(ASAN_DIR)/bagpipe_native_tests
+	  timeout $(NATIVE_TEST_TIMEOUT) $(ASAN_DIR)/bagpipe_native_tests
 
 lint: setup
 	$(VENV)/bin/ruff check $(wildcard torchrec_bagpipe tests benchmarks examples)

@@ -71,11 +71,17 @@ void ThreadPool::Drain(uint32_t gen) {
 
 void ThreadPool::WorkerLoop() {
   uint32_t seen = 0;
+  // stop_ is part of the wake condition, not only the generation: a worker that read its
+  // `seen` after the destructor's generation bump would otherwise wait for a job that never
+  // comes (stop_ is set under sleep_mu_, so a sleeper cannot miss it).
+  const auto woken = [&] {
+    return stop_.load(std::memory_order_seq_cst) || gen_.load(std::memory_order_seq_cst) != seen;
+  };
   for (;;) {
-    if (!SpinUntil(spin_us_, [&] { return gen_.load(std::memory_order_seq_cst) != seen; })) {
+    if (!SpinUntil(spin_us_, woken)) {
       std::unique_lock<std::mutex> lock(sleep_mu_);
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      work_cv_.wait(lock, [&] { return gen_.load(std::memory_order_seq_cst) != seen; });
+      work_cv_.wait(lock, woken);
       sleepers_.fetch_sub(1, std::memory_order_relaxed);
     }
     if (stop_.load()) return;

@@ -1,3 +1,4 @@
+#include <cstdio>
 #include <cstring>
 #include <exception>
 
@@ -13,6 +14,8 @@ std::vector<TestCase>& Registry() {
 // Usage: bagpipe_native_tests [substring]   (runs the tests whose name contains it)
 int main(int argc, char** argv) {
   const char* filter = argc > 1 ? argv[1] : nullptr;
+  // Line-buffered even into a CI log, so a test that hangs is named by the last line.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   int run = 0, failed = 0;
   for (const auto& t : bagpipe::testing::Registry()) {
     if (filter && std::strstr(t.name, filter) == nullptr) continue;
