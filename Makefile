@@ -11,6 +11,10 @@ MARCH ?= native
 JOBS ?= $(shell nproc)
 SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 PYTEST_ARGS ?=
+# A compiler cache when the machine has one (several checkouts of one tree rebuild fast).
+CCACHE := $(shell command -v ccache 2>/dev/null)
+CMAKE_LAUNCHER := $(if $(CCACHE),-DCMAKE_CXX_COMPILER_LAUNCHER=$(CCACHE))
+export CCACHE_BASEDIR ?= $(CURDIR)
 
 .PHONY: all setup system-deps build native-test asan-test lint test test-fast demo bench clean
 
@@ -42,7 +46,7 @@ setup: $(VENV)/.deps-stamp system-deps
 $(BUILD_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
 	$(VENV)/bin/cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DPython_EXECUTABLE=$(abspath $(PY)) -DBAGPIPE_INPLACE=ON -DBAGPIPE_MARCH=$(MARCH) \
-	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja)
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) $(CMAKE_LAUNCHER)
 
 build: setup $(BUILD_DIR)/CMakeCache.txt
 	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS)
@@ -65,7 +69,7 @@ native-test: build
 $(ASAN_DIR)/CMakeCache.txt: | $(VENV)/.deps-stamp
 	$(VENV)/bin/cmake -S . -B $(ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DBAGPIPE_BUILD_PYTHON=OFF -DBAGPIPE_SANITIZE=ON \
-	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja)
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) $(CMAKE_LAUNCHER)
 
 asan-test: setup $(ASAN_DIR)/CMakeCache.txt
 	$(VENV)/bin/cmake --build $(ASAN_DIR) -j $(JOBS) --target bagpipe_native_tests
