@@ -136,7 +136,8 @@ def test_abort_wakes_waiting_ranks() -> None:
 @given(seed=st.integers(0, 2**31), world=st.integers(1, 5), divide=st.booleans(),
        lr=st.sampled_from([0.1, 0.01, 1.0 / 3.0, 2.5e-3]))
 def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divide, lr) -> None:
-    """DeviceCache.sgd_ == the numpy reference == EmbeddingStore.apply_sgd, bit for bit."""
+    """DeviceCache.apply_gradients_ == the numpy reference == EmbeddingStore.apply_sgd,
+    bit for bit."""
     rng = np.random.default_rng(seed)
     n, dim = 37, 5
     w = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
@@ -144,7 +145,7 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     cache = DeviceCache(64, dim, device, lr=lr, world_size=world, divide=divide)
     slots = rng.permutation(64)[:n]
     cache.fill(slots, torch.from_numpy(w))
-    cache.sgd_(slots, torch.from_numpy(g))
+    cache.apply_gradients_(slots, torch.from_numpy(g))
     ref = w.copy()
     reference_sgd_step(ref, [np.arange(n)], [g], lr, world, divide)
     got = cache.gather(slots).cpu().numpy()
@@ -166,11 +167,12 @@ def test_device_cache_gather_fill_and_errors() -> None:
     out = torch.empty(2, 2)
     assert cache.gather(np.array([1, 9]), out=out) is out and torch.equal(out, rows[[1, 2]])
     assert cache.resident_bytes == 64 * 2 * 4
-    # sgd_ never writes into the caller's gradient (no division when W == 1 or it is off).
+    # apply_gradients_ never writes into the caller's gradient (no division when W == 1 or
+    # when it is off).
     for world, divide in ((1, True), (2, False), (2, True)):
         c = DeviceCache(4, 2, "cpu", lr=0.5, world_size=world, divide=divide)
         g = torch.ones(1, 2)
-        c.sgd_(np.array([3]), g)
+        c.apply_gradients_(np.array([3]), g)
         assert torch.equal(g, torch.ones(1, 2))
         assert torch.equal(c.gather(np.array([3])), torch.full((1, 2), -0.25 if world == 2 and
                                                                 divide else -0.5))

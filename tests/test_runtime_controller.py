@@ -28,10 +28,10 @@ from runtime_ps_backends import local_backend
 
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.runtime import controller as controller_mod
+from torchrec_bagpipe.runtime.access_plans import PlanMismatchError
 from torchrec_bagpipe.runtime.collectives import ThreadGroup
 from torchrec_bagpipe.runtime.controller import BagPipeController, ControllerError
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
-from torchrec_bagpipe.runtime.planner import PlanMismatchError
 from torchrec_bagpipe.runtime.reference_ps import ReferencePS
 from torchrec_bagpipe.runtime.simulate import reference_run, simulate
 
@@ -71,9 +71,9 @@ class CheckingDeviceCache(DeviceCache):
         _check_slots(self, slots)
         super().fill(slots, rows)
 
-    def sgd_(self, slots, grads):
+    def apply_gradients_(self, slots, grads, grad_rows=None):
         _check_slots(self, slots)
-        super().sgd_(slots, grads)
+        super().apply_gradients_(slots, grads, grad_rows)
 
 
 def _check_slots(cache: DeviceCache, slots) -> None:

@@ -19,13 +19,12 @@ _LAZY = {
     "ThreadCollectives": "torchrec_bagpipe.runtime.collectives",
     "ThreadGroup": "torchrec_bagpipe.runtime.collectives",
     "DeviceCache": "torchrec_bagpipe.runtime.device_cache",
-    "OnlinePlanner": "torchrec_bagpipe.runtime.planner",
-    "PrescanPlanner": "torchrec_bagpipe.runtime.planner",
-    "PlanMismatchError": "torchrec_bagpipe.runtime.planner",
-    "StepPlan": "torchrec_bagpipe.runtime.planner",
+    "OnlinePlanner": "torchrec_bagpipe.runtime.access_plans",
+    "PrescanPlanner": "torchrec_bagpipe.runtime.access_plans",
+    "PlanMismatchError": "torchrec_bagpipe.runtime.access_plans",
+    "StepPlan": "torchrec_bagpipe.runtime.access_plans",
     "RuntimeMetrics": "torchrec_bagpipe.runtime.metrics",
     "ReferencePS": "torchrec_bagpipe.runtime.reference_ps",
-    "BagPipeCacheMetadata": "torchrec_bagpipe.runtime.cache_metadata",
     "simulate": "torchrec_bagpipe.runtime.simulate",
 }
 

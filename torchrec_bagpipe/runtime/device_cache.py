@@ -6,21 +6,25 @@ moves values:
 
   * `gather(slots)`: rows of resident slots;
   * `fill(slots, rows)`: writes fetched rows into their (distinct) slots;
-  * `sgd_(slots, grads)`: the local SGD of resident rows with the bitwise arithmetic of
-    ARCHITECTURE §1: ``u = g / W`` (true division by a *device* tensor, so CUDA never turns it
-    into a reciprocal multiply; skipped when gradient division is off or W == 1),
-    ``u = u * lr`` (an fp32 device tensor), ``w = w - u``: separate ops, the same roundings as
-    the PS's C++ loop built with -ffp-contract=off. The last op is ``w += (-u)`` through one
-    `index_add_` (negation is exact and ``w + (-u)`` is by definition ``w - u``; the
-    slots are distinct, so each row receives exactly one addition), which saves gathering and
-    scattering the rows;
+  * `apply_gradients_(slots, grads, grad_rows=None)`: the one local update of resident rows
+    (every aggregation strategy goes through it), with the PS's optimizer arithmetic — today
+    SGD, bitwise as in ARCHITECTURE §1: ``u = g / W`` (true division by a *device* tensor, so
+    CUDA never turns it into a reciprocal multiply; skipped when gradient division is off or
+    W == 1), ``u = u * lr`` (an fp32 device tensor), ``w = w - u``: separate ops, the same
+    roundings as the PS's C++ loop built with -ffp-contract=off. The last op is ``w += (-u)``
+    through one `index_add_` (negation is exact and ``w + (-u)`` is by definition ``w - u``;
+    the slots are distinct, so each row receives exactly one addition), which saves gathering
+    and scattering the rows;
   * eviction is a clean discard: the PS is authoritative, nothing is written back.
 
-Prefetched rows wait in their fetch's own buffer (the controller moves it to the device once)
+Prefetched rows wait in their fetch's own buffer (`prefetch.py` moves it to the device once)
 until their step reads them; they enter the cache only through admission at use, so
 prefetching never displaces rows that are needed sooner.
 
-Thread safety: the owner serializes calls (the controller holds its lock around them).
+Thread safety: none of its own. The controller's cache lock serializes the calls, with one
+exception: collective aggregation updates S_later rows from the communication worker without
+it, on slots pinned so that no other call touches them until the training thread joins that
+update (`collective_aggregation.py`, invariant 2).
 """
 
 from __future__ import annotations
@@ -28,16 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["DeviceCache", "sgd_update"]
-
-
-def sgd_update(
-    w: torch.Tensor, g: torch.Tensor, lr_t: torch.Tensor, divisor_t: torch.Tensor | None
-) -> torch.Tensor:
-    """`w - (g / divisor) * lr` as three separate fp32 ops (the PS's exact roundings)."""
-    u = g / divisor_t if divisor_t is not None else g
-    u = u * lr_t
-    return w - u
+__all__ = ["DeviceCache"]
 
 
 class DeviceCache:
@@ -84,10 +79,17 @@ class DeviceCache:
             return
         self.values.index_copy_(0, self.index(slots), rows.to(self.device, non_blocking=True))
 
-    def sgd_(self, slots: np.ndarray, grads: torch.Tensor) -> None:
-        """Local SGD of resident rows (§1 arithmetic).  REQUIRES: slots distinct."""
+    def apply_gradients_(self, slots: np.ndarray, grads: torch.Tensor,
+                         grad_rows: np.ndarray | None = None) -> None:
+        """The local update of resident rows `slots` with gradient rows `grads[grad_rows]`
+        (all of `grads` when None): the PS's arithmetic (§1).  REQUIRES: slots distinct."""
         if len(slots) == 0:
             return
+        if grad_rows is not None:
+            index = torch.from_numpy(np.ascontiguousarray(grad_rows, dtype=np.int64))
+            if grads.device.type != "cpu":
+                index = index.to(grads.device, non_blocking=True)
+            grads = grads.index_select(0, index)
         g = grads.to(self.device, non_blocking=True)
         # The same ops as the PS (u = g / W, u = u * lr, w = w - u), in one fresh buffer:
         # `g` may be the caller's gradient and is never written.

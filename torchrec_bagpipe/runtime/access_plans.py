@@ -1,16 +1,20 @@
-"""Lookahead planners: prescan (the whole ID trace before training) and online (a window).
+"""Access plans: what one rank reads at each global step, from the planners over the ID trace.
 
-Both wrap the native `StepPlanner` (csrc/cache/step_planner.h) and yield the same `StepPlan`
-objects: for one rank and one global step, its unique keys and inverse, each key's
-dependency step (the last global step before this one that touched it; -1 never), whether
-another rank touches it in the same step, its next read inside the lookahead window (rows to
-keep; -1: a prime eviction victim, either unused in the window or invalidated by another rank
-first), the keys other ranks touch of which this rank holds a valid copy (what it
-invalidates), and for collective
-aggregation the global union with its S_now rows.
+Two planners, prescan (the whole ID trace before training) and online (a window), both wrap
+the native `StepPlanner` (csrc/cache/step_planner.h) and yield the same `StepPlan` objects: for
+one rank and one global step, its unique keys and inverse, each key's dependency step (the
+last global step before this one that touched it; -1 never), whether another rank touches it
+in the same step, its next read inside the lookahead window (rows to keep; -1: a prime
+eviction victim, either unused in the window or invalidated by another rank first), the keys
+other ranks touch of which this rank holds a valid copy (what it invalidates), and for
+collective aggregation the global union with its S_now rows.
 
 Prescan keeps every plan in CPU memory (proportional to the trace) and checks each submitted
-batch against it; online adds one step per exchanged batch and releases executed steps.
+batch against it; online adds one step per exchanged batch and releases executed steps. Where
+the other ranks' keys come from is `id_exchange.py`'s business.
+
+Thread safety: none. A planner is owned by one `IdExchange`, which serializes the calls.
+A `StepPlan` is immutable and owns its arrays, so it may be read from any thread.
 """
 
 from __future__ import annotations
@@ -76,11 +80,6 @@ class StepPlan:
     s_now: np.ndarray        # bool [len(union_keys)]: read again at step + 1 (collective)
     global_ids: int          # ids of all ranks at this step, duplicates included
     union_size: int
-
-    @property
-    def local_only(self) -> np.ndarray:
-        """Mask of unique keys touched by this rank only (updated locally after the commit)."""
-        return ~self.shared
 
     @property
     def keep(self) -> np.ndarray:

@@ -1,0 +1,195 @@
+"""IdExchange: every rank's ids of each step, exchanged, turned into this rank's access plans.
+
+The plans (`access_plans.StepPlan`) of a step need every rank's keys of that step and of the
+lookahead window after it. They come one of two ways:
+
+  * prescan: `prescan(local_trace)` all-gathers every rank's whole trace once (one collective,
+    before training) and builds a `PrescanPlanner`; each later `submit` is checked against it;
+  * online: each `submit(s, keys)` queues one worker task that all-gathers the batch's
+    distinct keys (int32 when the fused keys fit) with every rank and adds step s to the
+    `OnlinePlanner`; `absorb(t, upto)` waits (bounded) until every step <= upto is planned,
+    then releases the steps before t.
+
+Thread safety: `prescan`, `submit`, `absorb`, `plan` and `cancel` are called by the training
+thread; `_exchange_and_plan` runs on the communication worker; `plan_seconds` and
+`memory_bytes` may be called from any thread. `_plan_lock` guards the online planner (the
+worker adds steps while the training thread reads plans and releases steps); the prescan
+planner is written once, by `prescan`, before any submit, and only read afterwards.
+
+Invariants:
+  1. Steps enter the online planner in submission order: one FIFO worker runs the exchanges
+     (`worker.py`), and `_exchange_and_plan` checks the step the planner assigns.
+  2. `_plan_lock` is a leaf lock: nothing else is acquired while it is held.
+  3. A plan read by the training thread is a copy; the fields it uses do not depend on steps
+     added past its window (next_use beyond the window is masked by the step assembly), so
+     adding steps early changes no decision: online plans equal prescan plans.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from torchrec_bagpipe._native import C
+from torchrec_bagpipe.runtime.access_plans import OnlinePlanner, PrescanPlanner, StepPlan
+from torchrec_bagpipe.runtime.collectives import Collectives
+from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
+from torchrec_bagpipe.runtime.worker import CommWorker
+
+__all__ = ["IdExchange"]
+
+_INT32_KEYS = (1 << 31) - 1  # fused keys below this travel as int32 in ID exchanges
+
+
+class PendingExchange(NamedTuple):
+    """An online exchange queued on the worker and not yet awaited."""
+
+    step: int
+    future: Future
+
+
+class IdExchange:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        lookahead: int,
+        num_keys: int,
+        collective: bool,
+        collectives: Collectives,
+        worker: CommWorker,
+        metrics: RuntimeMetrics,
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._planner_kw = dict(world_size=world_size, rank=rank, lookahead=lookahead,
+                                num_keys=num_keys, collective=collective)
+        self._coll = collectives
+        self._worker = worker
+        self._metrics = metrics
+        self._timeout = timeout
+        self._online = OnlinePlanner(**self._planner_kw)
+        self._prescan: PrescanPlanner | None = None
+        self._plan_lock = threading.Lock()
+        self._pending: deque[PendingExchange] = deque()
+        self._dtype = np.int32 if num_keys <= _INT32_KEYS else np.int64
+
+    @property
+    def prescanned(self) -> bool:
+        return self._prescan is not None
+
+    # ---- prescan ------------------------------------------------------------------------
+    def prescan(self, local: list[np.ndarray], *, progress: bool) -> None:
+        """All-gathers every rank's trace (`local[t]`: this rank's validated keys at step t)
+        and plans every step.  REQUIRES: nothing submitted yet."""
+        lens = np.array([len(local)] + [a.size for a in local], dtype=np.int64)
+        packed = torch.from_numpy(np.concatenate([lens, *local]) if local else lens)
+        parts = self._collect(self._coll.all_gather, packed)
+        self._metrics.add(id_exchange_bytes=packed.numel() * 8, collectives_issued=1)
+        per_rank: list[list[np.ndarray]] = []
+        steps = len(local)
+        for q, part in enumerate(parts):
+            arr = part.numpy()
+            n = int(arr[0])
+            if n != steps:
+                raise ValueError(
+                    f"prescan: rank {q} has {n} steps in its trace, rank {self.rank} has {steps}"
+                )
+            sizes = arr[1 : 1 + n]
+            bounds = np.concatenate([[0], np.cumsum(sizes)]) + 1 + n
+            per_rank.append([arr[bounds[t] : bounds[t + 1]] for t in range(n)])
+        trace = [[per_rank[q][t] for q in range(self.world_size)] for t in range(steps)]
+        planner = PrescanPlanner(**self._planner_kw)
+        planner.build(trace, progress=progress)
+        self._prescan = planner
+
+    def _collect(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs a collective on the worker and waits for it (bounded)."""
+        t0 = time.perf_counter()
+        try:
+            return self._worker.submit(fn, *args).result(timeout=self._timeout)
+        finally:
+            self._metrics.add(collective_wait_s=time.perf_counter() - t0)
+
+    # ---- per batch ----------------------------------------------------------------------
+    def submit(self, s: int, keys: np.ndarray) -> None:
+        """Batch s (validated, owned) enters: checked against the prescan, or exchanged and
+        planned on the worker (off the training thread)."""
+        if self._prescan is not None:
+            self._prescan.check(s, keys)
+        else:
+            fut = self._worker.submit(self._exchange_and_plan, s, keys)
+            self._pending.append(PendingExchange(s, fut))
+
+    def _exchange_and_plan(self, s: int, own: np.ndarray) -> None:
+        """Runs on the worker (FIFO, so steps are added in order): exchanges batch s with
+        every rank and adds it to the online planner.
+
+        The other ranks' planners need this batch's distinct keys only (first-occurrence
+        order keeps every rank's plans identical to prescan's) and its id count.
+        """
+        unique = C.unique_keys(own)
+        msg = np.empty(unique.size + 1, dtype=self._dtype)
+        msg[0] = own.size
+        msg[1:] = unique
+        self._metrics.add(id_exchange_bytes=msg.nbytes, collectives_issued=1)
+        parts = self._coll.all_gather(torch.from_numpy(msg))
+        per_rank: list[np.ndarray] = []
+        global_ids = 0
+        for q, part in enumerate(parts):
+            m = part.numpy()
+            if m.size < 1:
+                raise RuntimeError(f"ID exchange of step {s}: rank {q} sent no header")
+            global_ids += int(m[0])
+            per_rank.append(own if q == self.rank else m[1:].astype(np.int64))
+        with self._plan_lock:
+            added = self._online.add_step(per_rank, global_ids=global_ids)
+        if added != s:
+            raise RuntimeError(f"planner out of step: added {added}, expected {s}")
+
+    def absorb(self, t: int, upto: int) -> None:
+        """Online: waits until every batch with step <= upto is exchanged and planned, then
+        forgets the steps before t. Prescan: nothing to do."""
+        if self._prescan is not None:
+            return
+        while self._pending and self._pending[0].step <= upto:
+            t0 = time.perf_counter()
+            self._pending[0].future.result(timeout=self._timeout)
+            self._metrics.add(collective_wait_s=time.perf_counter() - t0)
+            self._pending.popleft()
+        with self._plan_lock:
+            self._online.release(t)
+
+    def plan(self, s: int) -> StepPlan:
+        """This rank's plan of step s.  REQUIRES: s planned (absorbed) and not released."""
+        if self._prescan is not None:
+            return self._prescan.plan(s)
+        with self._plan_lock:
+            return self._online.plan(s)
+
+    def cancel(self) -> None:
+        """Cancels the exchanges not started yet (close)."""
+        for pending in self._pending:
+            pending.future.cancel()
+
+    # ---- accounting ---------------------------------------------------------------------
+    @property
+    def plan_seconds(self) -> float:
+        return self._online.plan_seconds + (
+            self._prescan.plan_seconds if self._prescan is not None else 0.0
+        )
+
+    def memory_bytes(self) -> int:
+        if self._prescan is not None:
+            return self._prescan.memory_bytes()
+        with self._plan_lock:
+            return self._online.memory_bytes()

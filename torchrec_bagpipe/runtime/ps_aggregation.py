@@ -1,0 +1,80 @@
+"""PSAggregation: every rank commits its own step gradients; the PS sums them (``ps``).
+
+After step t a rank updates the resident rows only it touched with its own gradient
+(`DeviceCache.apply_gradients_`: bitwise the PS's result, since the PS applies the same
+arithmetic to the same sum) and sets their version to t; resident rows another rank touched
+are invalidated (it knows them from the exchanged ids: `StepPlan.others`). Then it commits
+its unique-row gradients to the PS.
+
+Thread safety: every method runs on the training thread. `finish` holds the controller's
+cache lock around the metadata and cache updates, and submits the commit after releasing it.
+
+Invariants:
+  1. The local update reaches exactly the resident rows of keys no other rank touched at
+     step t (`~plan.shared`); they end at version t, bitwise the PS's row after commit t.
+  2. Every resident row another rank touched at step t is invalidated before step t + 1.
+  3. The commit carries a private CPU copy of the gradient: the caller may reuse its buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchrec_bagpipe.runtime.access_plans import StepPlan
+from torchrec_bagpipe.runtime.aggregation import Aggregation
+from torchrec_bagpipe.runtime.device_cache import DeviceCache
+from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
+from torchrec_bagpipe.runtime.ps_port import PSPort
+
+__all__ = ["PSAggregation"]
+
+
+class PSAggregation(Aggregation):
+    def __init__(
+        self,
+        *,
+        meta: Any,  # C.BagPipeCacheMetadata, or None without a cache
+        cache: DeviceCache,
+        cache_lock: threading.RLock,
+        port: PSPort,
+        metrics: RuntimeMetrics,
+    ) -> None:
+        self._meta = meta
+        self._cache = cache
+        self._cache_lock = cache_lock
+        self._port = port
+        self._metrics = metrics
+
+    def before_step(self, t: int) -> None:
+        self._port.poll_commits()
+
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor) -> None:
+        U = plan.unique_keys
+        if self._meta is not None:
+            with self._cache_lock:
+                local = np.flatnonzero(~plan.shared)
+                if local.size:
+                    slots = self._meta.lookup(U[local] if local.size != U.size else U)
+                    have = slots >= 0
+                    if not have.all():
+                        local, slots = local[have], slots[have]
+                    if slots.size:
+                        self._cache.apply_gradients_(slots, grad, local)
+                        self._meta.set_version(slots, t)
+                    self._metrics.add(local_updates=int(slots.size))
+                if plan.others.size:
+                    freed = self._meta.invalidate(plan.others)
+                    self._metrics.add(invalidations=int(freed.size))
+        # A private copy: the caller may reuse its gradient buffer before the commit runs.
+        grads_cpu = grad.detach().to("cpu", copy=True)
+        self._port.commit(t, torch.from_numpy(U), grads_cpu)
+
+    def drain(self) -> None:
+        self._port.drain_commits()
+
+    def close(self) -> None:
+        pass  # nothing runs on the worker; the commits are the PS client's

@@ -1,0 +1,138 @@
+"""PSPort: one controller's only path to its PS client (gets, commits, the committed step).
+
+The runtime never names a transport: it is given an object satisfying `PSClientLike`
+(`ps.PSClient`, or the exact `ReferencePS` client in tests). The port adds what every caller
+of that client inside the runtime needs:
+
+  * `get(kind, keys, deps, uses, out=None)`: one get at the largest dependency step, reported
+    first to the `fetch_observer` test hook (kind is "prefetch" or "demand");
+  * `wait_rows(handle, n)`: a get's rows, checked to be fp32 (n, dim), counted as fetched;
+  * `commit(t, keys, grads)`: submits step t's commit and remembers its handle, so that
+    `poll_commits()` raises a failed commit's error and `drain_commits()` waits for all;
+  * `committed()`: the client's committed step (the last value seen once the port is closed).
+
+Thread safety: `get`, `commit`, `committed` and `close` may be called from any thread; the
+client's methods are called under `_client_lock` only (the client's own calls are
+serialized), and no handle is ever waited under it. `wait_rows`, `poll_commits` and
+`drain_commits` are called by the training thread only.
+
+Invariants:
+  1. Every client call (get_async, commit_async, committed_step, close) runs under
+     `_client_lock`; the lock is a leaf: nothing else is acquired while it is held.
+  2. A get is issued at ``max(deps)`` (or -1 for no keys' dependency), never earlier: the
+     client serves it once that step committed (dependency gating, ARCHITECTURE §1 inv. 4).
+  3. Commit handles are appended in submission order (`deque.append` from the training
+     thread or the communication worker) and removed only by the training thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
+
+__all__ = ["FetchObserver", "Handle", "PSClientLike", "PSPort"]
+
+
+class Handle(Protocol):
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+    def done(self) -> bool: ...
+
+
+class PSClientLike(Protocol):
+    dim: int
+
+    def get_async(self, keys: torch.Tensor, at_step: int) -> Handle: ...
+
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> Handle: ...
+
+    def committed_step(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+# Test hook: called as (kind, keys, deps, uses, at_step) before each get.
+FetchObserver = Callable[[str, np.ndarray, np.ndarray, np.ndarray, int], None]
+
+
+class PSPort:
+    def __init__(self, ps: PSClientLike, *, dim: int, timeout: float,
+                 metrics: RuntimeMetrics) -> None:
+        self._ps = ps
+        self._dim = dim
+        self._timeout = timeout
+        self._metrics = metrics
+        self._client_lock = threading.Lock()
+        self._commits: deque[Handle] = deque()  # submitted, not known to be done
+        self._last_committed = -1
+        self._closed = False
+        self.fetch_observer: FetchObserver | None = None
+
+    # ---- gets ---------------------------------------------------------------------------
+    def get(self, kind: str, keys: np.ndarray, deps: np.ndarray, uses: np.ndarray,
+            out: torch.Tensor | None = None) -> Handle:
+        """Issues one get at the largest dependency step (the rows land in `out` if given)."""
+        at_step = int(deps.max()) if deps.size else -1
+        if self.fetch_observer is not None:
+            self.fetch_observer(kind, keys, deps, uses, at_step)
+        with self._client_lock:
+            if out is None:
+                return self._ps.get_async(torch.from_numpy(keys), at_step)
+            return self._ps.get_async(torch.from_numpy(keys), at_step, out=out)
+
+    def wait_rows(self, handle: Handle, n: int) -> torch.Tensor:
+        """The rows of a get of n keys (bounded wait); a wrong shape or dtype is a ValueError."""
+        rows = handle.wait(self._timeout)
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.as_tensor(np.asarray(rows))
+        if rows.dtype != torch.float32 or tuple(rows.shape) != (n, self._dim):
+            raise ValueError(
+                f"the PS returned rows of shape {tuple(rows.shape)} {rows.dtype}, expected "
+                f"({n}, {self._dim}) float32"
+            )
+        self._metrics.add(fetched_bytes=n * self._dim * 4)
+        return rows
+
+    # ---- commits ------------------------------------------------------------------------
+    def commit(self, t: int, keys: torch.Tensor, grads: torch.Tensor) -> None:
+        """Submits step t's commit. The client starts it once its previous commit completed
+        (ARCHITECTURE §3, client rules), so nobody waits here."""
+        with self._client_lock:
+            handle = self._ps.commit_async(t, keys, grads)
+        self._commits.append(handle)
+        self._metrics.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
+
+    def poll_commits(self) -> None:
+        """Raises a failed commit's error; forgets the commits known to be done."""
+        while self._commits and self._commits[0].done():
+            self._commits.popleft().wait(self._timeout)
+
+    def drain_commits(self) -> None:
+        """Waits until every submitted commit is committed (each wait bounded)."""
+        while self._commits:
+            self._commits[0].wait(self._timeout)
+            self._commits.popleft()
+
+    def committed(self) -> int:
+        """The client's committed step (min over shards); after `close`, the last one seen."""
+        if self._closed:
+            return self._last_committed
+        with self._client_lock:
+            self._last_committed = int(self._ps.committed_step())
+        return self._last_committed
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def mark_closed(self) -> None:
+        """From now on `committed()` answers the last value seen, without the client."""
+        self._closed = True
+
+    def close_client(self) -> None:
+        with self._client_lock:
+            self._ps.close()

@@ -1,0 +1,222 @@
+"""StepAssembler: the rows of one step, from the cache, prefetched fetches and demand gets.
+
+Two phases, so that preparation can later move off the training thread (issue 14):
+
+  * `prepare(t, plan) -> PreparedStep` — metadata and fetch issue (no tensor op besides
+    allocating the staging tensor): the cache query (hits at the version the step reads),
+    the prefetched rows that serve misses, the demand get of the rest (issued at once; on
+    the CPU it writes its rows straight into the staging tensor), the admission of the
+    misses (Belady over the window: soonest next use first, bypass when nothing resident is
+    needed later), the placement and issue of later steps' prefetches, and the index plan
+    that puts the staged rows in unique-key order;
+  * `assemble(prepared) -> rows` — tensor ops: gather [hits | prefetched | demand] into the
+    staging tensor, wait for the demand rows, one gather into unique-key order, write the
+    admitted rows into their slots; then retire the fetches the step used up.
+
+Without a cache (read_mode ps) every unique key is fetched on demand into the step's rows.
+
+Thread safety: both phases run with the controller's cache lock held (the assembler has no
+lock of its own) on the training thread. Lock order: cache lock, then the PS port's lock
+(gets), never the other way round.
+
+Invariants:
+  1. Freshness: a hit is a slot at exactly the version dep(k, t); every other row comes from
+     a get at the largest dependency step of its keys (ARCHITECTURE §1 inv. 1, 4).
+  2. Accounting: hits + prefetch_served + demand_fetched = the step's unique keys (inv. 7).
+  3. Unique destinations: admitted slots are distinct (the metadata's Admit contract), and
+     each staged row is written once.
+  4. ps aggregation: a key another rank also touches at step t is served but not admitted
+     (its update is not known here, it is invalidated right after the step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchrec_bagpipe.runtime.access_plans import StepPlan
+from torchrec_bagpipe.runtime.device_cache import DeviceCache
+from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
+from torchrec_bagpipe.runtime.prefetch import PrefetchedPart, PrefetchScheduler
+from torchrec_bagpipe.runtime.ps_port import Handle, PSPort
+
+__all__ = ["PreparedStep", "StepAssembler"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class PreparedStep:
+    """One step after preparation: where each of its unique keys' rows comes from.
+
+    The staging tensor `src` is laid out [hits | prefetched | demand]; `order` maps unique-key
+    position -> row of `src` (None: `src` is already in unique-key order)."""
+
+    t: int
+    plan: StepPlan
+    src: torch.Tensor                 # fp32 [U, dim] on the device
+    hit_slots: np.ndarray             # cache slots of the hits, in `src` order
+    prefetched: list[PrefetchedPart]  # in `src` order, after the hits
+    demand: Handle | None             # the demand get of the last `num_demand` rows
+    num_demand: int
+    order: np.ndarray | None
+    admit_pos: np.ndarray             # unique-key positions admitted to the cache ...
+    admit_slots: np.ndarray           # ... and their (distinct) slots
+
+
+class StepAssembler:
+    def __init__(
+        self,
+        *,
+        meta: Any,  # C.BagPipeCacheMetadata, or None without a cache
+        cache: DeviceCache,
+        prefetch: PrefetchScheduler,
+        port: PSPort,
+        metrics: RuntimeMetrics,
+        dim: int,
+        device: torch.device,
+        lookahead: int,
+        collective: bool,
+    ) -> None:
+        self._meta = meta
+        self._cache = cache
+        self._prefetch = prefetch
+        self._port = port
+        self._metrics = metrics
+        self._dim = dim
+        self._device = device
+        self._lookahead = lookahead
+        self._collective = collective
+
+    # ---- phase 1: metadata and fetch issue ----------------------------------------------
+    def prepare(self, t: int, plan: StepPlan) -> PreparedStep:
+        """Decides where each row of step t comes from and issues its demand get.
+        REQUIRES: the window entered up to the steps submitted (`enter_window`)."""
+        if self._meta is None:
+            return self._prepare_uncached(t, plan)
+        meta = self._meta
+        U, deps = plan.unique_keys, plan.deps
+        n = U.size
+        next_use = plan.next_use
+        if self._prefetch.entered < t + self._lookahead and next_use.size:
+            next_use = np.where(next_use <= self._prefetch.entered, next_use, -1)
+        hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
+        nh = hit_pos.size
+        # Prefetches of this step still queued (dependency not committed) become demand.
+        self._prefetch.drop_queued(t)
+        missing = np.zeros(n, dtype=bool)
+        missing[miss_pos] = True
+        parts = self._prefetch.prefetched_for(t, missing)
+        nq = sum(p.upos.size for p in parts)
+        d_pos = np.flatnonzero(missing) if nq else miss_pos
+        d_keys = U[d_pos]
+        d_deps = deps[d_pos]
+        self._record_dependency(t, d_deps)
+        src = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
+        handle = self._demand(t, d_keys, d_deps, src[nh + nq:])
+        # Admission, soonest next use first (none last): admitted rows are pinned for the
+        # step, so the rows worth keeping claim slots before the ones worth less (Belady).
+        a_pos = a_slots = _EMPTY
+        # ps aggregation: a row another rank touches at this step is invalidated right after
+        # it (its update is not known here), so it is served without taking a slot.
+        cand = miss_pos if self._collective else miss_pos[~plan.shared[miss_pos]]
+        if cand.size:
+            miss_nu = next_use[cand]
+            horizon = self._lookahead + 1
+            rank = np.where(miss_nu < 0, horizon, miss_nu - t)
+            rank = rank.astype(np.int16 if horizon < (1 << 15) else np.int64)
+            order = np.argsort(rank, kind="stable")
+            mp = cand[order]
+            a_idx, a_slots, evicted, a_bypassed = meta.admit(U[mp], deps[mp], miss_nu[order])
+            a_pos = mp[a_idx]
+            self._metrics.add(evictions=int(evicted.size), bypassed=int(a_bypassed.size))
+        if stale:
+            self._metrics.add(stale=int(stale))
+        self._prefetch.place(t)
+        self._prefetch.issue_ready()
+        # The index plan: unique-key position -> row of src ([hits | prefetched | demand]).
+        src_order = None
+        if nh != n:
+            src_order = np.empty(n, dtype=np.int64)
+            if nh:
+                src_order[hit_pos] = np.arange(nh)
+            off = nh
+            for part in parts:
+                k = part.upos.size
+                src_order[part.upos] = np.arange(off, off + k)
+                off += k
+            if d_pos.size:
+                src_order[d_pos] = np.arange(off, n)
+        return PreparedStep(t, plan, src, hit_slots, parts, handle, int(d_pos.size), src_order,
+                            a_pos, a_slots)
+
+    def _prepare_uncached(self, t: int, plan: StepPlan) -> PreparedStep:
+        n = plan.unique_keys.size
+        self._record_dependency(t, plan.deps)
+        rows = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
+        handle = self._demand(t, plan.unique_keys, plan.deps, rows)
+        return PreparedStep(t, plan, rows, _EMPTY, [], handle, n, None, _EMPTY, _EMPTY)
+
+    def _record_dependency(self, t: int, demand_deps: np.ndarray) -> None:
+        if t == 0:
+            return
+        if self._port.committed() < t - 1:
+            if demand_deps.size and int(demand_deps.max()) >= t - 1:
+                self._metrics.add(dependency_waits=1)
+            else:
+                self._metrics.add(skipped_dependency_waits=1)
+
+    def _demand(self, t: int, keys: np.ndarray, deps: np.ndarray,
+                out: torch.Tensor) -> Handle | None:
+        """Issues the demand get of step t; on the CPU the rows land in `out` directly."""
+        if not keys.size:
+            return None
+        uses = np.full(keys.size, t, dtype=np.int64)
+        if self._device.type == "cpu":
+            return self._port.get("demand", keys, deps, uses, out=out)
+        return self._port.get("demand", keys, deps, uses)
+
+    # ---- phase 2: tensor ops ------------------------------------------------------------
+    def assemble(self, p: PreparedStep) -> torch.Tensor:
+        """The step's rows (fp32 [U, dim] on the device, in unique-key order, fresh)."""
+        n = p.plan.unique_keys.size
+        src = p.src
+        nh = p.hit_slots.size
+        if nh:
+            self._cache.gather(p.hit_slots, out=src[:nh])
+        off = nh
+        for part in p.prefetched:
+            k = part.upos.size
+            rows_f = self._prefetch.materialize(part.fetch)
+            torch.index_select(rows_f, 0, self._cache.index(part.sel), out=src[off:off + k])
+            off += k
+        self._finish_demand(p.demand, p.num_demand, src[off:])
+        rows = src if p.order is None else src.index_select(0, self._cache.index(p.order))
+        if p.admit_slots.size:
+            self._cache.fill(p.admit_slots, rows.index_select(0, self._cache.index(p.admit_pos)))
+        if self._meta is not None:
+            self._prefetch.retire(p.t)
+            self._prefetch.materialize_ready(p.t)
+        nq = off - nh
+        self._metrics.add(
+            accesses=n,
+            hits=nh,
+            prefetch_served=nq,
+            demand_fetched=p.num_demand,
+            demand_gets=int(p.num_demand > 0),
+        )
+        return rows
+
+    def _finish_demand(self, handle: Handle | None, n: int, out: torch.Tensor) -> None:
+        """Waits for the demand rows and puts them in `out` (where a CPU get wrote them)."""
+        if handle is None:
+            return
+        t0 = time.perf_counter()
+        rows = self._port.wait_rows(handle, n)
+        self._metrics.add(fetch_wait_s=time.perf_counter() - t0)
+        if rows.data_ptr() != out.data_ptr():
+            out.copy_(rows, non_blocking=True)
