@@ -14,6 +14,10 @@ Contract of every implementation:
   * ``barrier()``.
   * Every rank issues the same sequence of calls; a rank calling a different operation at the
     same position is an error (`ThreadCollectives` raises RuntimeError naming both).
+
+Thread safety: the runtime calls an implementation from its communication worker only
+(`worker.py`), one call at a time per rank. `ThreadGroup` guards its shared state with one
+condition variable (`_cv`); each `ThreadCollectives` is used by one thread at a time.
 """
 
 from __future__ import annotations

@@ -34,9 +34,10 @@ A forward waits for a commit only through a fetch whose dependency is that commi
 commit is submitted only after its predecessor committed.
 
 Thread safety: call the controller from one thread (the training thread); `metrics()` may
-also be called from another. It runs collectives and commit submissions on a communication
-worker per `Collectives` instance (`worker.py`: shared by the controllers of one rank, FIFO),
-so that instance must not be used by anything else while controllers are open. Locks:
+also be called from another. It runs collectives (and collective aggregation's commit
+submissions) on a communication worker per `Collectives` instance (`worker.py`: shared by the
+controllers of one rank, FIFO), so that instance must not be used by anything else while
+controllers are open. Locks:
   * `_cache_lock` (this file; reentrant) guards the cache metadata, the device cache values
     and the prefetch scheduler: the training thread holds it around a step's preparation
     and assembly (including the wait for the step's rows), the aggregation's metadata and

@@ -3,6 +3,9 @@
 Accounting unit: one access = one unique key of one rank's batch at one step. Every access is
 exactly one of: a hit (read from the cache, not fetched for this step), prefetch-served (its
 row was fetched by a get issued before the step began) or demand-fetched (fetched at use).
+
+Thread safety: `add` and `snapshot` may be called from any thread (the training thread and
+the communication worker both count); `_lock` guards every field and is a leaf lock.
 """
 
 from __future__ import annotations

@@ -1,10 +1,18 @@
 """The controller's communication worker: one thread per `Collectives` instance.
 
 Every collective a controller issues (ID exchanges, gradient all-reduces) and every commit
-submission runs on this thread, in FIFO order. Controllers that share a `Collectives` object
-(one per fused table) share the worker, so the order of collectives is the program order,
-identical on every rank, whatever thread the caller uses. A task may wait (for a predecessor
-commit), but only on work that every rank queued earlier, so the FIFO cannot deadlock.
+submission of collective aggregation runs on this thread, in FIFO order. Controllers that
+share a `Collectives` object (one per fused table) share the worker, so the order of
+collectives is the program order, identical on every rank, whatever thread the caller uses.
+
+Thread safety: `acquire_worker` / `release_worker` may be called from any thread; the
+registry of workers is guarded by `_lock`. `CommWorker.submit` may be called from any thread.
+
+Invariants:
+  1. One worker per live `Collectives` object (keyed by identity), created on first acquire,
+     shut down (after its queued tasks) when the last user releases it.
+  2. Tasks run one at a time in submission order. A task may wait (for a predecessor commit),
+     but only on work that every rank queued earlier, so the FIFO cannot deadlock.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["CommWorker", "acquire_worker", "release_worker"]
 
@@ -29,28 +37,34 @@ class CommWorker:
         self._pool.shutdown(wait=True)
 
 
+class _Registered(NamedTuple):
+    collectives: object  # kept alive, so its id() is not reused while registered
+    worker: CommWorker
+
+
 _lock = threading.Lock()
-_workers: dict[int, tuple[object, CommWorker]] = {}
+_workers: dict[int, _Registered] = {}
 
 
 def acquire_worker(collectives: object) -> CommWorker:
     """The worker of `collectives` (created on first use); pair with `release_worker`."""
     with _lock:
         entry = _workers.get(id(collectives))
-        if entry is None or entry[0] is not collectives:
-            entry = (collectives, CommWorker(f"bagpipe-comm-r{getattr(collectives, 'rank', 0)}"))
+        if entry is None or entry.collectives is not collectives:
+            name = f"bagpipe-comm-r{getattr(collectives, 'rank', 0)}"
+            entry = _Registered(collectives, CommWorker(name))
             _workers[id(collectives)] = entry
-        entry[1].users += 1
-        return entry[1]
+        entry.worker.users += 1
+        return entry.worker
 
 
 def release_worker(collectives: object) -> None:
     with _lock:
         entry = _workers.get(id(collectives))
-        if entry is None or entry[0] is not collectives:
+        if entry is None or entry.collectives is not collectives:
             return
-        entry[1].users -= 1
-        if entry[1].users > 0:
+        entry.worker.users -= 1
+        if entry.worker.users > 0:
             return
         del _workers[id(collectives)]
-    entry[1].shutdown()
+    entry.worker.shutdown()
