@@ -26,7 +26,10 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.collectives import TorchDistCollectives, new_runtime_group
+from torchrec_bagpipe.distributed.process_group_collectives import (
+    TorchDistCollectives,
+    new_runtime_group,
+)
 from torchrec_bagpipe.distributed.types import FusedTableSpec
 
 __all__ = ["BagPipeJob", "FusedTableRuntime", "build_fused_table", "job_for"]
