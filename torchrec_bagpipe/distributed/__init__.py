@@ -5,7 +5,7 @@ from __future__ import annotations
 from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
-    "BAGPIPE_KERNEL": "torchrec_bagpipe.distributed.embeddingbag",
+    "BAGPIPE_KERNEL": "torchrec_bagpipe.distributed.types",
     "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
     "BagPipeEmbeddingBagCollectionSharder": "torchrec_bagpipe.distributed.sharder",
     "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.sharding_planner",
@@ -17,6 +17,7 @@ _LAZY = {
     "BagPipeFusedOptimizer": "torchrec_bagpipe.distributed.fused_optimizer",
     "UnsupportedOptimizerError": "torchrec_bagpipe.distributed.fused_optimizer",
     "TorchDistCollectives": "torchrec_bagpipe.distributed.process_group_collectives",
+    "close_job": "torchrec_bagpipe.distributed.job",
     "bagpipe_modules": "torchrec_bagpipe.distributed.utils",
     "bagpipe_metrics": "torchrec_bagpipe.distributed.utils",
     "prescan_model": "torchrec_bagpipe.distributed.utils",
