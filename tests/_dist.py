@@ -33,11 +33,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
             out = fn(rank, world_size, *args)
         finally:
             try:
-                from torchrec_bagpipe.distributed.ps_runtime import current_job
+                from torchrec_bagpipe.distributed import close_job
 
-                job = current_job()
-                if job is not None:
-                    job.close()
+                close_job()
             finally:
                 dist.destroy_process_group()
         results.put((rank, "ok", out))

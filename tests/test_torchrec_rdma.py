@@ -39,11 +39,11 @@ def _rdma_world(rank: int, world: int) -> list[str]:
         if rank == 0:
             problems += S.compare(state, S.train_reference(case, world), "rdma " + case.label())
     # ps_type="rdma" really went through UCX: the deployment's endpoints are ucx:// ones.
-    from torchrec_bagpipe.distributed.ps_runtime import current_job
+    from torchrec_bagpipe.distributed.job import BagPipeJob
 
     dmp, _ = S.make_dmp(S.Case(kind="dlrm", config=dict(cfg), seed=33),
                         S.build_model("dlrm", 33), world)
-    job = current_job()
+    job = BagPipeJob.current()
     if job is None or not all(str(e).startswith("ucx://") for e in job.endpoints):
         problems.append(f"rank {rank}: endpoints are not UCX: {job and job.endpoints}")
     close_model(dmp)

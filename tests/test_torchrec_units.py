@@ -35,7 +35,7 @@ from torchrec_bagpipe.distributed import (
     bagpipe_plan,
 )
 from torchrec_bagpipe.distributed.fused_optimizer import sgd_lr_from
-from torchrec_bagpipe.distributed.planner import BagPipeParameterSharding
+from torchrec_bagpipe.distributed.sharding_planner import BagPipeParameterSharding
 from torchrec_bagpipe.launch import parse_args, rewrite_ps_type
 from torchrec_bagpipe.metrics_table import format_table, summarize
 

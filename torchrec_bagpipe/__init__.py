@@ -16,10 +16,10 @@ _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
     # TorchRec integration
     "BagPipeEmbeddingBagCollectionSharder": "torchrec_bagpipe.distributed.sharder",
-    "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.planner",
+    "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.sharding_planner",
     "BagPipeTrainPipeline": "torchrec_bagpipe.distributed.train_pipeline",
     "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
-    "bagpipe_plan": "torchrec_bagpipe.distributed.planner",
+    "bagpipe_plan": "torchrec_bagpipe.distributed.sharding_planner",
     "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
     "SessionError": "torchrec_bagpipe._native",
     "TransportError": "torchrec_bagpipe._native",

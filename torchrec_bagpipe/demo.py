@@ -1,9 +1,9 @@
-"""`make demo`: the parameter-server storage engine end to end.
+"""`python -m torchrec_bagpipe.demo`: the parameter server's storage engine alone, end to end.
 
 Loads a table into an EmbeddingStore, runs synthetic SGD steps (Zipf-distributed keys, as in
 recommendation traffic) under a DRAM budget small enough that cold pages spill to disk,
 checkpoints, restores, and verifies every row bit for bit against a plain numpy replay of
-the same updates. (Later work replaces this with the DLRM demo.)
+the same updates. (`make demo` trains the DLRM example through BagPipe instead.)
 """
 
 from __future__ import annotations

@@ -33,10 +33,8 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.embeddingbag import (
-    BAGPIPE_KERNEL,
-    ShardedBagPipeEmbeddingBagCollection,
-)
+from torchrec_bagpipe.distributed.embeddingbag import ShardedBagPipeEmbeddingBagCollection
+from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 
 __all__ = ["BagPipeEmbeddingBagCollectionSharder"]
 

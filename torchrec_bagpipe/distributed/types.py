@@ -1,10 +1,11 @@
-"""Plain descriptions of what a BagPipe-sharded EmbeddingBagCollection holds.
+"""Plain descriptions of what a BagPipe-sharded embedding module holds.
 
-A *slot* is one (table, feature) pair of the EBC, in the EBC's own order (tables in
-order, each table's features in order); slots define the output `KeyedTensor`'s keys
-(`feature`, or `feature@table` when several tables read the feature, as TorchRec names
-them). Tables with the same embedding dim and learning rate are *fused* into one key
-space (`fused key = table offset + id`), one PS session and one runtime controller each.
+A *slot* is one (table, feature) pair of the module, in the module's own order (tables in
+order, each table's features in order); slots define the output keys (`feature`, or
+`feature@table` when several tables read the feature, as TorchRec names them). Tables with
+the same embedding dim and learning rate are *fused* into one key space
+(`fused key = table offset + id`), one PS session and one runtime controller each
+(layout.py builds them; fused_table_runtime.py runs them).
 
 Invariants:
 1. Within a fused table, table offsets are increasing and disjoint:
@@ -18,14 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import Multistreamable
 
 __all__ = [
+    "BAGPIPE_KERNEL",
     "BagPipeEBCContext",
     "FusedTableSpec",
     "SlotSpec",
     "TableSpec",
 ]
+
+# The compute kernel a sharding plan names for a BagPipe table.
+BAGPIPE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 
 
 @dataclass(frozen=True)
@@ -34,20 +40,18 @@ class TableSpec:
     num_embeddings: int
     dim: int
     feature_names: tuple[str, ...]
-    pooling: str  # "sum" | "mean"
+    pooling: str  # "sum" | "mean" (how lookup.py pools a bag of this table's rows)
     lr: float
-    init_min: float
-    init_max: float
+    init_max: float  # TorchRec's default init bound: uniform in [-init_max, init_max]
 
 
 @dataclass(frozen=True)
 class SlotSpec:
-    index: int  # position in the EBC's output order
+    index: int  # position in the module's output order
     table: str
     feature: str
-    key: str  # output KeyedTensor key
+    key: str  # output key
     dim: int
-    mean: bool
 
 
 @dataclass
@@ -58,14 +62,9 @@ class FusedTableSpec:
     dim: int
     lr: float
     tables: list[TableSpec]
-    offsets: dict[str, int]
+    offsets: dict[str, int]  # table name -> its first fused key
     num_keys: int
     slots: list[SlotSpec] = field(default_factory=list)
-
-    def table_range(self, table: str) -> tuple[int, int]:
-        start = self.offsets[table]
-        spec = next(t for t in self.tables if t.name == table)
-        return start, start + spec.num_embeddings
 
 
 @dataclass

@@ -48,11 +48,6 @@ class TorchDistCollectives:
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         self._width = 0  # payload bytes per rank the next all_gather sends in one collective
-        self.collectives_issued = 0  # process-group collectives run by all_gather
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self._group
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Gathers a 1-D tensor of any length from every rank, in rank order.
@@ -77,7 +72,6 @@ class TorchDistCollectives:
         first[8 : 8 + head] = payload[:head]
         gathered = [torch.empty(8 + width, dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(gathered, first, group=self._group)
-        self.collectives_issued += 1
         sizes = [int(g[:8].view(torch.int64)[0]) for g in gathered]
         largest = max(sizes)
         parts = [g[8 : 8 + min(n, width)] for g, n in zip(gathered, sizes)]
@@ -88,7 +82,6 @@ class TorchDistCollectives:
                 second[: nbytes - width] = payload[width:]
             rest = [torch.empty(extra, dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(rest, second, group=self._group)
-            self.collectives_issued += 1
             parts = [p if n <= width else torch.cat([p, r[: n - width]])
                      for p, r, n in zip(parts, rest, sizes)]
         self._width = -(-int(largest * 1.25) // 64) * 64

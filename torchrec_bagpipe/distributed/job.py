@@ -1,12 +1,12 @@
-"""Process-level wiring between the TorchRec layer, the runtime and the PS.
+"""`BagPipeJob`: what every BagPipe module of one trainer process shares.
 
-One `BagPipeJob` per trainer process owns what every BagPipe module of that process shares:
-the dedicated gloo group the runtime's collectives run on, the PS shard hosted inside this
-process in the zero-config default, and clean shutdown. `build_fused_table` opens one PS
-session and one `BagPipeController` for a fused table.
+One job per trainer process owns the dedicated gloo groups (one for the runtime's
+collectives, one for the TorchRec layer's barriers), the job token, the PS endpoints (and
+the PS shard hosted inside this process in the zero-config default), and clean shutdown.
+Each fused table opens its own PS session on the job (`fused_table_runtime.py`).
 
-Thread-safety: `job_for` and `build_fused_table` run on the training thread during
-sharding; every rank calls them in the same order (they may run collectives).
+Thread-safety: `job_for` runs on the training thread during sharding; every rank calls it in
+the same order (it may run collectives). `close_job` runs on the training thread or at exit.
 """
 
 from __future__ import annotations
@@ -18,34 +18,25 @@ import os
 import secrets
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.collectives import TorchDistCollectives, new_runtime_group
-from torchrec_bagpipe.distributed.types import FusedTableSpec
+from torchrec_bagpipe.distributed.process_group_collectives import (
+    TorchDistCollectives,
+    new_runtime_group,
+)
 
-__all__ = ["BagPipeJob", "FusedTableRuntime", "build_fused_table", "job_for"]
+__all__ = ["BagPipeJob", "JobMember", "close_job", "job_for"]
 
 
-@dataclass
-class FusedTableRuntime:
-    """The runtime pieces of one fused table on this rank."""
+class JobMember(Protocol):
+    """A module the job closes on shutdown (a sharded BagPipe module)."""
 
-    spec: FusedTableSpec
-    client: Any  # PSClientLike + lookup/assign
-    controller: Any  # BagPipeController
-    lazy_init: bool
-
-    def close(self) -> None:
-        try:
-            self.controller.close()
-        finally:
-            self.client.close()  # idempotent; the controller closed it unless it failed
+    def close(self) -> None: ...
 
 
 class BagPipeJob:
@@ -59,6 +50,11 @@ class BagPipeJob:
       and reaches it in-process itself (``ps_type="local"``) or through its server too
       (``"tcp"``, ``"rdma"``); the shards' addresses go through torch.distributed's store.
     """
+
+    @staticmethod
+    def current() -> BagPipeJob | None:
+        """The process's open job, or None (no BagPipe module sharded yet, or closed)."""
+        return _JOB if _JOB is not None and not _JOB.closed else None
 
     def __init__(self, config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> None:
         self.config = config
@@ -75,7 +71,7 @@ class BagPipeJob:
                 f"BagPipe needs the sharding env to span the default process group "
                 f"(env world size {self.world_size}, default group {self.collectives.world_size})"
             )
-        self._modules: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._modules: weakref.WeakSet[JobMember] = weakref.WeakSet()
         self._next_session = 0
         self.closed = False
         self.shard: Any = None
@@ -158,10 +154,11 @@ class BagPipeJob:
         self._next_session += 1
         return sid
 
-    def register(self, module: Any) -> None:
+    def register(self, module: JobMember) -> None:
+        """`module` is closed by `close` (held weakly)."""
         self._modules.add(module)
 
-    def unregister(self, module: Any) -> None:
+    def unregister(self, module: JobMember) -> None:
         self._modules.discard(module)
 
     # ---- shutdown ---------------------------------------------------------------------------
@@ -209,7 +206,7 @@ class BagPipeJob:
             time.sleep(0.01)
 
 
-_JOB: BagPipeJob | None = None
+_JOB: BagPipeJob | None = None  # the process's job (see BagPipeJob.current)
 
 
 # Fields fixed by the first module a process shards: where the PS is and how it is reached.
@@ -224,83 +221,43 @@ def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> Ba
     fields (ValueError naming the first that differs).
     """
     global _JOB
-    if _JOB is None or _JOB.closed:
-        _JOB = BagPipeJob(config, env, device)
-        return _JOB
-    if (_JOB.rank, _JOB.world_size) != (env.rank, env.world_size):
+    job = BagPipeJob.current()
+    if job is None:
+        _JOB = job = BagPipeJob(config, env, device)
+        return job
+    if (job.rank, job.world_size) != (env.rank, env.world_size):
         raise ValueError(
             "every BagPipe module of a process must use the same sharding env "
-            f"(rank {env.rank}/{env.world_size} vs {_JOB.rank}/{_JOB.world_size})"
+            f"(rank {env.rank}/{env.world_size} vs {job.rank}/{job.world_size})"
         )
     for name in _DEPLOYMENT_FIELDS:
-        mine, theirs = getattr(config, name), getattr(_JOB.config, name)
+        mine, theirs = getattr(config, name), getattr(job.config, name)
         if mine != theirs:
             raise ValueError(
                 f"BagPipeConfig.{name}={mine!r} differs from {theirs!r}, which the first "
                 "BagPipe module of this process fixed; every module of a process shares one "
                 "PS deployment"
             )
-    return _JOB
+    return job
 
 
-def current_job() -> BagPipeJob | None:
-    return _JOB if _JOB is not None and not _JOB.closed else None
+def close_job() -> None:
+    """Closes the process's job, if one is open (idempotent): drains and closes every
+    BagPipe module of the process, waits (bounded) until every rank is done with the PS,
+    then stops the shard this process hosts.
 
-
-def build_fused_table(
-    spec: FusedTableSpec, *, job: BagPipeJob, config: BagPipeConfig, lazy_init: bool
-) -> FusedTableRuntime:
-    """Opens the PS session of one fused table and its controller on this rank.
-
-    Rows never written read as TorchRec's default init, uniform in ±bound of their own
-    table (deterministic, computed on the PS); `lazy_init=False` tables are written by the
-    caller right after.
+    Runs at exit on its own while the default process group still exists; a script that
+    destroys the process group itself calls it first (every rank).
     """
-    from torchrec_bagpipe.ps.client import PSClient
-    from torchrec_bagpipe.runtime.controller import BagPipeController
-
-    client = PSClient(
-        job.endpoints,
-        table=spec.name,
-        dim=spec.dim,
-        lr=spec.lr,
-        rank=job.rank,
-        world_size=job.world_size,
-        gradient_division=config.resolved_gradient_division(),
-        partitioner=config.partitioner,
-        job_token=job.job_token,
-        max_packet_rows=config.max_packet_rows,
-        inflight_packets=config.inflight_packets,
-        timeout=config.ps_timeout,
-        connect_timeout=config.connect_timeout,
-        init="uniform",
-        init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
-        seed=config.init_seed,
-        key_bound=spec.num_keys,
-    )
-    try:
-        controller = BagPipeController(
-            config,
-            rank=job.rank,
-            world_size=job.world_size,
-            dim=spec.dim,
-            num_keys=spec.num_keys,
-            lr=spec.lr,
-            ps=client,
-            collectives=job.collectives,
-            device=job.device,
-        )
-    except BaseException:
-        client.close()
-        raise
-    return FusedTableRuntime(spec, client, controller, lazy_init)
+    job = BagPipeJob.current()
+    if job is not None:
+        job.close()
 
 
 def _close_at_exit() -> None:
-    job = _JOB
-    if job is not None and not job.closed and dist.is_initialized():
+    if dist.is_initialized():
         with contextlib.suppress(Exception):
-            job.close()
+            close_job()
 
 
 atexit.register(_close_at_exit)

@@ -43,11 +43,11 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.embeddingbag import BAGPIPE_KERNEL
 from torchrec_bagpipe.distributed.sharder import (
     _METADATA_BYTES_PER_ROW,
     BagPipeEmbeddingBagCollectionSharder,
 )
+from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 
 __all__ = [
     "BagPipeParameterSharding",

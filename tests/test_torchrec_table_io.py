@@ -1,0 +1,122 @@
+"""Table IO and the FusedTableRuntime API against a plain tensor model of the tables.
+
+One spawned rank (world size 1: the PS shard is hosted in that process) lays out three
+tables in two fused tables, opens their runtimes and drives `TableIO` with Hypothesis:
+random row ranges written and read in chunks of random size (chunk boundaries inside and
+across ranges), compared with a reference tensor per table; after `finish_load` a training
+step through the runtime sees exactly the written rows; bad ranges and shapes are refused
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _dist import run_world
+
+pytestmark = pytest.mark.slow
+
+
+def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
+    import torch
+    import torch.distributed as dist
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+
+    from torchrec_bagpipe.config import BagPipeConfig
+    from torchrec_bagpipe.distributed.fused_table_runtime import build_fused_table
+    from torchrec_bagpipe.distributed.job import job_for
+    from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
+    from torchrec_bagpipe.distributed.table_io import TableIO
+
+    configs = [
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=37, feature_names=["f0"]),
+        EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=23, feature_names=["f1"]),
+        EmbeddingBagConfig(name="c", embedding_dim=3, num_embeddings=41, feature_names=["f0"]),
+    ]
+    config = BagPipeConfig()
+    job = job_for(config, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
+    layout = FusedLayout(
+        table_specs(configs, {c.name: 0.1 for c in configs}),
+        get_embedding_names_by_table(configs),
+        session=job.next_session_id(), module_fqn="table_io_test", weighted=False,
+    )
+    assert [sorted(t.name for t in spec.tables) for spec in layout.fused] == [["a", "b"], ["c"]]
+    runtimes = [build_fused_table(spec, job=job, config=config) for spec in layout.fused]
+    try:
+        io = TableIO(layout, runtimes, job)
+        # The reference starts from the PS's lazy default init, as read in one go.
+        ref = {c.name: io.read_rows(c.name, 0, c.num_embeddings) for c in configs}
+        for c in configs:
+            bound = float(c.get_weight_init_max())
+            assert ref[c.name].shape == (c.num_embeddings, c.embedding_dim)
+            assert bool((ref[c.name].abs() <= bound).all()), c.name
+
+        ops = st.lists(
+            st.tuples(st.sampled_from(configs), st.integers(0, 45), st.integers(0, 45),
+                      st.booleans()),
+            min_size=1, max_size=8,
+        )
+
+        @settings(max_examples=max_examples, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(chunk=st.integers(1, 50), ops=ops, seed=st.integers(0, 2**31 - 1))
+        def prop(chunk, ops, seed):
+            gen = torch.Generator().manual_seed(seed)
+            chunked = TableIO(layout, runtimes, job, chunk_rows=chunk)
+            for cfg, x, y, write in ops:
+                n = cfg.num_embeddings
+                lo, hi = sorted((min(x, n), min(y, n)))
+                if write:
+                    rows = torch.randn(hi - lo, cfg.embedding_dim, generator=gen)
+                    chunked.write_rows(cfg.name, lo, rows)
+                    ref[cfg.name][lo:hi] = rows
+                else:
+                    got = chunked.read_rows(cfg.name, lo, hi)
+                    assert torch.equal(got, ref[cfg.name][lo:hi]), (cfg.name, lo, hi, chunk)
+            for c in configs:
+                got = chunked.read_rows(c.name, 0, c.num_embeddings)
+                assert torch.equal(got, ref[c.name]), (c.name, chunk)
+
+        prop()
+
+        # Bad ranges and shapes: clear errors, nothing written.
+        before = {c.name: io.read_rows(c.name, 0, c.num_embeddings) for c in configs}
+        for bad in (lambda: io.read_rows("a", 30, 38), lambda: io.read_rows("a", 5, 4),
+                    lambda: io.write_rows("b", 20, torch.zeros(4, 4)),
+                    lambda: io.write_rows("c", -1, torch.zeros(1, 3)),
+                    lambda: runtimes[1].write_rows(0, torch.zeros(2, 4)),
+                    lambda: runtimes[0].read_rows(55, 61)):
+            with pytest.raises(ValueError, match=r"outside|do not fit"):
+                bad()
+        for c in configs:
+            assert torch.equal(io.read_rows(c.name, 0, c.num_embeddings), before[c.name])
+
+        # A state-dict style load, then a training step through the runtime: the step's
+        # rows are the loaded rows (caches invalidated), and a zero gradient changes nothing.
+        loaded = torch.randn(23, 4, generator=torch.Generator().manual_seed(7))
+        io.load_table("b", loaded)
+        io.finish_load()
+        rt = runtimes[0]
+        start_b = layout.fused_start("b")
+        keys = torch.tensor([start_b + 3, start_b + 3, start_b + 22, 5], dtype=torch.int64)
+        rt.submit(keys)
+        step = rt.next_step()
+        assert torch.equal(step.keys, keys)
+        want = torch.cat([loaded[[3, 3, 22]], ref["a"][[5]]])
+        assert torch.equal(step.rows.detach()[step.inverse], want)
+        rt.finish_step(step, torch.zeros_like(step.rows.detach()))
+        rt.flush()
+        assert torch.equal(io.read_rows("b", 0, 23), loaded)
+        rows, inverse = rt.eval_rows(keys)
+        assert torch.equal(rows[inverse], want)
+    finally:
+        for rt in runtimes:
+            rt.close()
+    return "ok"
+
+
+def test_table_io_reads_and_writes_ranges_like_a_plain_tensor():
+    assert run_world(_table_io_worker, 1, args=(30,), timeout=300) == ["ok"]

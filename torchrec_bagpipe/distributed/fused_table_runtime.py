@@ -1,0 +1,184 @@
+"""`FusedTableRuntime`: the one path from a sharded BagPipe module to the PS, per fused table.
+
+A fused table (types.py) trains through a `BagPipeController` (runtime/): submitted batches
+become steps whose rows come from this rank's cache or the PS, and whose gradients the
+controller commits. Reads and writes outside the step sequence (eval lookups, state-dict
+reads and writes, initial weights) go to the fused table's PS session directly. This class
+puts both behind one typed API: the TorchRec layer never holds a PS client or reaches into
+the controller. `build_fused_table` opens the PS session and the controller of one fused
+table on this rank.
+
+Thread-safety: one caller at a time (the rank's training thread, or its autograd thread
+calling `finish_step` while the training thread waits in backward).
+
+Invariants:
+1. Every read outside the step sequence (`eval_rows`, `read_rows`) and every `write_rows`
+   first waits until each commit submitted so far is applied: reads see the PS after the
+   last finished step, and no pending commit lands after a write.
+2. `write_rows` changes rows behind every rank's cache; `invalidate` (on every rank, after
+   the writes) must run before the next step reads rows.
+3. Direct reads and writes name fused keys in `[0, spec.num_keys)` and at most a bounded
+   range per call (table_io.py chunks whole tables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.job import BagPipeJob
+from torchrec_bagpipe.distributed.types import FusedTableSpec
+
+if TYPE_CHECKING:
+    from torchrec_bagpipe.ps.client import PSClient
+    from torchrec_bagpipe.runtime.controller import BagPipeController, Step
+
+__all__ = ["FusedTableRuntime", "build_fused_table"]
+
+
+class FusedTableRuntime:
+    """One fused table's runtime on this rank: training steps and direct PS access."""
+
+    def __init__(self, spec: FusedTableSpec, client: PSClient,
+                 controller: BagPipeController) -> None:
+        self._spec = spec
+        self._client = client
+        self._controller = controller
+
+    @property
+    def spec(self) -> FusedTableSpec:
+        return self._spec
+
+    @property
+    def name(self) -> str:
+        """The fused table's PS table name (unique per job)."""
+        return self._spec.name
+
+    # ---- the step sequence (the controller) ---------------------------------------------------
+    def submit(self, keys: torch.Tensor) -> None:
+        """The next training batch's fused keys (1-D int64, CPU) enter the lookahead window."""
+        self._controller.submit(keys)
+
+    def prescan(self, trace: Sequence[torch.Tensor], *, progress: bool) -> None:
+        """Hands the whole training trace (this rank's fused keys per step) to the planner
+        (a collective). REQUIRES: nothing submitted yet; prescan mode in the config."""
+        self._controller.prescan(trace, progress=progress)
+
+    def next_step(self) -> Step:
+        """The oldest submitted batch's step: its unique rows (a leaf on the device) and the
+        inverse map. REQUIRES: the previous step finished."""
+        return self._controller.next_step()
+
+    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
+        """Commits `step`'s row gradient (|U| x dim fp32). REQUIRES: `step` is the running step."""
+        self._controller.finish_step(step, grad)
+
+    def flush(self) -> None:
+        """Waits until every commit submitted so far is applied (bounded by ps_timeout).
+        REQUIRES: no step running."""
+        self._controller.flush()
+
+    def invalidate(self) -> None:
+        """Forgets every cached and prefetched row (after writes to the PS). REQUIRES: no step
+        running."""
+        self._controller.invalidate_all()
+
+    def metrics(self) -> dict[str, float]:
+        """The controller's counters and timings (plain dict)."""
+        return self._controller.metrics()
+
+    # ---- direct PS access, outside the step sequence ---------------------------------------
+    def eval_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unique rows [U, dim] fp32 CPU, inverse [n] int64 CPU) for fused `keys` (CPU
+        int64), read from the PS after every pending commit. REQUIRES: no step running."""
+        self._controller.flush()
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        return self._client.lookup(unique), inverse
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Fused rows [start, stop) as [stop - start, dim] fp32 CPU, read from the PS after
+        every pending commit (one request: keep the range bounded). REQUIRES: no step running."""
+        self._check_range(start, stop)
+        self._controller.flush()
+        return self._client.lookup(torch.arange(start, stop, dtype=torch.int64))
+
+    def write_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Writes `rows` ([n, dim]) as fused rows [start, start + n), after every pending
+        commit (one request: keep n bounded). Caches stay stale until `invalidate`.
+        REQUIRES: no step running."""
+        if rows.dim() != 2 or rows.shape[1] != self._spec.dim:
+            raise ValueError(
+                f"BagPipe fused table {self.name!r}: rows of shape {tuple(rows.shape)} do not "
+                f"fit its dim {self._spec.dim}"
+            )
+        stop = start + int(rows.shape[0])
+        self._check_range(start, stop)
+        self._controller.flush()
+        keys = torch.arange(start, stop, dtype=torch.int64)
+        self._client.assign(keys, rows.detach().to("cpu", torch.float32).contiguous())
+
+    def close(self) -> None:
+        """Drains pending commits and closes the controller and the PS session (idempotent)."""
+        try:
+            self._controller.close()
+        finally:
+            self._client.close()  # idempotent; the controller closed it unless it failed
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self._spec.num_keys:
+            raise ValueError(
+                f"BagPipe fused table {self.name!r}: rows [{start}, {stop}) lie outside "
+                f"[0, {self._spec.num_keys})"
+            )
+
+
+def build_fused_table(
+    spec: FusedTableSpec, *, job: BagPipeJob, config: BagPipeConfig
+) -> FusedTableRuntime:
+    """Opens the PS session of one fused table and its controller on this rank.
+
+    Rows never written read as TorchRec's default init, uniform in ±bound of their own
+    table (deterministic, computed on the PS); tables with other initial weights are
+    written by the caller right after (table_io.py).
+    """
+    from torchrec_bagpipe.ps.client import PSClient
+    from torchrec_bagpipe.runtime.controller import BagPipeController
+
+    client = PSClient(
+        job.endpoints,
+        table=spec.name,
+        dim=spec.dim,
+        lr=spec.lr,
+        rank=job.rank,
+        world_size=job.world_size,
+        gradient_division=config.resolved_gradient_division(),
+        partitioner=config.partitioner,
+        job_token=job.job_token,
+        max_packet_rows=config.max_packet_rows,
+        inflight_packets=config.inflight_packets,
+        timeout=config.ps_timeout,
+        connect_timeout=config.connect_timeout,
+        init="uniform",
+        init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
+        seed=config.init_seed,
+        key_bound=spec.num_keys,
+    )
+    try:
+        controller = BagPipeController(
+            config,
+            rank=job.rank,
+            world_size=job.world_size,
+            dim=spec.dim,
+            num_keys=spec.num_keys,
+            lr=spec.lr,
+            ps=client,
+            collectives=job.collectives,
+            device=job.device,
+        )
+    except BaseException:
+        client.close()
+        raise
+    return FusedTableRuntime(spec, client, controller)
