@@ -62,7 +62,7 @@ class BagPipeJob:
         self.world_size = env.world_size
         self.device = device
         # Two groups: the controllers run their collectives on a worker thread of their own
-        # (runtime/controller.py), so the TorchRec layer's barriers and broadcasts use a
+        # (runtime/worker.py), so the TorchRec layer's barriers and broadcasts use a
         # second group and never interleave with them.
         self.collectives = TorchDistCollectives(new_runtime_group(config.ps_timeout))
         self.control = TorchDistCollectives(new_runtime_group(config.ps_timeout))
