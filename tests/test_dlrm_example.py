@@ -182,6 +182,10 @@ def _sgd(rank: int, world: int, npy: str) -> dict[str, Any]:
                            ["--optimization-cache-capacity", "1"]),
         "prescan": _both([*common, "--limit_train_batches", "8"],
                          ["--optimization-prescan", "--bagpipe-aggregation", "collective"]),
+        # Multi-hot bags (int32 ids) and undersampled batches of varying sizes.
+        "multi_hot": _both([*common, "--limit_train_batches", "8", "--multi_hot_sizes",
+                            ",".join(["3", "1"] * 13), "--undersampling_rate", "0.5"],
+                           ["--optimization-prescan"]),
         # 529 training rows: batches of 16 on 2 ranks end with a partial round.
         "criteo": _both([*SMALL, "--learning_rate", "0.5", "--seed", "9", "--no_progress",
                          "--in_memory_binary_criteo_path", npy, "--num_embeddings", "50"]),
@@ -190,7 +194,7 @@ def _sgd(rank: int, world: int, npy: str) -> dict[str, Any]:
 
 def test_bagpipe_sgd_trains_like_stock_torchrec(criteo_npy):
     per_rank = run_world(_sgd, 2, args=(str(criteo_npy),), timeout=600)
-    for case in ("synthetic", "prescan", "criteo"):
+    for case in ("synthetic", "prescan", "multi_hot", "criteo"):
         for r in per_rank:
             stock, ours = r[case]["torchrec"], r[case]["bagpipe"]
             assert "unsupported" not in ours, ours
@@ -230,3 +234,24 @@ def test_bagpipe_lr_schedule_and_adagrad_train_like_stock_torchrec():
     for case in r0.values():
         assert case["bagpipe"]["train_losses"] == pytest.approx(
             case["torchrec"]["train_losses"], rel=1e-4, abs=1e-5)
+
+
+def test_convergence_benchmark_runs(tmp_path):
+    """benchmarks/convergence.py end to end, briefly: both data sets, both sharders."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "convergence.py"), "--steps", "5",
+         "--batch-size", "16", "--num-embeddings", "200", "--eval-batches", "1",
+         "--no-control", "--png", str(tmp_path / "c.png")],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [json.loads(ln) for ln in out.stdout.splitlines()]
+    by = {(d.get("dataset"), d["metric"]): d for d in lines}
+    for dataset in ("synthetic", "criteo"):
+        assert by[(dataset, "max_abs_loss_diff")]["value"] < 1e-6
+        auroc = by[(dataset, "test_auroc")]
+        assert auroc["value"] == pytest.approx(auroc["baseline"], abs=1e-4)
+    assert (tmp_path / "c.png").stat().st_size > 0
