@@ -17,7 +17,7 @@ import torchx.specs as specs
 from torchrec_bagpipe.launch.component import bagpipe
 from torchrec_bagpipe.launch.ps_role import advertised_host, build_parser, rendezvous_endpoint
 from torchrec_bagpipe.launch.rendezvous import JobStore, TrainerWatch, parse_endpoint
-from torchrec_bagpipe.launch.trainer_role import TrainerNode, torchrun_command
+from torchrec_bagpipe.launch.trainer_role import TrainerNode, rewrite_ps_type, torchrun_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,6 +133,11 @@ def test_role_programs_find_the_store_and_the_advertised_host(monkeypatch):
                            "3", "--log-dir", "/l", "t.py", "--a"]
     assert torchrun_command(TrainerNode(endpoint="h:1", run_id="r", command=["echo", "x"])
                             )[-3:] == ["--no-python", "echo", "x"]
+    # The PS role's servers impose their transport, even on one node.
+    assert rewrite_ps_type(["t.py", "--ps-type", "local"], True, None, force="rdma") == (
+        ["t.py", "--ps-type", "rdma"], "rdma")
+    assert rewrite_ps_type(["t.py", "--ps-type=tcp"], True, None) == (
+        ["t.py", "--ps-type=local"], "local")
 
 
 # ---- a job on torchx's local scheduler ------------------------------------------------------

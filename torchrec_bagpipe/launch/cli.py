@@ -119,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         status = run_trainer_node(TrainerNode(
             endpoint=endpoint, run_id=run_id, command=list(args.command),
+            # One node: the local backend (the servers here speak TCP).
             nproc_per_node=args.nproc_per_node, ps_servers=args.ps_servers,
-            ps_type=args.ps_type, log_dir=args.log_dir, redirects=args.redirects,
+            ps_type=None, log_dir=args.log_dir, redirects=args.redirects,
             rendezvous_timeout=args.startup_timeout, grace_period=args.grace_period, env=env,
             abort=ps_failed,
         ), store)

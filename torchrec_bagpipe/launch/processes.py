@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["Child", "Interrupted", "trap_signals"]
+__all__ = ["Child", "Interrupted", "run_role", "trap_signals"]
 
 
 class Interrupted(Exception):
@@ -39,6 +39,22 @@ def trap_signals() -> Callable[[], None]:
             signal.signal(s, handler)
 
     return restore
+
+
+def run_role(body: Callable[[], int], label: str) -> int:
+    """A role program's exit status: `body()` with SIGINT/SIGTERM trapped (130 when one
+    arrives) and its setup errors (RuntimeError, TimeoutError, ValueError) printed behind
+    `label` (status 1)."""
+    restore = trap_signals()
+    try:
+        return body()
+    except Interrupted:
+        return 130
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        print(f"{label} {e}", flush=True)
+        return 1
+    finally:
+        restore()
 
 
 class Child:

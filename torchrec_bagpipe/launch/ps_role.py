@@ -24,9 +24,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from torchrec_bagpipe.launch.processes import Child, Interrupted, trap_signals
+from torchrec_bagpipe.launch.processes import Child, Interrupted, run_role
 from torchrec_bagpipe.launch.rendezvous import HEARTBEAT_S, JobStore, TrainerWatch
 
 __all__ = ["advertised_host", "main", "rendezvous_endpoint"]
@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _start_server(args: argparse.Namespace, token: str) -> tuple[Child, str | None]:
+def _start_server(args: argparse.Namespace, token: str) -> tuple[Child, Callable[[], str | None]]:
+    """The shard server, and a function that waits (bounded) for its listening port."""
     listening = threading.Event()
     found: list[str] = []
 
@@ -117,11 +118,15 @@ def _start_server(args: argparse.Namespace, token: str) -> tuple[Child, str | No
            *shlex.split(args.server_args)]
     env = {**os.environ, "BAGPIPE_JOB_TOKEN": token}
     server = Child(cmd, env, prefix=f"[ps {args.replica_id}]", on_line=on_line)
-    deadline = time.monotonic() + args.startup_timeout
-    while not listening.wait(0.1):
-        if server.poll() is not None or time.monotonic() > deadline:
-            return server, None
-    return server, found[0]
+
+    def port() -> str | None:
+        deadline = time.monotonic() + args.startup_timeout
+        while not listening.wait(0.1):
+            if server.poll() is not None or time.monotonic() > deadline:
+                return None
+        return found[0]
+
+    return server, port
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,9 +136,11 @@ def run(args: argparse.Namespace) -> int:
     store = JobStore(endpoint, args.run_id, host=hosting, timeout=args.rendezvous_timeout)
     token = os.environ.get("BAGPIPE_JOB_TOKEN") or store.agree_token(
         secrets.token_hex(16), args.rendezvous_timeout)
-    server, port = _start_server(args, token)
+    server, listening_port = _start_server(args, token)
     interrupted = False
+    port: str | None = None
     try:
+        port = listening_port()
         if port is None:
             print(f"[ps {me}] the server did not listen within {args.startup_timeout}s "
                   f"(status {server.poll()})", flush=True)
@@ -185,16 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ps_role: need 0 <= --replica-id < --num-replicas and --nnodes >= 1",
               file=sys.stderr)
         return 2
-    restore = trap_signals()
-    try:
-        return run(args)
-    except Interrupted:
-        return 130
-    except (RuntimeError, TimeoutError, ValueError) as e:
-        print(f"[ps {args.replica_id}] {e}", flush=True)
-        return 1
-    finally:
-        restore()
+    return run_role(lambda: run(args), f"[ps {args.replica_id}]")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from torchrec_bagpipe.launch.processes import Child, Interrupted, trap_signals
+from torchrec_bagpipe.launch.processes import Child, Interrupted, run_role
 from torchrec_bagpipe.launch.ps_role import add_rendezvous_arguments, rendezvous_endpoint
 from torchrec_bagpipe.launch.rendezvous import HEARTBEAT_S, JobStore, TrainerWatch
 
@@ -37,10 +37,12 @@ __all__ = ["TrainerNode", "main", "rewrite_ps_type", "run_trainer_node"]
 PREFIX_TEMPLATE = "[${role_name} ${rank}] "
 
 
-def rewrite_ps_type(command: list[str], single_node: bool, default: str | None
-                    ) -> tuple[list[str], str]:
-    """The command with its ``--ps-type`` made effective, and that PS type (one node always
-    uses the local backend: PS servers there are reached over loopback TCP)."""
+def rewrite_ps_type(command: list[str], single_node: bool, default: str | None,
+                    force: str | None = None) -> tuple[list[str], str]:
+    """The command with its ``--ps-type`` made effective, and that PS type: `force` (the
+    transport of the job's PS servers) if given, else the command's, else `default`, else
+    local; one node without `force` always uses the local backend (shards in the trainers,
+    or the launcher's TCP servers reached over loopback)."""
     out = list(command)
     named: str | None = None
     index: int | None = None
@@ -50,7 +52,9 @@ def rewrite_ps_type(command: list[str], single_node: bool, default: str | None
         elif a.startswith("--ps-type="):
             named, index = a.split("=", 1)[1].lower(), i
     chosen = named or default or "local"
-    if single_node:
+    if force:
+        chosen = force
+    elif single_node:
         chosen = "local"
     if index is not None:
         out[index] = "--ps-type=" + chosen if out[index].startswith("--ps-type=") else chosen
@@ -68,6 +72,8 @@ class TrainerNode:
     node_rank: int = 0
     nproc_per_node: int = 1
     ps_servers: int = 0
+    # With PS servers: their transport (tcp, rdma), which the trainers must use; without:
+    # the default when the command names none (one node: local).
     ps_type: str | None = None
     tee: int = 3
     log_dir: str | None = None
@@ -125,7 +131,10 @@ def run_trainer_node(node: TrainerNode, store: JobStore | None = None) -> int:
     SIGINT/SIGTERM raise `Interrupted` in this thread (`trap_signals`)."""
     store = store or JobStore(node.endpoint, node.run_id, timeout=node.rendezvous_timeout)
     env = dict(node.env)
-    command, ps_type = rewrite_ps_type(node.command, node.nnodes == 1, node.ps_type)
+    if node.ps_servers and node.ps_type:
+        command, ps_type = rewrite_ps_type(node.command, False, None, force=node.ps_type)
+    else:
+        command, ps_type = rewrite_ps_type(node.command, node.nnodes == 1, node.ps_type)
     env["BAGPIPE_PS_TYPE"] = ps_type
     env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", PREFIX_TEMPLATE)
     if node.ps_servers:
@@ -178,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps-servers", type=int, default=0,
                    help="PS shards of the PS role (0: shards live in the trainers)")
     p.add_argument("--ps-type", choices=["local", "tcp", "rdma"], default=None,
-                   help="PS transport when the command names none (one node: local)")
+                   help="with --ps-servers: the servers' transport (tcp, rdma), imposed on "
+                        "the command; without: the default when the command names none "
+                        "(one node: local)")
     p.add_argument("--tee", type=int, default=3, help="torchrun --tee (default 3)")
     p.add_argument("--log-dir", default=None, help="torchrun --log-dir")
     p.add_argument("--redirects", default=None, help="torchrun --redirects")
@@ -207,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rendezvous_timeout=args.rendezvous_timeout, grace_period=args.grace_period,
     )
     hosting = args.node_rank == args.store_host_node
-    restore = trap_signals()
-    try:
+
+    def body() -> int:
         store = JobStore(endpoint, args.run_id, host=hosting, timeout=args.rendezvous_timeout)
         status = run_trainer_node(node, store)
         if hosting:  # the store outlives every node's use of it (bounded)
@@ -217,13 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             while not watch.all_done() and time.monotonic() < deadline:
                 time.sleep(HEARTBEAT_S / 4)
         return status
-    except Interrupted:
-        return 130
-    except (RuntimeError, TimeoutError, ValueError) as e:
-        print(f"[trainer node {args.node_rank}] {e}", flush=True)
-        return 1
-    finally:
-        restore()
+
+    return run_role(body, f"[trainer node {args.node_rank}]")
 
 
 if __name__ == "__main__":
