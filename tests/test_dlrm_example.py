@@ -61,7 +61,7 @@ def _initial(argv: list[str]) -> dict[str, Any]:
 # ---- the training loop ------------------------------------------------------------------------
 def _loop(rank: int, world: int, tmp: str) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
-    base = [*SMALL, "--sharder", "torchrec", "--limit_train_batches", "4",
+    base = [*SMALL, "--sharder", "torchrec", "--limit_train_batches", "5",
             "--limit_val_batches", "2", "--limit_test_batches", "3", "--seed", "3"]
     out: dict[str, Any] = {}
     out["full"] = _main([*base, "--epochs", "2", "--validation_freq_within_epoch", "2",
@@ -76,32 +76,34 @@ def _loop(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def test_training_loop_flags(tmp_path):
     r0, r1 = run_world(_loop, 2, args=(str(tmp_path),), timeout=600)
     results, stdout, _ = r0["full"]
-    # --epochs 2 x --limit_train_batches 4; a validation per epoch.
-    assert results["steps"] == 8 and len(results["train_losses"]) == 8
+    # --epochs 2 x --limit_train_batches 5; a validation per epoch.
+    assert results["steps"] == 10 and len(results["train_losses"]) == 10
     assert len(results["val_auroc"]) == 2
-    # --validation_freq_within_epoch 2: two validations inside each epoch, one at its end;
+    # --validation_freq_within_epoch 2: after steps 2 and 4 of each epoch, and at its end;
     # --limit_val_batches 2 / --limit_test_batches 3 batches of 16 on each of 2 ranks.
     assert stdout.count("AUROC over val set") == 6
     assert "Number of val samples: 64" in stdout and "Number of test samples: 96" in stdout
-    assert results["samples"] == 8 * 16 * 2
-    # --print_lr: one line per step and param group, at the flag's rate.
+    assert stdout.count("Total number of iterations: 5") == 2
+    assert results["samples"] == 10 * 16 * 2
+    # --print_lr: one line per step and param group (steps counted within the epoch).
     groups = len(results["lrs"][0])
     lines = [ln for ln in stdout.splitlines() if ln.startswith("lr: ")]
-    assert len(lines) == 8 * groups and lines[0] == "lr: 0 0 0.300000"
+    assert len(lines) == 10 * groups and lines[0] == "lr: 0 0 0.300000"
+    assert lines[5 * groups] == "lr: 0 0 0.300000" and lines[-1].startswith("lr: 4 ")
     assert r1["full"][1].count("lr: ") == 0  # rank 0 prints
     # --print_sharding_plan prints every table's plan.
     assert "t_cat_25" in stdout and "sharding_type" in stdout
     # --metrics_json: rank 0's results.
-    assert json.loads((tmp_path / "m.json").read_text())["steps"] == 8
+    assert json.loads((tmp_path / "m.json").read_text())["steps"] == 10
     # --no_progress hides the bars that rank 0 shows otherwise.
     assert "Epoch 1" in r0["plain"][2] and "Epoch" not in r0["full"][2]
     # --seed fixes the weights and the data: validation inside the epoch changes nothing.
     plain = r0["plain"][0]
     assert plain["train_losses"] == results["train_losses"]
-    assert r0["seed"][0]["train_losses"] != results["train_losses"][:4]
+    assert r0["seed"][0]["train_losses"] != results["train_losses"][:5]
     # --learning_rate: every param group's rate, and the training.
     assert all(lr == pytest.approx(0.05, rel=1e-6) for lrs in r0["lr"][0]["lrs"] for lr in lrs)
-    assert r0["lr"][0]["train_losses"][1:] != results["train_losses"][1:4]
+    assert r0["lr"][0]["train_losses"][1:] != results["train_losses"][1:5]
 
 
 # ---- optimizers and the learning-rate policy with stock tables -----------------------------------

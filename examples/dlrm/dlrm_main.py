@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="Desired proportion of zero-labeled training samples to retain: 0.3 keeps 30%% "
            "of the rows with label 0 and every row with label 1 (the same rows every pass). "
            "When not supplied, no undersampling occurs.")
-    a("--seed", type=int, default=None, help="Random seed for reproducibility.")
+    a("--seed", type=int, default=None,
+      help="Random seed for reproducibility: torch's generator (initial weights), the "
+           "synthetic data, TorchRec's shuffles and the undersampling draws.")
     a("--pin_memory", dest="pin_memory", action="store_true",
       help="Use pinned memory when loading data (needs CUDA).")
     a("--mmap_mode", dest="mmap_mode", action="store_true",
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="Shuffle the training set in memory. This will override mmap_mode")
     a("--validation_freq_within_epoch", type=int, default=None,
       help="Frequency at which validation will be run within an epoch.")
-    p.set_defaults(pin_memory=None, mmap_mode=None, drop_last=None, shuffle_batches=None,
+    p.set_defaults(pin_memory=None, mmap_mode=None, shuffle_batches=None,
                    shuffle_training_set=None)
     a("--adagrad", dest="adagrad", action="store_true",
       help="Flag to determine if adagrad optimizer should be used.")
@@ -458,6 +460,7 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     for epoch in range(args.epochs):
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         start = time.perf_counter()
+        it = 0  # steps within the epoch (--print_lr and --validation_freq_within_epoch count them)
         for chunk in _chunks(epoch_batches(), args.validation_freq_within_epoch):
             while True:
                 lrs = [float(g["lr"]) for g in optimizer.param_groups]  # this step's rates
@@ -474,14 +477,15 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
                 step_times.append(time.perf_counter() - t0 - spent)
                 if args.print_lr and rank == 0:
                     for i, lr in enumerate(lrs):
-                        print(f"lr: {step} {i} {lr:.6f}")
+                        print(f"lr: {it} {i} {lr:.6f}")
                 lr_scheduler.step()
                 step += 1
+                it += 1
                 samples += labels.numel()
                 results["train_losses"].append(float(loss))
                 results["lrs"].append(lrs)
                 bar.update(1)
-            if args.validation_freq_within_epoch and step % args.validation_freq_within_epoch == 0:
+            if args.validation_freq_within_epoch and it % args.validation_freq_within_epoch == 0:
                 train_time += time.perf_counter() - start
                 _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show)
                 start = time.perf_counter()
@@ -490,7 +494,7 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
         train_time += time.perf_counter() - start
         bar.close()
         if rank == 0:
-            print("Total number of iterations:", step)
+            print("Total number of iterations:", it)
         results["val_auroc"].append(
             _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show))
     results["steps"] = step
