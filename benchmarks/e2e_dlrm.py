@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,7 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dlrm_ranks import REPO, run_dlrm
+
 BENCH = "e2e_dlrm"
 
 
@@ -56,66 +54,9 @@ PRESETS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, world: int, port: int, argv: list[str], out: Any) -> None:
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
-    # The example prints its plan and metrics table; the benchmark's stdout carries only
-    # JSON lines, so the ranks' output goes to stderr.
-    sys.stdout = sys.stderr
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
-        import dlrm_main
-        import torch.distributed as dist
-
-        results = dlrm_main.main(argv)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        out.put((rank, "ok", results if rank == 0 else None))
-    except BaseException:
-        import traceback
-
-        out.put((rank, "error", traceback.format_exc()))
-
-
 def run_config(argv: list[str], world: int, timeout: float) -> dict[str, Any]:
     """Runs the DLRM example on `world` spawned ranks; rank 0's results."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, argv, out), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[str, Any] | None = None
-    try:
-        for _ in range(world):
-            try:
-                rank, status, value = out.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"{argv}: no result within {timeout}s") from None
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            if rank == 0:
-                results = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    assert results is not None
-    return results
+    return run_dlrm(argv, world, timeout)[0]
 
 
 def model_step(compute_s: float, counters: dict[str, float], steps: int, world: int,

@@ -98,7 +98,7 @@ def test_dlrm_example_through_ps_server_processes(tmp_path):
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "[ps 0] listening 127.0.0.1:" in out.stdout
-    assert "[launch] PS servers: 127.0.0.1:" in out.stdout
+    assert "[trainer node 0] PS shards: 127.0.0.1:" in out.stdout
     assert "[trainer 0] BagPipe metrics" in out.stdout
     import json
 

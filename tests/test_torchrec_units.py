@@ -8,7 +8,6 @@ import pickle
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,8 +19,6 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.datasets import (
-    CriteoNPYDataset,
-    CriteoTSVDataset,
     PowerLawCriteoDataset,
     power_law_ranks,
     scatter_ids,
@@ -256,64 +253,6 @@ def test_power_law_frequencies_follow_the_exponent():
     assert 6.0 < counts[0] / counts[9] < 14.0
 
 
-def _criteo_rows(n: int, rng: np.random.Generator) -> list[str]:
-    lines = []
-    for _ in range(n):
-        label = str(int(rng.integers(0, 2)))
-        dense = [str(int(x)) if rng.random() > 0.1 else "" for x in rng.integers(0, 100, 13)]
-        cats = [format(int(x), "x") if rng.random() > 0.1 else "" for x in
-                rng.integers(0, 2**32, 26)]
-        lines.append("\t".join([label, *dense, *cats]))
-    return lines
-
-
-def test_criteo_tsv_and_npy_readers(tmp_path):
-    rng = np.random.default_rng(0)
-    lines = _criteo_rows(50, rng)
-    tsv = tmp_path / "day_0.tsv"
-    tsv.write_text("\n".join(lines) + "\n")
-    sizes = [97] * 26
-    per_rank = [list(CriteoTSVDataset([str(tsv)], 8, sizes, rank=r, world_size=2))
-                for r in range(2)]
-    # 50 rows = 6 full batches of 8 = 3 rounds of 2 ranks; the partial round is dropped.
-    assert [len(b) for b in per_rank] == [3, 3]
-    first = per_rank[0][0]
-    fields = lines[0].split("\t")
-    want_cat0 = int(fields[14] or "0", 16) % 97
-    assert int(first.sparse_features["cat_0"].values()[0]) == want_cat0
-    assert float(first.labels[0]) == float(fields[0])
-    assert first.dense_features[0, 0] == pytest.approx(np.log(int(fields[1] or "0") + 1.0))
-    # Rank 1's first batch is rows 8..15.
-    second_fields = lines[8].split("\t")
-    assert float(per_rank[1][0].labels[0]) == float(second_fields[0])
-
-    # The same rows as NPY files give the same batches.
-    dense = np.array([[int(x or "0") for x in ln.split("\t")[1:14]] for ln in lines], np.int32)
-    sparse = np.array([[int(x or "0", 16) for x in ln.split("\t")[14:]] for ln in lines],
-                      np.int64)
-    labels = np.array([int(ln.split("\t")[0]) for ln in lines], np.int32)
-    np.save(tmp_path / "day_0_dense.npy", dense[:30])
-    np.save(tmp_path / "day_0_sparse.npy", sparse[:30])
-    np.save(tmp_path / "day_0_labels.npy", labels[:30])
-    np.save(tmp_path / "day_1_dense.npy", dense[30:])
-    np.save(tmp_path / "day_1_sparse.npy", sparse[30:])
-    np.save(tmp_path / "day_1_labels.npy", labels[30:])
-    days = [str(tmp_path / f"day_{d}_{{}}.npy") for d in (0, 1)]
-    for r in range(2):
-        ds = CriteoNPYDataset([d.format("dense") for d in days], [d.format("sparse") for d in days],
-                              [d.format("labels") for d in days], 8, sizes, rank=r, world_size=2)
-        got = list(ds)
-        assert len(got) == len(ds) == 3
-        for a, b in zip(got, per_rank[r]):
-            assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
-            assert torch.allclose(a.dense_features, b.dense_features)
-            assert torch.equal(a.labels, b.labels)
-    bad = tmp_path / "bad.tsv"
-    bad.write_text("1\t2\t3\n")
-    with pytest.raises(ValueError, match=r"bad\.tsv:1"):
-        list(CriteoTSVDataset([str(bad)], 1))
-
-
 # ---- launcher and example CLI ----------------------------------------------------------------
 def test_launcher_uses_the_local_backend_on_one_node():
     cmd, kind = rewrite_ps_type(["train.py", "--ps-type", "rdma", "--x", "1"], True, None)
@@ -327,32 +266,6 @@ def test_launcher_uses_the_local_backend_on_one_node():
     assert args.command == ["t.py", "--lr", "3"] and args.nproc_per_node == 2
     with pytest.raises(SystemExit):
         parse_args(["--nproc-per-node", "2"])
-
-
-def test_dlrm_example_maps_bagpipe_flags_onto_the_config():
-    sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
-    try:
-        import dlrm_main
-    finally:
-        sys.path.pop(0)
-    args = dlrm_main.parse_args([
-        "--batch_size", "64", "--read-mode", "bagpipe", "--optimization-prescan",
-        "--optimization-cache-capacity", "128", "--bagpipe-aggregation", "collective",
-        "--ps-type", "tcp", "--lookahead", "4", "--num_embeddings_per_feature",
-        ",".join(["100"] * 26),
-    ])
-    config = BagPipeConfig.from_args(args)
-    assert config == BagPipeConfig(
-        read_mode="bagpipe", optimization_prescan=True, optimization_cache_capacity=128,
-        bagpipe_aggregation="collective", ps_type="tcp", lookahead=4,
-    )
-    assert args.batch_size == 64 and args.num_embeddings_per_feature == [100] * 26
-    # TorchRec's dlrm_main defaults where they apply.
-    defaults = dlrm_main.parse_args([])
-    assert (defaults.epochs, defaults.batch_size, defaults.learning_rate,
-            defaults.embedding_dim, defaults.num_embeddings) == (1, 32, 15.0, 64, 100_000)
-    assert defaults.dense_arch_layer_sizes == [512, 256, 64]
-    assert defaults.over_arch_layer_sizes == [512, 512, 256, 1]
 
 
 def test_metrics_summary_and_table():

@@ -1,34 +1,42 @@
 #!/usr/bin/env python3
 """DLRM training with TorchRec, embeddings on the BagPipe parameter server.
 
-The command line mirrors TorchRec's `torchrec_dlrm/dlrm_main.py` (same flag names and
-defaults where they apply) and adds BagPipe's flags (`--read-mode bagpipe`,
-`--optimization-prescan`, `--optimization-cache-capacity`, `--bagpipe-aggregation`,
-`--ps-type`, `--lookahead`, ... — every `BagPipeConfig` field). Data: a synthetic
-Criteo-like power-law dataset by default (`--zipf_alpha`), or Criteo files
-(`--in_memory_binary_criteo_path` NPY directory, `--criteo_tsv_paths`).
+The command line is TorchRec's DLRM example (`torchrec_dlrm/dlrm_main.py`): the same flags,
+defaults and semantics — data stages, learning-rate policy (`lr_scheduler.py`, applied to
+the dense optimizer and to the tables' fused optimizer), ``--adagrad``, multi-hot
+expansion, the training/validation/test loop — plus BagPipe's flags (every `BagPipeConfig`
+field: ``--read-mode``, ``--optimization-prescan``, ``--optimization-cache-capacity``,
+``--bagpipe-aggregation``, ``--ps-type``, ``--lookahead``, ...) and a few of its own
+(``--sharder``, ``--zipf_alpha``, ``--criteo_tsv_paths``, ``--metrics_json``,
+``--no_progress``). A flag that cannot act in the chosen setting is refused with a message
+saying why (e.g. ``--pin_memory`` without CUDA, ``--dcn_num_layers`` without
+``--interaction_type dcn``), never accepted and ignored.
+
+Data (`dlrm_dataloader.py`): TorchRec's preprocessed Criteo files
+(``--in_memory_binary_criteo_path``), raw Criteo TSVs (``--criteo_tsv_paths``), the MLPerf
+multi-hot files (``--synthetic_multi_hot_criteo_path``), or else synthetic power-law data.
 
 Run on 2 ranks of one machine:
 
     torchrec-bagpipe-launch --nproc-per-node 2 examples/dlrm/dlrm_main.py \\
         --limit_train_batches 200 --read-mode bagpipe --optimization-prescan
 
-Compared with TorchRec's script, the differences a user makes are: the sharder
+Compared with TorchRec's script, the differences are the sharder
 (`BagPipeEmbeddingBagCollectionSharder`), the planner (`BagPipeShardingPlanner`) and the
-pipeline (`BagPipeTrainPipeline`, which adds a lookahead window); `--sharder torchrec`
-runs the unmodified stock path (tables local to the trainers) for comparison.
+pipeline (`BagPipeTrainPipeline`, which adds a lookahead window); ``--sharder torchrec``
+runs the stock path (tables local to the trainers) for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -37,18 +45,26 @@ from torchrec import EmbeddingBagCollection
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
 from torchrec.distributed import TrainPipelineSparseDist
 from torchrec.distributed.comm import get_local_size
-from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
+from torchrec.distributed.model_parallel import (
+    DistributedModelParallel,
+    get_default_sharders,
+)
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+from torchrec.distributed.planner.storage_reservations import (
+    HeuristicalStorageReservation,
+)
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.apply_optimizer_in_backward import (
+    apply_optimizer_in_backward,
+)
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from torchrec_bagpipe import BagPipeConfig
-from torchrec_bagpipe.datasets import CriteoNPYDataset, CriteoTSVDataset, PowerLawCriteoDataset
+from torchrec_bagpipe.datasets.criteo import DATASET_NAMES
+from torchrec_bagpipe.datasets.multi_hot import DISTRIBUTIONS
 from torchrec_bagpipe.distributed import (
     BagPipeEmbeddingBagCollectionSharder,
     BagPipeShardingPlanner,
@@ -59,151 +75,256 @@ from torchrec_bagpipe.distributed import (
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
 
+# The example's own modules sit next to it (as in TorchRec's example).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dlrm_dataloader import get_dataloader, make_multi_hot, table_sizes
+from lr_scheduler import LRPolicyScheduler
+
+# Flags whose TorchRec default is filled in after parsing, so that one given explicitly
+# can be told from the default (and refused where it cannot act).
+_DEFAULTS: dict[str, Any] = {
+    "num_embeddings": 100_000,
+    "eps": 1e-8,
+    "dcn_num_layers": 3,
+    "dcn_low_rank_dim": 512,
+    "interaction_branch1_layer_sizes": "2048,2048",
+    "interaction_branch2_layer_sizes": "2048,2048",
+    "zipf_alpha": 1.05,
+}
+_INT_LISTS = ("num_embeddings_per_feature", "dense_arch_layer_sizes", "over_arch_layer_sizes",
+              "multi_hot_sizes", "interaction_branch1_layer_sizes",
+              "interaction_branch2_layer_sizes")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="torchrec dlrm example trainer (BagPipe)")
+    a = p.add_argument
+    a("--epochs", type=int, default=1, help="number of epochs to train")
+    a("--batch_size", type=int, default=32, help="batch size to use for training")
+    a("--drop_last_training_batch", dest="drop_last_training_batch", action="store_true",
+      help="Drop the last non-full training batch (Criteo files)")
+    a("--test_batch_size", type=int, default=None,
+      help="batch size to use for validation and testing")
+    a("--limit_train_batches", type=int, default=None, help="number of train batches")
+    a("--limit_val_batches", type=int, default=None, help="number of validation batches")
+    a("--limit_test_batches", type=int, default=None, help="number of test batches")
+    a("--dataset_name", type=str, choices=list(DATASET_NAMES), default="criteo_1t",
+      help="file layout of the Criteo data: criteo_1t (day_<i>_*), criteo_kaggle (train_*)")
+    a("--num_embeddings", type=int, default=None,
+      help="max_ind_size. The number of embeddings in each embedding table. Defaults to "
+           "100_000 if num_embeddings_per_feature is not supplied.")
+    a("--num_embeddings_per_feature", type=str, default=None,
+      help="Comma separated max_ind_size per sparse feature. 26 values are expected for the "
+           "Criteo dataset.")
+    a("--dense_arch_layer_sizes", type=str, default="512,256,64",
+      help="Comma separated layer sizes for dense arch.")
+    a("--over_arch_layer_sizes", type=str, default="512,512,256,1",
+      help="Comma separated layer sizes for over arch.")
+    a("--embedding_dim", type=int, default=64, help="Size of each embedding.")
+    a("--interaction_branch1_layer_sizes", type=str, default=None,
+      help="Comma separated layer sizes for interaction branch1 (only on dlrm with "
+           "projection; default 2048,2048).")
+    a("--interaction_branch2_layer_sizes", type=str, default=None,
+      help="Comma separated layer sizes for interaction branch2 (only on dlrm with "
+           "projection; default 2048,2048).")
+    a("--dcn_num_layers", type=int, default=None,
+      help="Number of DCN layers in interaction layer (only on dlrm with DCN; default 3).")
+    a("--dcn_low_rank_dim", type=int, default=None,
+      help="Low rank dimension for DCN in interaction layer (only on dlrm with DCN; "
+           "default 512).")
+    a("--undersampling_rate", type=float, default=None,
+      help="Desired proportion of zero-labeled training samples to retain: 0.3 keeps 30%% "
+           "of the rows with label 0 and every row with label 1 (the same rows every pass). "
+           "When not supplied, no undersampling occurs.")
+    a("--seed", type=int, default=None,
+      help="Random seed for reproducibility: torch's generator (initial weights), the "
+           "synthetic data, TorchRec's shuffles and the undersampling draws.")
+    a("--pin_memory", dest="pin_memory", action="store_true",
+      help="Use pinned memory when loading data (needs CUDA).")
+    a("--mmap_mode", dest="mmap_mode", action="store_true",
+      help="mmap the dataset: it stays on disk and is read as if it were in memory.")
+    a("--in_memory_binary_criteo_path", type=str, default=None,
+      help="Directory path containing the Criteo dataset npy files.")
+    a("--synthetic_multi_hot_criteo_path", type=str, default=None,
+      help="Directory path containing the MLPerf v2 synthetic multi-hot dataset npz files.")
+    a("--learning_rate", type=float, default=15.0, help="Learning rate.")
+    a("--eps", type=float, default=None, help="Epsilon for Adagrad optimizer (default 1e-8).")
+    a("--shuffle_batches", dest="shuffle_batches", action="store_true",
+      help="Shuffle each batch during training.")
+    a("--shuffle_training_set", dest="shuffle_training_set", action="store_true",
+      help="Shuffle the training set in memory. This will override mmap_mode")
+    a("--validation_freq_within_epoch", type=int, default=None,
+      help="Frequency at which validation will be run within an epoch.")
+    p.set_defaults(pin_memory=None, mmap_mode=None, shuffle_batches=None,
+                   shuffle_training_set=None)
+    a("--adagrad", dest="adagrad", action="store_true",
+      help="Flag to determine if adagrad optimizer should be used.")
+    a("--interaction_type", choices=["original", "dcn", "projection"], default="original",
+      help="Determine the interaction type to be used (original, dcn, or projection) "
+           "default is original DLRM with pairwise dot product")
+    a("--collect_multi_hot_freqs_stats", dest="collect_multi_hot_freqs_stats",
+      action="store_true",
+      help="Collect stats on the frequency of embedding accesses (multi-hot training "
+           "batches), saved as stats_{pre,post}_hash_<rank>_<dist>.npy in the working directory.")
+    a("--multi_hot_sizes", type=str, default=None,
+      help="Comma separated multihot size per sparse feature. 26 values are expected for the "
+           "Criteo dataset.")
+    a("--multi_hot_distribution_type", type=str, choices=list(DISTRIBUTIONS), default=None,
+      help="Multi-hot distribution options (with --multi_hot_sizes; default uniform).")
+    a("--lr_warmup_steps", type=int, default=0)
+    a("--lr_decay_start", type=int, default=0)
+    a("--lr_decay_steps", type=int, default=0)
+    a("--print_lr", action="store_true", help="Print learning rate every iteration.")
+    a("--allow_tf32", action="store_true",
+      help="Enable TensorFloat-32 mode for matrix multiplications (CUDA).")
+    a("--print_sharding_plan", action="store_true",
+      help="Print the sharding plan used for each embedding table.")
+    # ---- this example's additions ----------------------------------------------------------
+    a("--sharder", choices=["bagpipe", "torchrec"], default="bagpipe",
+      help="bagpipe: tables on the BagPipe PS; torchrec: TorchRec's stock sharders (tables "
+           "local to the trainers), for comparison")
+    a("--zipf_alpha", type=float, default=None,
+      help="power-law exponent of id popularity in the synthetic dataset (default 1.05)")
+    a("--criteo_tsv_paths", type=str, default=None,
+      help="Comma separated raw Criteo TSV files (days in order; one Kaggle train.txt with "
+           "--dataset_name criteo_kaggle), converted by TorchRec's preprocessing")
+    a("--metrics_json", type=str, default=None,
+      help="write the final metrics (rank 0) to this JSON file")
+    a("--no_progress", action="store_true", help="hide the tqdm bars")
+    BagPipeConfig.add_arguments(p)
+    return p
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="torchrec dlrm example trainer (BagPipe)")
-    parser.add_argument("--epochs", type=int, default=1, help="number of epochs to train")
-    parser.add_argument("--batch_size", type=int, default=32,
-                        help="batch size to use for training")
-    parser.add_argument("--drop_last_training_batch", dest="drop_last_training_batch",
-                        action="store_true", help="Drop the last non-full training batch")
-    parser.add_argument("--test_batch_size", type=int, default=None,
-                        help="batch size to use for validation and testing")
-    parser.add_argument("--limit_train_batches", type=int, default=None,
-                        help="number of train batches")
-    parser.add_argument("--limit_val_batches", type=int, default=None,
-                        help="number of validation batches")
-    parser.add_argument("--limit_test_batches", type=int, default=None,
-                        help="number of test batches")
-    parser.add_argument("--dataset_name", type=str, default="criteo_1t",
-                        help="dataset for experiment, current support criteo_1tb, criteo_kaggle")
-    parser.add_argument("--num_embeddings", type=int, default=100_000,
-                        help="max_ind_size. The number of embeddings in each embedding table. "
-                             "Defaults to 100_000 if num_embeddings_per_feature is not supplied.")
-    parser.add_argument("--num_embeddings_per_feature", type=str, default=None,
-                        help="Comma separated max_ind_size per sparse feature. 26 values are "
-                             "expected for the Criteo dataset.")
-    parser.add_argument("--dense_arch_layer_sizes", type=str, default="512,256,64",
-                        help="Comma separated layer sizes for dense arch.")
-    parser.add_argument("--over_arch_layer_sizes", type=str, default="512,512,256,1",
-                        help="Comma separated layer sizes for over arch.")
-    parser.add_argument("--embedding_dim", type=int, default=64, help="Size of each embedding.")
-    parser.add_argument("--interaction_branch1_layer_sizes", type=str, default="2048,2048",
-                        help="Comma separated layer sizes for interaction branch1 (only on "
-                             "dlrm with projection).")
-    parser.add_argument("--interaction_branch2_layer_sizes", type=str, default="2048,2048",
-                        help="Comma separated layer sizes for interaction branch2 (only on "
-                             "dlrm with projection).")
-    parser.add_argument("--dcn_num_layers", type=int, default=3,
-                        help="Number of DCN layers in interaction layer (only on dlrm with DCN).")
-    parser.add_argument("--dcn_low_rank_dim", type=int, default=512,
-                        help="Low rank dimension for DCN in interaction layer (only on dlrm "
-                             "with DCN).")
-    parser.add_argument("--interaction_type", choices=["original", "dcn", "projection"],
-                        default="original",
-                        help="Determine the interaction type to be used (original, dcn, or "
-                             "projection) default is original DLRM with pairwise dot product")
-    parser.add_argument("--seed", type=int, help="Random seed for reproducibility.")
-    parser.add_argument("--pin_memory", dest="pin_memory", action="store_true",
-                        help="Use pinned memory when loading data (accepted; no effect here).")
-    parser.add_argument("--mmap_mode", dest="mmap_mode", action="store_true",
-                        help="mmap the dataset (NPY files are always memory-mapped here).")
-    parser.add_argument("--in_memory_binary_criteo_path", type=str, default=None,
-                        help="Directory path containing the Criteo dataset npy files.")
-    parser.add_argument("--learning_rate", type=float, default=15.0, help="Learning rate.")
-    parser.add_argument("--shuffle_batches", dest="shuffle_batches", action="store_true",
-                        help="Shuffle each batch during training (accepted; no effect here).")
-    parser.add_argument("--validation_freq_within_epoch", type=int, default=None,
-                        help="Frequency at which validation will be run within an epoch.")
-    parser.add_argument("--adagrad", dest="adagrad", action="store_true",
-                        help="Use Adagrad (BagPipe tables support SGD only: this fails clearly).")
-    parser.add_argument("--multi_hot_sizes", type=str, default=None,
-                        help="Comma separated multihot size per sparse feature.")
-    parser.add_argument("--lr_warmup_steps", type=int, default=0)
-    parser.add_argument("--lr_decay_start", type=int, default=0)
-    parser.add_argument("--lr_decay_steps", type=int, default=0)
-    parser.add_argument("--print_lr", action="store_true",
-                        help="Print learning rate every iteration.")
-    parser.add_argument("--allow_tf32", action="store_true",
-                        help="Enable TensorFloat-32 mode for matrix multiplications.")
-    parser.add_argument("--print_sharding_plan", action="store_true",
-                        help="Print the sharding plan used for each embedding table.")
-    # ---- this example's additions ----------------------------------------------------------
-    parser.add_argument("--sharder", choices=["bagpipe", "torchrec"], default="bagpipe",
-                        help="bagpipe: tables on the BagPipe PS; torchrec: TorchRec's stock "
-                             "sharders (tables local to the trainers), for comparison")
-    parser.add_argument("--zipf_alpha", type=float, default=1.05,
-                        help="power-law exponent of id popularity in the synthetic dataset")
-    parser.add_argument("--criteo_tsv_paths", type=str, default=None,
-                        help="Comma separated Criteo TSV files (instead of synthetic data)")
-    parser.add_argument("--metrics_json", type=str, default=None,
-                        help="write the final metrics (rank 0) to this JSON file")
-    parser.add_argument("--no_progress", action="store_true", help="hide the tqdm bars")
-    BagPipeConfig.add_arguments(parser)
-    parser.set_defaults(pin_memory=None, mmap_mode=None, shuffle_batches=None)
+    """Parses and checks `argv`; exits with a usage error naming the flag that cannot act."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("num_embeddings_per_feature", "dense_arch_layer_sizes",
-                 "over_arch_layer_sizes", "multi_hot_sizes", "interaction_branch1_layer_sizes",
-                 "interaction_branch2_layer_sizes"):
+    given = {name for name in _DEFAULTS if getattr(args, name) is not None}
+    for name, value in _DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in _INT_LISTS:
         value = getattr(args, name)
         if isinstance(value, str):
-            setattr(args, name, [int(v) for v in value.split(",") if v])
+            try:
+                setattr(args, name, [int(v) for v in value.split(",") if v])
+            except ValueError:
+                parser.error(f"--{name} must be comma separated integers, got {value!r}")
+    if isinstance(args.criteo_tsv_paths, str):
+        args.criteo_tsv_paths = [p for p in args.criteo_tsv_paths.split(",") if p]
+    problem = check_args(args, given)
+    if problem:
+        parser.error(problem)
+    if args.num_embeddings_per_feature is not None:
+        args.num_embeddings = None
     return args
 
 
-def _table_sizes(args: argparse.Namespace) -> list[int]:
+def check_args(args: argparse.Namespace, given: set[str]) -> str | None:
+    """The first reason the flags cannot all act together, or None."""
+    sources = [n for n in ("in_memory_binary_criteo_path", "synthetic_multi_hot_criteo_path",
+                           "criteo_tsv_paths") if getattr(args, n) is not None]
+    files = bool(sources)
+    cuda = torch.cuda.is_available()
+    positive = ["epochs", "batch_size", "embedding_dim", "test_batch_size",
+                "limit_train_batches", "limit_val_batches", "limit_test_batches",
+                "validation_freq_within_epoch", "num_embeddings"]
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name} must be >= 1, got {value}"
+    if len(sources) > 1:
+        return f"--{sources[0]} and --{sources[1]} are mutually exclusive data sources"
     if args.num_embeddings_per_feature is not None:
         if len(args.num_embeddings_per_feature) != len(DEFAULT_CAT_NAMES):
-            raise ValueError(
-                f"--num_embeddings_per_feature needs {len(DEFAULT_CAT_NAMES)} values"
-            )
-        return list(args.num_embeddings_per_feature)
-    return [args.num_embeddings] * len(DEFAULT_CAT_NAMES)
+            return f"--num_embeddings_per_feature needs {len(DEFAULT_CAT_NAMES)} values"
+        if min(args.num_embeddings_per_feature) < 1:
+            return "--num_embeddings_per_feature values must be >= 1"
+        if "num_embeddings" in given:
+            return ("--num_embeddings and --num_embeddings_per_feature both set the table "
+                    "sizes; give one")
+    if args.pin_memory and not cuda:
+        return "--pin_memory pins host memory for copies to CUDA devices; none is available"
+    if args.allow_tf32 and not cuda:
+        return "--allow_tf32 enables TF32 matmuls on CUDA devices; none is available"
+    for flag in ("mmap_mode", "shuffle_batches", "shuffle_training_set",
+                 "drop_last_training_batch"):
+        if getattr(args, flag) and not files:
+            return (f"--{flag} applies to Criteo files (--in_memory_binary_criteo_path, "
+                    "--criteo_tsv_paths, --synthetic_multi_hot_criteo_path); the synthetic "
+                    "dataset has none")
+    if args.dataset_name != "criteo_1t" and not files:
+        return "--dataset_name selects the layout of Criteo files; none are given"
+    if "zipf_alpha" in given and files:
+        return "--zipf_alpha shapes the synthetic dataset; Criteo files are given"
+    if args.shuffle_training_set and args.synthetic_multi_hot_criteo_path is not None:
+        return ("--shuffle_training_set is not available for the multi-hot files (TorchRec's "
+                "example has no implementation either)")
+    if args.shuffle_training_set and args.dataset_name == "criteo_kaggle":
+        return ("--shuffle_training_set shuffles whole training files; criteo_kaggle trains "
+                "on the first half of train_*.npy (its second half is val/test)")
+    if args.shuffle_batches and args.sharder == "bagpipe" and args.optimization_prescan:
+        return ("--shuffle_batches reshuffles every pass over the data, so the prescan pass "
+                "(--optimization-prescan) would plan other batches than training sees; use "
+                "online planning")
+    if args.multi_hot_sizes is not None:
+        if args.synthetic_multi_hot_criteo_path is not None:
+            return ("--multi_hot_sizes converts one-hot data to multi-hot; the multi-hot "
+                    "files of --synthetic_multi_hot_criteo_path already are")
+        if len(args.multi_hot_sizes) != len(DEFAULT_CAT_NAMES):
+            return f"--multi_hot_sizes needs {len(DEFAULT_CAT_NAMES)} values"
+        if min(args.multi_hot_sizes) < 1:
+            return "--multi_hot_sizes values must be >= 1"
+    else:
+        for flag in ("multi_hot_distribution_type", "collect_multi_hot_freqs_stats"):
+            if getattr(args, flag):
+                return f"--{flag} applies to the expansion of --multi_hot_sizes"
+    if args.undersampling_rate is not None and not 0.0 < args.undersampling_rate <= 1.0:
+        return f"--undersampling_rate must be in (0, 1], got {args.undersampling_rate}"
+    if "eps" in given and not args.adagrad:
+        return "--eps is Adagrad's epsilon; add --adagrad"
+    own = {"dcn": ("dcn_num_layers", "dcn_low_rank_dim"),
+           "projection": ("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes")}
+    for kind, names in own.items():
+        for name in names:
+            if name in given and args.interaction_type != kind:
+                return f"--{name} applies to --interaction_type {kind}"
+    if min(args.lr_warmup_steps, args.lr_decay_start, args.lr_decay_steps) < 0:
+        return "--lr_warmup_steps, --lr_decay_start and --lr_decay_steps must be >= 0"
+    if args.lr_decay_start < args.lr_warmup_steps:
+        return "Learning rate warmup must finish before the decay starts"
+    if args.sharder == "torchrec":
+        changed = [f.name for f in fields(BagPipeConfig)
+                   if getattr(args, f.name) != getattr(BagPipeConfig(), f.name)]
+        if changed:
+            flags = ", ".join("--" + n.replace("_", "-") for n in changed)
+            return f"{flags}: BagPipe flags, but --sharder torchrec does not use BagPipe"
+    return None
 
 
-def make_dataset(args: argparse.Namespace, split: str, rank: int, world: int) -> Iterable[Any]:
-    sizes = _table_sizes(args)
-    batch = args.batch_size if split == "train" else (args.test_batch_size or args.batch_size)
-    limit = {"train": args.limit_train_batches, "val": args.limit_val_batches,
-             "test": args.limit_test_batches}[split]
-    if args.in_memory_binary_criteo_path:
-        root = args.in_memory_binary_criteo_path
-        days = sorted(glob.glob(os.path.join(root, "*_dense.npy")))
-        if not days:
-            raise FileNotFoundError(f"no *_dense.npy files in {root}")
-        # Last day: val (first half) / test (second half) as TorchRec does; the rest: train.
-        chosen = days[:-1] if split == "train" and len(days) > 1 else days[-1:]
-        return CriteoNPYDataset(
-            chosen, [d.replace("_dense", "_sparse") for d in chosen],
-            [d.replace("_dense", "_labels") for d in chosen], batch, sizes, rank, world, limit,
-        )
-    if args.criteo_tsv_paths:
-        return CriteoTSVDataset(args.criteo_tsv_paths.split(","), batch, sizes, rank, world,
-                                limit)
-    num = limit if limit is not None else 10
-    # One seed, so one hidden label model for every split; the splits are different sample
-    # streams of it (a different seed per split would evaluate on a different distribution).
-    return PowerLawCriteoDataset(
-        sizes, batch, num, zipf_alpha=args.zipf_alpha, seed=args.seed or 0, rank=rank,
-        world_size=world, multi_hot_sizes=args.multi_hot_sizes,
-        stream={"train": 0, "val": 1, "test": 2}[split],
-    )
+def configure_torch(args: argparse.Namespace) -> None:
+    """Process-wide settings of the flags: TF32 matmuls (``--allow_tf32``) and the seed of
+    torch's generator (``--seed``: the dense layers' initial weights)."""
+    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
-    sizes = _table_sizes(args)
+def build_model(args: argparse.Namespace, device: torch.device,
+                table_device: torch.device | None = None) -> DLRMTrain:
+    """The DLRM of `args` (tables on `meta` unless `table_device`: sharding places them)."""
+    sizes = table_sizes(args)
     eb_configs = [
         EmbeddingBagConfig(name=f"t_{feature_name}", embedding_dim=args.embedding_dim,
                            num_embeddings=sizes[i], feature_names=[feature_name])
         for i, feature_name in enumerate(DEFAULT_CAT_NAMES)
     ]
-    common = dict(
-        embedding_bag_collection=EmbeddingBagCollection(tables=eb_configs,
-                                                        device=torch.device("meta")),
-        dense_in_features=len(DEFAULT_INT_NAMES),
+    ebc = EmbeddingBagCollection(tables=eb_configs,
+                                 device=table_device or torch.device("meta"))
+    common: dict[str, Any] = dict(
+        embedding_bag_collection=ebc, dense_in_features=len(DEFAULT_INT_NAMES),
         dense_arch_layer_sizes=args.dense_arch_layer_sizes,
-        over_arch_layer_sizes=args.over_arch_layer_sizes,
-        dense_device=device,
+        over_arch_layer_sizes=args.over_arch_layer_sizes, dense_device=device,
     )
     if args.interaction_type == "dcn":
         dlrm = DLRM_DCN(dcn_num_layers=args.dcn_num_layers,
@@ -218,162 +339,229 @@ def build_model(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
     return DLRMTrain(dlrm)
 
 
-def _evaluate(pipeline: TrainPipelineSparseDist, batches: Iterator[Any], stage: str,
+def _optimizer_factory(args: argparse.Namespace) -> Any:
+    if args.adagrad:
+        return lambda params: torch.optim.Adagrad(params, lr=args.learning_rate, eps=args.eps)
+    return lambda params: torch.optim.SGD(params, lr=args.learning_rate)
+
+
+def shard(args: argparse.Namespace, train_model: DLRMTrain, device: torch.device,
+          embedding_optimizer: tuple[type, dict[str, Any]] | None = None,
+          ) -> tuple[DistributedModelParallel, CombinedOptimizer, LRPolicyScheduler,
+                     BagPipeConfig | None]:
+    """DMP of the model, the combined (fused tables + dense) optimizer and the LR policy.
+    The tables' optimizer is TorchRec's choice (Adagrad with ``--adagrad``, else SGD, at
+    ``--learning_rate``) unless `embedding_optimizer` = (class, kwargs) names another."""
+    if embedding_optimizer is None:
+        optimizer_kwargs: dict[str, Any] = {"lr": args.learning_rate}
+        if args.adagrad:
+            optimizer_kwargs["eps"] = args.eps
+        embedding_optimizer = (torch.optim.Adagrad if args.adagrad else torch.optim.SGD,
+                               optimizer_kwargs)
+    apply_optimizer_in_backward(embedding_optimizer[0],
+                                train_model.model.sparse_arch.parameters(),
+                                dict(embedding_optimizer[1]))
+    topology = Topology(local_world_size=get_local_size(), world_size=dist.get_world_size(),
+                        compute_device=device.type)
+    reservation = HeuristicalStorageReservation(percentage=0.05)
+    config: BagPipeConfig | None = None
+    if args.sharder == "bagpipe":
+        config = BagPipeConfig.from_args(args)
+        sharders: list[Any] = [BagPipeEmbeddingBagCollectionSharder(config)]
+        planner: EmbeddingShardingPlanner = BagPipeShardingPlanner(
+            topology=topology, batch_size=args.batch_size, storage_reservation=reservation)
+    else:
+        sharders = get_default_sharders()
+        planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size,
+                                           storage_reservation=reservation)
+    plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
+    model = DistributedModelParallel(module=train_model, device=device, plan=plan,
+                                     sharders=sharders)
+    if dist.get_rank() == 0 and args.print_sharding_plan:
+        for collection, plans in model.plan.plan.items():
+            print(collection)
+            for table_name, table_plan in plans.items():
+                print(table_name, "\n", table_plan, "\n")
+    dense_optimizer = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), _optimizer_factory(args))
+    optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
+    lr_scheduler = LRPolicyScheduler(optimizer, args.lr_warmup_steps, args.lr_decay_start,
+                                     args.lr_decay_steps)
+    return model, optimizer, lr_scheduler, config
+
+
+def _evaluate(limit: int | None, pipeline: TrainPipelineSparseDist, loader: Any, stage: str,
               show: bool) -> float:
     from torchmetrics.classification import BinaryAUROC
 
     pipeline._model.eval()
     auroc = BinaryAUROC()
+    iterator = itertools.islice(iter(loader), limit)
     bar = tqdm(desc=f"Evaluating {stage} set", disable=not show)
+    samples = 0
     with torch.no_grad():
         while True:
             try:
-                _loss, logits, labels = pipeline.progress(batches)
+                _loss, logits, labels = pipeline.progress(iterator)
             except StopIteration:
                 break
             auroc.update(torch.sigmoid(logits), labels.int())
+            samples += labels.numel()
             bar.update(1)
     bar.close()
     result = float(auroc.compute().item()) if auroc.preds else float("nan")
+    count = torch.tensor(samples)
+    dist.reduce(count, 0, op=dist.ReduceOp.SUM)
+    if dist.get_rank() == 0:
+        print(f"AUROC over {stage} set: {result}.")
+        print(f"Number of {stage} samples: {int(count)}")
     pipeline._model.train()
     return result
 
 
-def main(argv: list[str]) -> dict[str, Any]:
+def _chunks(iterator: Iterator[Any], n: int | None) -> Iterator[Iterator[Any]]:
+    """Consecutive chunks of at most n items (one chunk when n is None)."""
+    if n is None:
+        yield iterator
+        return
+    for first in iterator:
+        yield itertools.chain((first,), itertools.islice(iterator, n - 1))
+
+
+def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
+                   optimizer: CombinedOptimizer, lr_scheduler: LRPolicyScheduler,
+                   loaders: Mapping[str, Any], device: torch.device,
+                   config: BagPipeConfig | None) -> dict[str, Any]:
+    """TorchRec's training loop: per epoch, train (validating every
+    ``--validation_freq_within_epoch`` steps) then validate; finally test."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    show = rank == 0 and not args.no_progress
+
+    def epoch_batches() -> Iterator[Any]:
+        return itertools.islice(iter(loaders["train"]), args.limit_train_batches)
+
+    if config is not None:
+        prescan = None
+        if config.optimization_prescan:
+            prescan = itertools.chain.from_iterable(epoch_batches() for _ in range(args.epochs))
+        pipeline: TrainPipelineSparseDist = BagPipeTrainPipeline(
+            model, optimizer, device, prescan_batches=prescan)
+    else:
+        pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
+    eval_pipeline = TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
+
+    results: dict[str, Any] = {"val_auroc": [], "steps": 0, "train_losses": [], "lrs": []}
+    model.train()
+    dist.barrier()
+    train_time = prescan_s = 0.0
+    samples = 0
+    step_times: list[float] = []
+    step = 0
+    for epoch in range(args.epochs):
+        bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
+        start = time.perf_counter()
+        it = 0  # steps within the epoch (--print_lr and --validation_freq_within_epoch count them)
+        for chunk in _chunks(epoch_batches(), args.validation_freq_within_epoch):
+            while True:
+                lrs = [float(g["lr"]) for g in optimizer.param_groups]  # this step's rates
+                before = getattr(pipeline, "prescan_seconds", 0.0)
+                t0 = time.perf_counter()
+                try:
+                    loss, _logits, labels = pipeline.progress(chunk)
+                except StopIteration:
+                    break
+                # The first progress call may hand the whole trace to the planner.
+                spent = getattr(pipeline, "prescan_seconds", 0.0) - before
+                prescan_s += spent
+                start += spent
+                step_times.append(time.perf_counter() - t0 - spent)
+                if args.print_lr and rank == 0:
+                    for i, lr in enumerate(lrs):
+                        print(f"lr: {it} {i} {lr:.6f}")
+                lr_scheduler.step()
+                step += 1
+                it += 1
+                samples += labels.numel()
+                results["train_losses"].append(float(loss))
+                results["lrs"].append(lrs)
+                bar.update(1)
+            if args.validation_freq_within_epoch and it % args.validation_freq_within_epoch == 0:
+                train_time += time.perf_counter() - start
+                _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show)
+                start = time.perf_counter()
+        if config is not None:
+            flush_model(model)  # the last commit belongs to the training time
+        train_time += time.perf_counter() - start
+        bar.close()
+        if rank == 0:
+            print("Total number of iterations:", it)
+        results["val_auroc"].append(
+            _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show))
+    results["steps"] = step
+    results["test_auroc"] = _evaluate(args.limit_test_batches, eval_pipeline, loaders["test"],
+                                      "test", show)
+    total = torch.tensor(samples)
+    dist.all_reduce(total)
+    results["samples"] = int(total)
+    results["train_seconds"] = train_time
+    results["samples_per_s"] = int(total) / train_time if train_time > 0 else 0.0
+    results["prescan_seconds"] = prescan_s
+    results["step_times"] = step_times
+    results["world_size"] = world
+    return results
+
+
+def main(argv: list[str], initial_state: Mapping[str, torch.Tensor] | None = None,
+         embedding_optimizer: tuple[type, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Trains, validates and tests; returns the metrics (rank 0 also prints them).
+    `initial_state`: a state dict of the unsharded `DLRMTrain`, loaded after sharding (runs
+    with either sharder then start from the same weights). `embedding_optimizer`: see
+    `shard` (e.g. ``(torchrec.optim.RowWiseAdagrad, {"lr": 0.1})``)."""
     args = parse_args(argv)
-    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
-    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    configure_torch(args)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device(f"cuda:{rank}")
+        device = torch.device(f"cuda:{local_rank}")
         backend = "nccl"
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    if local_rank == 0:
+        params = (args.learning_rate, args.batch_size, args.lr_warmup_steps,
+                  args.lr_decay_start, args.lr_decay_steps)
+        print(f"PARAMS: (lr, batch_size, warmup_steps, decay_start, decay_steps): {params}")
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    show = rank == 0 and not args.no_progress
-    if args.num_embeddings_per_feature is not None:
-        args.num_embeddings = None
-    if (args.in_memory_binary_criteo_path is None and args.criteo_tsv_paths is None):
+    if args.in_memory_binary_criteo_path is args.synthetic_multi_hot_criteo_path is \
+            args.criteo_tsv_paths is None:
         for split in ("train", "val", "test"):
             if getattr(args, f"limit_{split}_batches") is None:
                 setattr(args, f"limit_{split}_batches", 10)
-
-    train_model = build_model(args, device)
-    embedding_optimizer = torch.optim.Adagrad if args.adagrad else torch.optim.SGD
-    apply_optimizer_in_backward(embedding_optimizer, train_model.model.sparse_arch.parameters(),
-                                {"lr": args.learning_rate})
-    topology = Topology(local_world_size=get_local_size(), world_size=world,
-                        compute_device=device.type)
-    if args.sharder == "bagpipe":
-        config = BagPipeConfig.from_args(args)
-        sharders = [BagPipeEmbeddingBagCollectionSharder(config)]
-        planner: EmbeddingShardingPlanner = BagPipeShardingPlanner(
-            topology=topology, batch_size=args.batch_size,
-            storage_reservation=HeuristicalStorageReservation(percentage=0.05),
-        )
-    else:
-        config = None
-        sharders = get_default_sharders()
-        planner = EmbeddingShardingPlanner(
-            topology=topology, batch_size=args.batch_size,
-            storage_reservation=HeuristicalStorageReservation(percentage=0.05),
-        )
-    plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
-    model = DistributedModelParallel(module=train_model, device=device, plan=plan,
-                                     sharders=sharders)
-    if rank == 0 and args.print_sharding_plan:
-        print(model.plan)
-
-    dense_optimizer = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(model.named_parameters())),
-        (lambda params: torch.optim.Adagrad(params, lr=args.learning_rate)) if args.adagrad
-        else (lambda params: torch.optim.SGD(params, lr=args.learning_rate)),
-    )
-    optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
-
-    train_data = make_dataset(args, "train", rank, world)
-    val_data = make_dataset(args, "val", rank, world)
-    test_data = make_dataset(args, "test", rank, world)
-
-    def epoch_batches() -> Iterator[Any]:
-        return itertools.islice(iter(train_data), args.limit_train_batches)
-
-    prescan_s = 0.0
-    if args.sharder == "bagpipe":
-        assert config is not None
-        prescan = None
-        if config.optimization_prescan:
-            prescan = itertools.chain.from_iterable(epoch_batches() for _ in range(args.epochs))
-        train_pipeline: TrainPipelineSparseDist = BagPipeTrainPipeline(
-            model, optimizer, device, prescan_batches=prescan
-        )
-    else:
-        train_pipeline = TrainPipelineSparseDist(model, optimizer, device)
-    eval_pipeline = TrainPipelineSparseDist(model, optimizer, device)
-
-    results: dict[str, Any] = {"val_auroc": [], "steps": 0}
-    model.train()
-    dist.barrier()
-    train_time = 0.0
-    samples = 0
-    step_times: list[float] = []
-    for epoch in range(args.epochs):
-        bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
-        it = epoch_batches()
-        start = time.perf_counter()
-        for step in itertools.count(1):
-            try:
-                before = getattr(train_pipeline, "prescan_seconds", 0.0)
-                t0 = time.perf_counter()
-                train_pipeline.progress(it)
-                # The first progress call may hand the whole trace to the planner.
-                spent = getattr(train_pipeline, "prescan_seconds", 0.0) - before
-                prescan_s += spent
-                start += spent
-                step_times.append(time.perf_counter() - t0 - spent)
-            except StopIteration:
-                break
-            samples += args.batch_size * world
-            results["steps"] += 1
-            bar.update(1)
-            if args.validation_freq_within_epoch and step % args.validation_freq_within_epoch == 0:
-                train_time += time.perf_counter() - start
-                _evaluate(eval_pipeline, itertools.islice(iter(val_data), args.limit_val_batches),
-                          "val", show)
-                start = time.perf_counter()
-        if args.sharder == "bagpipe":
-            flush_model(model)  # the last commit belongs to the training time
-        train_time += time.perf_counter() - start
-        bar.close()
-        results["val_auroc"].append(
-            _evaluate(eval_pipeline, itertools.islice(iter(val_data), args.limit_val_batches),
-                      "val", show)
-        )
-    results["test_auroc"] = _evaluate(
-        eval_pipeline, itertools.islice(iter(test_data), args.limit_test_batches), "test", show
-    )
-    results["train_seconds"] = train_time
-    results["samples_per_s"] = samples / train_time if train_time > 0 else 0.0
-    results["prescan_seconds"] = prescan_s
-    results["step_times"] = step_times
-    results["world_size"] = world
-    raw = bagpipe_metrics(model) if args.sharder == "bagpipe" else {}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, raw)
-    summary = summarize(gathered, results["steps"])
-    results["bagpipe"] = summary
-    if rank == 0:
-        print(format_table(results, summary))
-        if args.metrics_json:
-            with open(args.metrics_json, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2, default=float)
-    if args.sharder == "bagpipe":
-        close_model(model)
+    multi_hot = make_multi_hot(args)
+    loaders = {stage: get_dataloader(args, stage, rank, world, multi_hot)
+               for stage in ("train", "val", "test")}
+    model, optimizer, lr_scheduler, config = shard(args, build_model(args, device), device,
+                                                   embedding_optimizer)
+    try:
+        if initial_state is not None:
+            model.load_state_dict(dict(initial_state))
+        results = train_val_test(args, model, optimizer, lr_scheduler, loaders, device, config)
+        raw = bagpipe_metrics(model) if config is not None else {}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, raw)
+        results["bagpipe"] = summarize(gathered, results["steps"])
+        if multi_hot is not None and args.collect_multi_hot_freqs_stats:
+            results["multi_hot_stats"] = multi_hot.save_freqs_stats(rank)
+        if rank == 0:
+            print(format_table(results, results["bagpipe"]))
+            if args.metrics_json:
+                with open(args.metrics_json, "w", encoding="utf-8") as f:
+                    json.dump(results, f, indent=2, default=float)
+    finally:
+        if config is not None:
+            close_model(model)
     return results
 
 

@@ -1,185 +1,156 @@
-"""Criteo click logs as TorchRec `Batch`es: the raw TSV files and TorchRec-style NPY files.
+"""Criteo click logs through TorchRec's own readers: file layouts, stages and TSV conversion.
 
-TSV rows are `label \\t 13 integer features \\t 26 hex categorical features` (Kaggle and
-1TB formats; empty fields read as 0). NPY files are the per-day arrays TorchRec's
-preprocessing writes: `*_dense.npy` (N x 13), `*_sparse.npy` (N x 26), `*_labels.npy`
-(N or N x 1).
+TorchRec's preprocessing (`torchrec.datasets.scripts.npy_preproc_criteo`, i.e.
+`BinaryCriteoUtils.tsv_to_npys`) writes per file `<name>_dense.npy` (float32, already
+``log(x - min + 2)``), `<name>_sparse.npy` (int64 hashed ids) and `<name>_labels.npy`
+(int32, N x 1). `InMemoryBinaryCriteoIterDataPipe` reads them: it splits the last file of
+the val/test stages into halves (val: the first ``ceil(n/2)`` rows, test: the rest), takes
+ids modulo the table sizes (`hashes`), can shuffle the training set and each batch, and gives
+batch j of the global stream to rank ``j % world_size`` (the last, partial round split
+evenly). This module only decides which files each stage reads:
 
-Both readers: dense features become `log(max(x, 0) + 1)` (float32), categorical values
-are taken modulo the table size of their feature, and batch j of the global stream goes
-to rank `j % world_size`, so ranks see disjoint data and every rank gets the same number
-of full batches (a trailing partial round is dropped, so ranks never fall out of step).
+* ``criteo_1t`` (TorchRec's day layout, `day_{i}_*`): days are ordered by their number
+  (``day_2`` before ``day_10``); train is every day but the last, val and test are the two
+  halves of the last day. With all 24 days this is exactly TorchRec's example; fewer
+  consecutive days (``day_0`` .. ``day_{n-1}``, n >= 2) work the same way.
+* ``criteo_kaggle`` (`train_*`): Kaggle's test file has no labels, so TorchRec's example
+  evaluates on the second half of `train_*`. Its training stage reads the whole file, so it
+  trains on its own validation and test rows; here training reads the first half only
+  (TorchRec's "val" half) and val and test are the second half (TorchRec's "test" half).
+
+TSV files are converted with TorchRec's own `BinaryCriteoUtils.tsv_to_npys` (into
+`day_{i}_*` in the order given, or `train_*` for Kaggle) and then read as above, so a TSV
+and its preprocessed NPY files feed the model identical batches.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import numpy as np
-import torch
-from torch.utils.data import IterableDataset
-from torchrec.datasets.criteo import (
-    CAT_FEATURE_COUNT,
-    DEFAULT_CAT_NAMES,
-    INT_FEATURE_COUNT,
-)
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+__all__ = [
+    "CRITEO_1T",
+    "CRITEO_KAGGLE",
+    "DATASET_NAMES",
+    "StageFiles",
+    "convert_tsvs",
+    "criteo_days",
+    "stage_files",
+]
 
-__all__ = ["CriteoNPYDataset", "CriteoTSVDataset", "arrays_to_batch"]
+CRITEO_1T = "criteo_1t"
+CRITEO_KAGGLE = "criteo_kaggle"
+DATASET_NAMES = (CRITEO_1T, CRITEO_KAGGLE)
+STAGES = ("train", "val", "test")
+PARTS = ("dense", "sparse", "labels")
+NPY_SPARSE = "sparse.npy"
+MULTI_HOT_SPARSE = "sparse_multi_hot.npz"
+
+_DAY = re.compile(r"^day_(\d+)_dense\.npy$")
 
 
-def arrays_to_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray,
-                    num_embeddings_per_feature: Sequence[int] | None) -> Batch:
-    """One `Batch` from raw Criteo arrays (dense N x 13, sparse N x 26, labels N)."""
-    n = dense.shape[0]
-    if sparse.shape != (n, CAT_FEATURE_COUNT) or dense.shape != (n, INT_FEATURE_COUNT):
-        raise ValueError(
-            f"expected dense ({n}, {INT_FEATURE_COUNT}) and sparse ({n}, {CAT_FEATURE_COUNT}), "
-            f"got {dense.shape} and {sparse.shape}"
+@dataclass(frozen=True)
+class StageFiles:
+    """The files of one stage and the stage TorchRec's reader is built with (it selects
+    the half of the first file: ``"val"`` the first half, ``"test"`` the second, ``"train"``
+    all rows)."""
+
+    reader_stage: str
+    dense: list[str]
+    sparse: list[str]
+    labels: list[str]
+
+
+def _part(root: str, name: str, part: str, sparse_part: str) -> str:
+    suffix = sparse_part if part == "sparse" else f"{part}.npy"
+    return os.path.join(root, f"{name}_{suffix}")
+
+
+def _require(paths: Sequence[str]) -> None:
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"Criteo files missing: {', '.join(missing)}")
+
+
+def criteo_days(root: str, sparse_part: str = NPY_SPARSE) -> int:
+    """The number n of days `day_0` .. `day_{n-1}` in `root` (numeric order, no gaps, every
+    part present). Raises FileNotFoundError for a missing part or a gap, ValueError below 2
+    days (training needs one day, validation and test the last)."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"Criteo directory not found: {root}")
+    numbers = sorted(int(m.group(1)) for f in os.listdir(root) if (m := _DAY.match(f)))
+    if not numbers:
+        raise FileNotFoundError(
+            f"no day_<i>_dense.npy files in {root} (TorchRec's Criteo 1TB layout; for the "
+            "Kaggle layout, train_*.npy, pass --dataset_name criteo_kaggle)"
         )
-    dense_t = torch.from_numpy(np.log(np.maximum(dense.astype(np.float64), 0.0) + 1.0))
-    ids = torch.from_numpy(np.ascontiguousarray(sparse.astype(np.int64, copy=False).T))
-    if num_embeddings_per_feature is not None:
-        mods = torch.tensor(list(num_embeddings_per_feature), dtype=torch.int64).unsqueeze(1)
-        ids = torch.remainder(ids, mods)
-    return Batch(
-        dense_features=dense_t.to(torch.float32),
-        sparse_features=KeyedJaggedTensor(
-            keys=list(DEFAULT_CAT_NAMES),
-            values=ids.reshape(-1),
-            lengths=torch.ones(CAT_FEATURE_COUNT * n, dtype=torch.int32),
-            stride=n,
-        ),
-        labels=torch.from_numpy(labels.reshape(-1).astype(np.float32)),
-    )
+    n = numbers[-1] + 1
+    gaps = sorted(set(range(n)) - set(numbers))
+    if gaps:
+        raise FileNotFoundError(
+            f"{root}: day_{gaps[0]}_dense.npy is missing but day_{n - 1}_dense.npy exists "
+            "(days must be day_0 .. day_{n-1})"
+        )
+    _require([_part(root, f"day_{d}", p, sparse_part) for d in range(n) for p in PARTS])
+    if n < 2:
+        raise ValueError(
+            f"{root} holds one day; the Criteo layout needs at least two (training days, "
+            "then the day whose halves are the validation and test sets)"
+        )
+    return n
 
 
-def _check_sizes(num_embeddings_per_feature: Sequence[int] | None) -> list[int] | None:
-    if num_embeddings_per_feature is None:
-        return None
-    sizes = [int(x) for x in num_embeddings_per_feature]
-    if len(sizes) != CAT_FEATURE_COUNT or min(sizes) < 1:
-        raise ValueError(f"num_embeddings_per_feature must be {CAT_FEATURE_COUNT} sizes >= 1")
-    return sizes
+def stage_files(root: str, dataset_name: str, stage: str,
+                sparse_part: str = NPY_SPARSE) -> StageFiles:
+    """The files `stage` ("train", "val", "test") reads from `root` (see module doc)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if dataset_name == CRITEO_KAGGLE:
+        files = [[_part(root, "train", p, sparse_part)] for p in PARTS]
+        _require([f[0] for f in files])
+        reader_stage = "val" if stage == "train" else "test"
+        return StageFiles(reader_stage, *files)
+    if dataset_name != CRITEO_1T:
+        raise ValueError(f"dataset_name must be one of {DATASET_NAMES}, got {dataset_name!r}")
+    n = criteo_days(root, sparse_part)
+    days = range(n - 1) if stage == "train" else [n - 1]
+    files = [[_part(root, f"day_{d}", p, sparse_part) for d in days] for p in PARTS]
+    return StageFiles(stage, *files)
 
 
-class CriteoTSVDataset(IterableDataset):
-    """Streams Criteo TSV files (in order) as batches of this rank."""
+def convert_tsvs(paths: Sequence[str], out_dir: str, dataset_name: str = CRITEO_1T) -> str:
+    """Converts Criteo TSV files with TorchRec's `BinaryCriteoUtils.tsv_to_npys` into
+    `out_dir` (``day_{i}_*`` in the order given; ``train_*`` for one Kaggle file) and
+    returns `out_dir`. A file whose three outputs exist and are newer than it is skipped."""
+    from torchrec.datasets.criteo import BinaryCriteoUtils
 
-    def __init__(self, paths: Sequence[str], batch_size: int,
-                 num_embeddings_per_feature: Sequence[int] | None = None,
-                 rank: int = 0, world_size: int = 1, limit_batches: int | None = None) -> None:
-        super().__init__()
-        self.paths = [os.fspath(p) for p in paths]
-        for p in self.paths:
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"Criteo TSV file not found: {p}")
-        if batch_size < 1 or not 0 <= rank < world_size:
-            raise ValueError("batch_size must be >= 1 and 0 <= rank < world_size")
-        self.batch_size = batch_size
-        self.sizes = _check_sizes(num_embeddings_per_feature)
-        self.rank = rank
-        self.world_size = world_size
-        self.limit_batches = limit_batches
-
-    def _rows(self) -> Iterator[tuple[int, list[int], list[int], int]]:
-        width = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
-        for path in self.paths:
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    fields = line.rstrip("\n").split("\t")
-                    if len(fields) != width:
-                        raise ValueError(
-                            f"{path}:{lineno}: expected {width} tab-separated fields, "
-                            f"got {len(fields)}"
-                        )
-                    try:
-                        label = int(fields[0] or "0")
-                        dense = [int(x or "0") for x in fields[1 : 1 + INT_FEATURE_COUNT]]
-                        cats = [int(x or "0", 16) for x in fields[1 + INT_FEATURE_COUNT :]]
-                    except ValueError as e:
-                        raise ValueError(f"{path}:{lineno}: malformed field ({e})") from None
-                    yield label, dense, cats, lineno
-
-    def __iter__(self) -> Iterator[Batch]:
-        buf: list[tuple[int, list[int], list[int]]] = []
-        j = 0
-        round_batches: list[Batch | None] = []
-        for label, dense, cats, _ in self._rows():
-            buf.append((label, dense, cats))
-            if len(buf) < self.batch_size:
-                continue
-            mine = j % self.world_size == self.rank
-            round_batches.append(self._batch(buf) if mine else None)
-            buf = []
-            j += 1
-            if len(round_batches) == self.world_size:
-                yield from (b for b in round_batches if b is not None)
-                round_batches = []
-                if self.limit_batches is not None and j // self.world_size >= self.limit_batches:
-                    return
-
-    def _batch(self, rows: list[tuple[int, list[int], list[int]]]) -> Batch:
-        labels = np.array([r[0] for r in rows], dtype=np.float32)
-        dense = np.array([r[1] for r in rows], dtype=np.float64)
-        sparse = np.array([r[2] for r in rows], dtype=np.int64)
-        return arrays_to_batch(dense, sparse, labels, self.sizes)
-
-
-class CriteoNPYDataset(IterableDataset):
-    """Batches of this rank from TorchRec-style NPY files (memory-mapped)."""
-
-    def __init__(self, dense_paths: Sequence[str], sparse_paths: Sequence[str],
-                 labels_paths: Sequence[str], batch_size: int,
-                 num_embeddings_per_feature: Sequence[int] | None = None,
-                 rank: int = 0, world_size: int = 1, limit_batches: int | None = None) -> None:
-        super().__init__()
-        if not (len(dense_paths) == len(sparse_paths) == len(labels_paths)) or not dense_paths:
-            raise ValueError("dense, sparse and labels paths must be non-empty lists of one length")
-        if batch_size < 1 or not 0 <= rank < world_size:
-            raise ValueError("batch_size must be >= 1 and 0 <= rank < world_size")
-        self.files = list(zip(dense_paths, sparse_paths, labels_paths))
-        self.batch_size = batch_size
-        self.sizes = _check_sizes(num_embeddings_per_feature)
-        self.rank = rank
-        self.world_size = world_size
-        self.limit_batches = limit_batches
-        self._arrays = []
-        total = 0
-        for d, s, lab in self.files:
-            dense = np.load(d, mmap_mode="r")
-            sparse = np.load(s, mmap_mode="r")
-            labels = np.load(lab, mmap_mode="r")
-            if not (dense.shape[0] == sparse.shape[0] == labels.shape[0]):
-                raise ValueError(f"row counts differ between {d}, {s} and {lab}")
-            self._arrays.append((dense, sparse, labels))
-            total += dense.shape[0]
-        self.total_rows = total
-        rounds = total // (batch_size * world_size)
-        if limit_batches is not None:
-            rounds = min(rounds, limit_batches)
-        self.num_batches = rounds
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def _slice(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        offset = 0
-        for dense, sparse, labels in self._arrays:
-            n = dense.shape[0]
-            lo, hi = max(start, offset), min(stop, offset + n)
-            if lo < hi:
-                parts.append((dense[lo - offset : hi - offset], sparse[lo - offset : hi - offset],
-                              labels[lo - offset : hi - offset]))
-            offset += n
-        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                np.concatenate([np.asarray(p[2]).reshape(-1) for p in parts]))
-
-    def __iter__(self) -> Iterator[Batch]:
-        for j in range(self.num_batches):
-            start = (j * self.world_size + self.rank) * self.batch_size
-            dense, sparse, labels = self._slice(start, start + self.batch_size)
-            yield arrays_to_batch(dense, sparse, labels, self.sizes)
+    paths = [os.fspath(p) for p in paths]
+    _require(paths)
+    if dataset_name == CRITEO_KAGGLE:
+        if len(paths) != 1:
+            raise ValueError(
+                f"criteo_kaggle reads one TSV file (Kaggle's train.txt), got {len(paths)}"
+            )
+        names = ["train"]
+    elif dataset_name == CRITEO_1T:
+        if len(paths) < 2:
+            raise ValueError(
+                "criteo_1t needs at least two TSV days (training days, then the day whose "
+                f"halves are the validation and test sets), got {len(paths)}"
+            )
+        names = [f"day_{i}" for i in range(len(paths))]
+    else:
+        raise ValueError(f"dataset_name must be one of {DATASET_NAMES}, got {dataset_name!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    for path, name in zip(paths, names):
+        outs = [_part(out_dir, name, p, NPY_SPARSE) for p in PARTS]
+        if all(os.path.isfile(o) and os.path.getmtime(o) >= os.path.getmtime(path)
+               for o in outs):
+            continue
+        # Both layouts hold labelled rows: "criteo_1tb" parses them as TorchRec does for
+        # either ("criteo_kaggle" would give every row label -1 when the path contains
+        # "test", which is meant for Kaggle's unlabelled test.txt only).
+        BinaryCriteoUtils.tsv_to_npys(path, *outs, dataset_name="criteo_1tb")
+    return out_dir
