@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "transport/transport.h"
+#include "transport/channel.h"
 
 namespace bagpipe::transport {
 

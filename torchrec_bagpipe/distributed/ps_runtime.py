@@ -93,6 +93,7 @@ class BagPipeJob:
         return str(self.control.broadcast_object(mine, src=0))
 
     def _deploy(self) -> list[Any]:
+        from torchrec_bagpipe.ps.options import shard_options
         from torchrec_bagpipe.ps.shard import PSShard
 
         config = self.config
@@ -127,12 +128,7 @@ class BagPipeJob:
                 f"a trainer process, so at most world_size={self.world_size} shards"
             )
         if self.rank < shards:
-            self.shard = PSShard(
-                self.rank, shards,
-                store_threads=config.store_threads,
-                memory_budget=config.memory_budget,
-                spill_dir=config.spill_dir,
-            )
+            self.shard = PSShard.from_options(shard_options(config, self.rank, shards))
             if kind == "rdma":
                 self.server = self.shard.serve_ucx("127.0.0.1", 0, job_token=self.job_token)
             else:
@@ -257,27 +253,21 @@ def build_fused_table(
     caller right after.
     """
     from torchrec_bagpipe.ps.client import PSClient
+    from torchrec_bagpipe.ps.options import client_options
     from torchrec_bagpipe.runtime.controller import BagPipeController
 
-    client = PSClient(
-        job.endpoints,
+    client = PSClient.from_options(job.endpoints, client_options(
+        config,
         table=spec.name,
         dim=spec.dim,
         lr=spec.lr,
         rank=job.rank,
         world_size=job.world_size,
-        gradient_division=config.resolved_gradient_division(),
-        partitioner=config.partitioner,
         job_token=job.job_token,
-        max_packet_rows=config.max_packet_rows,
-        inflight_packets=config.inflight_packets,
-        timeout=config.ps_timeout,
-        connect_timeout=config.connect_timeout,
         init="uniform",
         init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
-        seed=config.init_seed,
         key_bound=spec.num_keys,
-    )
+    ))
     try:
         controller = BagPipeController(
             config,

@@ -1,0 +1,23 @@
+// The UCX transport of the frame-fuzzing framework (frame_fuzzer.h), for a live UCX shard
+// server (ucx_server.h): first malformed bootstraps on the control port, then, over a
+// correctly bootstrapped and authenticated UCX connection, invalid frames written into the
+// slot ring. Besides the shared catalogue it sends frames that do not match their doorbell
+// (another tag, more bytes announced than written).
+//
+// Thread safety: FuzzUcxServer uses only its own connections.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "server/frame_fuzzer.h"
+
+namespace bagpipe::server {
+
+// Sends `bootstraps` malformed bootstraps and `frames` invalid frames to the UCX listener at
+// host:port (whose job token is `job_token`). Throws TransportError if the server cannot be
+// reached at all or refuses the fuzzer's own well-formed connection.
+FuzzStats FuzzUcxServer(const std::string& host, uint16_t port, const std::string& job_token,
+                        uint64_t bootstraps, uint64_t frames, uint64_t seed);
+
+}  // namespace bagpipe::server
