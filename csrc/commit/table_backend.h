@@ -1,6 +1,7 @@
-// TableBackend: the narrow view of a storage engine that the commit coordinator needs. The
-// production implementation wraps store::EmbeddingStore (store_table.h); native tests plug
-// in a map-based reference model with the same arithmetic.
+// TableBackend: the INTERFACE to a table's rows that the commit coordinator needs (SGD, reads,
+// bulk loads, checkpoints); TableSchema: what a table is. The production implementation is a
+// store::EmbeddingStore (embedding_store_backend.h); native tests plug in a map-based
+// reference model with the same arithmetic.
 //
 // Thread safety: the coordinator serializes every call on one TableBackend (its own mutex), so
 // implementations need not be thread-safe beyond that.

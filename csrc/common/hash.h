@@ -4,7 +4,7 @@
 //   * the partitioner's hash / fast_range routing of a key (protocol/partitioner.h),
 //   * the job-token digest stamped into every frame (protocol/wire.h TokenDigest),
 //   * the digest of a UCX packed remote key (transport/ucx_memory.h KeyDigest).
-// (The store's own key routing and row initialisation use SplitMix64, store/hash.h: a
+// (The store's own key routing and row initialisation use SplitMix64, store/splitmix64.h: a
 // different function on purpose, so a shard's keys still spread over its store's shards.)
 //
 // Thread safety: pure functions.

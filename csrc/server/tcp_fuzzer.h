@@ -4,6 +4,12 @@
 // its closing violations go to connections that never said Hello.
 //
 // Thread safety: FuzzTcpServer uses only its own sockets.
+//
+// Invariants:
+//   1. Every read has a 5 s receive timeout: a server that neither answers nor closes shows
+//      up in timeouts, never as a hang.
+//   2. Headers carry a random tag and slot (FrameMutator random_routing): the server must not
+//      rely on them before it has checked the frame.
 #pragma once
 
 #include <cstdint>

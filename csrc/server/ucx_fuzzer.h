@@ -4,7 +4,14 @@
 // slot ring. Besides the shared catalogue it sends frames that do not match their doorbell
 // (another tag, more bytes announced than written).
 //
-// Thread safety: FuzzUcxServer uses only its own connections.
+// Thread safety: FuzzUcxServer uses only its own connections (each answer is recorded by the
+// connection's progress thread under a mutex the fuzzer waits on).
+//
+// Invariants:
+//   1. Every bootstrap and every frame waits at most 5 s for its answer: a server that
+//      neither answers nor closes shows up in timeouts, never as a hang.
+//   2. A frame's header names the slot and tag its doorbell announces unless the defect is
+//      exactly that mismatch, so every other defect reaches the shard's parser.
 #pragma once
 
 #include <cstdint>

@@ -7,7 +7,13 @@
 // can be), so a local read copies each row exactly once.
 //
 // Thread safety: as Channel. The link serializes every delivery into this channel and its
-// Close, so nothing is delivered after DoClose returns (transport.h invariant 4).
+// Close, so nothing is delivered after DoClose returns (channel.h invariant 4).
+//
+// Invariants:
+//   1. The link starts authenticated (the trainer and the shard are one process, one job);
+//      each frame's job digest is the one the channel stamped.
+//   2. A frame the handler refuses (HandleFrame false) fails the channel with a
+//      TransportError, as a closed connection would.
 #pragma once
 
 #include <memory>

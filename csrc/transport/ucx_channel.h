@@ -1,4 +1,4 @@
-// The rdma backend, client side: a Channel (transport.h) whose slots are registered memory
+// The rdma backend, client side: a Channel (channel.h) whose slots are registered memory
 // and whose frames reach the shard through a UCX endpoint (ucx_endpoint.h) — written
 // one-sided into the shard's registered slot ring, then one flush and one doorbell per batch
 // (frame mode kPut: RC verbs on a fabric, shared memory here), or carried by the doorbell
@@ -11,7 +11,7 @@
 //
 // Invariants:
 //   1. Slot i's registered buffer is the source of the write into ring slot i; Channel owns
-//      the slot (transport.h invariant 1), so the source stays unchanged until the reply.
+//      the slot (channel.h invariant 1), so the source stays unchanged until the reply.
 //   2. Liveness without an explicit Flush: at most ring_every frames (half the window) are
 //      written before a doorbell rings, so a producer blocked in AcquireSlot always waits on
 //      frames the shard has been told about.
