@@ -1,4 +1,4 @@
-"""An independent Python encoder/decoder of the PS wire format (csrc/commit/wire.h), used by
+"""An independent Python encoder/decoder of the PS wire format (csrc/protocol/wire.h), used by
 the protocol tests to drive a shard frame by frame."""
 
 from __future__ import annotations

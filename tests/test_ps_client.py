@@ -19,6 +19,7 @@ from torchrec_bagpipe.ps import (
     start_local_shards,
     start_tcp_shard,
 )
+from torchrec_bagpipe.ps.options import client_options, default_session_id
 
 DIM = 4
 INIT = {"init": "uniform", "init_bound": 0.5, "seed": 11}
@@ -359,12 +360,21 @@ def test_concurrent_ranks_in_threads() -> None:
     assert same_bits(rows, ref.lookup(list(range(30))))
 
 
-def test_from_config() -> None:
+def test_client_options_from_a_config() -> None:
     shard = PSShard()
     cfg = BagPipeConfig(partitioner="hash", max_packet_rows=16, inflight_packets=2,
-                        ps_timeout=5.0, gradient_division=False)
-    with PSClient.from_config(cfg, [shard], table="t", dim=DIM, lr=1.0, rank=0, world_size=1,
-                              init="zeros") as c:
+                        ps_timeout=5.0, gradient_division=False, job_token="tok", init_seed=7)
+    options = client_options(cfg, table="t", dim=DIM, lr=1.0, rank=0, world_size=1,
+                             init="zeros")
+    o = options.client
+    assert (o.partition, o.max_packet_rows, o.inflight_packets, o.timeout) == ("hash", 16, 2, 5.0)
+    assert not o.grad_division and o.init.seed == 7 and o.init.kind == "zeros"
+    assert options.connect.job_token == "tok" and options.connect.connect_timeout == 30.0
+    assert o.session == default_session_id("tok", "t")
+    # The job's agreed token wins over the config's.
+    assert client_options(cfg, table="t", dim=DIM, lr=1.0, rank=0, world_size=1,
+                          init="zeros", job_token="agreed").connect.job_token == "agreed"
+    with PSClient.from_options([shard], options) as c:
         assert c.partitioner.kind == "hash" and c.timeout == 5.0
         c.commit(0, torch.tensor([4, 4]), torch.ones(2, DIM))
         assert torch.equal(c.lookup(torch.tensor([4])), torch.full((1, DIM), -2.0))

@@ -80,7 +80,7 @@ def fuzz(server: object, transport: str, token: str) -> dict:
     frame) and connections."""
     if not transport.startswith("rdma"):
         st = C.fuzz_server(server.host, server.port, token, 100_000, 1234)
-        return {"frames": st["frames"], "accepted": st["accepted_replies"],
+        return {"frames": st["frames"], "accepted": st["accepted"],
                 "first_accepted": st["first_accepted"], "timeouts": st["timeouts"],
                 "rejected": st["error_replies"] + st["closed_by_server"],
                 "connections": st["connections"], "want_frames": 100_000}

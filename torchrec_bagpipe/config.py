@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -147,15 +148,17 @@ class BagPipeConfig:
     memory_budget: str | None = field(
         default=None,
         metadata=_help(
-            "DRAM budget of each PS shard in bytes (suffixes K, M, G allowed) or 'auto'; "
-            "unset: unlimited"
+            "DRAM budget of each PS table's store in bytes (suffixes K, M, G, T allowed) or "
+            "'auto' (half of the memory available); unset: unlimited"
         ),
     )
     spill_dir: str | None = field(
         default=None,
         metadata=_help("directory for PS pages spilled above the memory budget"),
     )
-    store_threads: int = field(default=1, metadata=_help("worker threads of each PS store"))
+    store_threads: int = field(
+        default=1, metadata=_help("worker threads of each PS table's store")
+    )
     init_seed: int = field(
         default=0, metadata=_help("seed of the PS's deterministic lazy row initialisation")
     )
@@ -168,7 +171,10 @@ class BagPipeConfig:
     )
     job_token: str | None = field(
         default=None,
-        metadata=_help("shared secret PS servers require from clients; unset: one per job"),
+        metadata=_help(
+            "shared secret PS servers require from clients; unset: $BAGPIPE_JOB_TOKEN, else "
+            "one drawn per job (a standalone PS server: else none)"
+        ),
     )
 
     # ---- timeouts (seconds) -------------------------------------------------------------
@@ -254,11 +260,27 @@ class BagPipeConfig:
 
     # ---- CLI ------------------------------------------------------------------------------
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one ``--flag`` per field (``--foo-bar`` for ``foo_bar``)."""
+    def add_arguments(
+        cls,
+        parser: argparse.ArgumentParser | Any,
+        names: Sequence[str] | None = None,
+        *,
+        group: str | None = "BagPipe",
+    ) -> None:
+        """Adds one ``--flag`` per field (``--foo-bar`` for ``foo_bar``), with the field's
+        help. `names`: only these fields (a program that takes a few of them, like the PS
+        server). `group`: the argument group's title; None adds the flags to `parser` itself
+        (which may be an argument group)."""
         hints = get_type_hints(cls)
-        group = parser.add_argument_group("BagPipe")
+        known = {f.name: f for f in fields(cls)}
+        if names is not None:
+            for name in names:
+                if name not in known:
+                    raise ValueError(f"BagPipeConfig has no field {name!r}")
+        target = parser.add_argument_group(group) if group is not None else parser
         for f in fields(cls):
+            if names is not None and f.name not in names:
+                continue
             flag = "--" + f.name.replace("_", "-")
             tp = hints[f.name]
             help_text = f.metadata.get("help", "")
@@ -284,7 +306,7 @@ class BagPipeConfig:
                 kwargs["type"] = base
             else:  # pragma: no cover - a new field type must be taught here
                 raise TypeError(f"no CLI mapping for BagPipeConfig.{f.name}: {tp}")
-            group.add_argument(flag, **kwargs)
+            target.add_argument(flag, **kwargs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> BagPipeConfig:

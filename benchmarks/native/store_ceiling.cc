@@ -44,7 +44,7 @@
 #include <vector>
 
 #include "store/embedding_store.h"
-#include "store/hash.h"
+#include "store/splitmix64.h"
 #include "store/key_map.h"
 
 namespace {

@@ -1,46 +1,39 @@
-// Conversions shared by more than one binding file: an init spec from its Python arguments,
-// and a shard server's counters as a dict. Errors name the argument (ValueError).
+// Conversions shared by more than one binding file: enum names <-> values, a shard server's
+// counters and a fuzzer's counters as dicts. Errors name the argument (ValueError).
 //
-// Thread safety: ServerStatsDict needs the GIL; MakeInitSpec is a pure function.
+// Thread safety: the dict builders need the GIL; the name conversions are pure functions.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
-#include <cstdint>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "common/errors.h"
+#include "server/frame_fuzzer.h"
+#include "server/server_stats.h"
 #include "store/init.h"
-#include "transport/server_stats.h"
 
 namespace bagpipe::bindings {
 
 // REQUIRES: kind is 'uniform', 'zeros' or 'constant' (else ValueError naming `init`).
-inline store::InitSpec MakeInitSpec(const std::string& kind, float bound, float value,
-                                    uint64_t seed, std::vector<int64_t> starts,
-                                    std::vector<float> bounds) {
-  store::InitSpec init;
-  if (kind == "uniform") {
-    init.kind = store::InitKind::kUniform;
-  } else if (kind == "zeros") {
-    init.kind = store::InitKind::kZeros;
-  } else if (kind == "constant") {
-    init.kind = store::InitKind::kConstant;
-  } else {
-    throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
+inline store::InitKind ParseInitKind(const std::string& kind) {
+  if (kind == "uniform") return store::InitKind::kUniform;
+  if (kind == "zeros") return store::InitKind::kZeros;
+  if (kind == "constant") return store::InitKind::kConstant;
+  throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
+}
+
+inline const char* InitKindName(store::InitKind kind) {
+  switch (kind) {
+    case store::InitKind::kUniform: return "uniform";
+    case store::InitKind::kZeros: return "zeros";
+    case store::InitKind::kConstant: return "constant";
   }
-  init.bound = bound;
-  init.value = value;
-  init.seed = seed;
-  init.bound_starts = std::move(starts);
-  init.bound_values = std::move(bounds);
-  return init;
+  return "unknown";
 }
 
 // REQUIRES: GIL held. The dict behind ShardServerCore.stats() and UcxShardServerCore.stats().
-inline pybind11::dict ServerStatsDict(const transport::ServerStats& st) {
+inline pybind11::dict ServerStatsDict(const server::ServerStats& st) {
   pybind11::dict d;
   d["accepted"] = st.accepted;
   d["refused"] = st.refused;
@@ -49,6 +42,21 @@ inline pybind11::dict ServerStatsDict(const transport::ServerStats& st) {
   d["bytes_in"] = st.bytes_in;
   d["bytes_out"] = st.bytes_out;
   d["closed_by_server"] = st.closed_by_server;
+  return d;
+}
+
+// REQUIRES: GIL held. The dict behind fuzz_server() and fuzz_ucx_server().
+inline pybind11::dict FuzzStatsDict(const server::FuzzStats& st) {
+  pybind11::dict d;
+  d["bootstraps"] = st.bootstraps;
+  d["bootstraps_refused"] = st.bootstraps_refused;
+  d["frames"] = st.frames;
+  d["connections"] = st.connections;
+  d["error_replies"] = st.error_replies;
+  d["closed_by_server"] = st.closed_by_server;
+  d["accepted"] = st.accepted;
+  d["timeouts"] = st.timeouts;
+  d["first_accepted"] = st.first_accepted;
   return d;
 }
 

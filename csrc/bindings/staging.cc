@@ -71,7 +71,7 @@ BAGPIPE_BINDING(staging) {
         auto rows = stager.Stage(s);
         // The worker waits for the copy before it reads the grads; the hook keeps the staged
         // buffer alive as long as the commit op.
-        const auto deadline = transport::DeadlineAfter(client.options().timeout);
+        const auto deadline = DeadlineAfter(client.options().timeout);
         return client.CommitAsync(step, k.data, k.size, rows->data(),
                                   [rows, deadline] { rows->Wait(deadline); });
       },

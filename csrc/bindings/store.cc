@@ -33,21 +33,9 @@ py::object& SpillWarningType() {
   return type;
 }
 
-const char* KindName(InitKind k) {
-  switch (k) {
-    case InitKind::kUniform:
-      return "uniform";
-    case InitKind::kZeros:
-      return "zeros";
-    case InitKind::kConstant:
-      return "constant";
-  }
-  return "unknown";
-}
-
 py::dict InitDict(const InitSpec& init) {
   py::dict d;
-  d["init"] = KindName(init.kind);
+  d["init"] = InitKindName(init.kind);
   d["init_bound"] = init.bound;
   d["init_value"] = init.value;
   d["seed"] = init.seed;
@@ -114,31 +102,10 @@ BAGPIPE_BINDING(store) {
   m.attr("SpillWarning") = SpillWarningType();
 
   py::class_<StoreHandle>(m, "StoreCore")
-      .def(py::init([](int dim, int num_shards, int num_threads, const std::string& init,
-                       float init_bound, float init_value, uint64_t seed,
-                       std::vector<int64_t> bound_starts, std::vector<float> bound_values,
-                       int64_t key_bound, uint32_t page_rows, int64_t memory_budget,
-                       const std::string& spill_dir, double high_watermark,
-                       double low_watermark) {
-             StoreOptions o;
-             o.dim = dim;
-             o.num_shards = num_shards;
-             o.num_threads = num_threads;
-             o.init = MakeInitSpec(init, init_bound, init_value, seed, std::move(bound_starts),
-                                   std::move(bound_values));
-             o.key_bound = key_bound;
-             o.page_rows = page_rows;
-             o.memory_budget = memory_budget;
-             o.spill_dir = spill_dir;
-             o.high_watermark = high_watermark;
-             o.low_watermark = low_watermark;
-             return std::make_unique<StoreHandle>(std::make_unique<store::EmbeddingStore>(o));
+      .def(py::init([](const StoreOptions& options) {
+             return std::make_unique<StoreHandle>(std::make_unique<store::EmbeddingStore>(options));
            }),
-           py::arg("dim"), py::arg("num_shards"), py::arg("num_threads"), py::arg("init"),
-           py::arg("init_bound"), py::arg("init_value"), py::arg("seed"),
-           py::arg("bound_starts"), py::arg("bound_values"), py::arg("key_bound"),
-           py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
-           py::arg("high_watermark"), py::arg("low_watermark"))
+           py::arg("options"))
       .def("options", [](StoreHandle& h) { return OptionsDict(h.store().options()); })
       .def("lookup",
            [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing) {
@@ -243,36 +210,18 @@ BAGPIPE_BINDING(store) {
 
   m.def(
       "store_load",
-      [](const std::string& path, std::optional<int> num_shards, std::optional<int> num_threads,
-         std::optional<int64_t> key_bound, std::optional<uint32_t> page_rows,
-         std::optional<int64_t> memory_budget, std::optional<std::string> spill_dir,
-         std::optional<double> high_watermark, std::optional<double> low_watermark,
-         std::optional<int> dim, bool weights_only) {
-        store::LoadOverrides ov;
-        ov.num_shards = num_shards;
-        ov.num_threads = num_threads;
-        ov.key_bound = key_bound;
-        ov.page_rows = page_rows;
-        ov.memory_budget = memory_budget;
-        ov.spill_dir = std::move(spill_dir);
-        ov.high_watermark = high_watermark;
-        ov.low_watermark = low_watermark;
-        ov.dim = dim;
-        ov.weights_only = weights_only;
+      [](const std::string& path, const store::LoadOverrides& overrides) {
         std::map<std::string, std::string> meta;
         std::unique_ptr<store::EmbeddingStore> s;
         {
           py::gil_scoped_release nogil;
-          s = store::EmbeddingStore::Load(path, ov, &meta);
+          s = store::EmbeddingStore::Load(path, overrides, &meta);
         }
         auto handle = std::make_unique<StoreHandle>(std::move(s));
         handle->FlushWarning();
         return py::make_tuple(std::move(handle), meta);
       },
-      py::arg("path"), py::arg("num_shards"), py::arg("num_threads"), py::arg("key_bound"),
-      py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
-      py::arg("high_watermark"), py::arg("low_watermark"), py::arg("dim"),
-      py::arg("weights_only"));
+      py::arg("path"), py::arg("overrides"));
 
   m.def(
       "store_checkpoint_info",
@@ -299,21 +248,15 @@ BAGPIPE_BINDING(store) {
 
   m.def(
       "store_initial_rows",
-      [](const py::array& keys, const py::array& out, const std::string& init, float init_bound,
-         float init_value, uint64_t seed, std::vector<int64_t> bound_starts,
-         std::vector<float> bound_values) {
+      [](const py::array& keys, const py::array& out, const InitSpec& init) {
         auto k = Vec<int64_t>(keys, "keys");
         auto info = CheckedBuffer<float>(out, "out", 2, true);
         if (static_cast<size_t>(info.shape[0]) != k.size) {
           throw ValueError("out must have " + std::to_string(k.size) + " rows");
         }
-        InitSpec spec = MakeInitSpec(init, init_bound, init_value, seed, std::move(bound_starts),
-                                     std::move(bound_values));
         const int dim = static_cast<int>(info.shape[1]);
         py::gil_scoped_release nogil;
-        store::EmbeddingStore::InitialRows(spec, dim, k.data, k.size,
-                                           static_cast<float*>(info.ptr));
+        store::EmbeddingStore::InitialRows(init, dim, k.data, k.size, static_cast<float*>(info.ptr));
       },
-      py::arg("keys"), py::arg("out"), py::arg("init"), py::arg("init_bound"),
-      py::arg("init_value"), py::arg("seed"), py::arg("bound_starts"), py::arg("bound_values"));
+      py::arg("keys"), py::arg("out"), py::arg("init"));
 }

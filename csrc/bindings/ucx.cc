@@ -1,7 +1,8 @@
 // Python bindings of the rdma (UCX) transport: torchrec_bagpipe._C.{HAVE_UCX, UCX_VERSION,
-// RDMA_UNAVAILABLE, UcxShardServerCore, serve_ucx, fuzz_ucx_server}. Built in every configuration; without
-// UCX only the flags exist (torchrec_bagpipe.ps.rdma turns them into a clear error).
-// Clients reach UCX shards through PSClientCore endpoints ("ucx", host, port) (ps.cc).
+// RDMA_UNAVAILABLE, UcxServerOptions, UcxShardServerCore, serve_ucx, fuzz_ucx_server}. Built
+// in every configuration; without UCX only the flags exist (torchrec_bagpipe.ps.rdma turns
+// them into a clear error). Clients reach UCX shards through PSClientCore endpoints
+// ("ucx", host, port) (ps.cc).
 //
 // Thread safety: the GIL is released around every call that may wait; the server runs on
 // native threads that never touch Python objects.
@@ -17,8 +18,8 @@
 #include "transport/rdma.h"
 
 #ifdef BAGPIPE_HAVE_UCX
-#include "transport/ucx_fuzzer.h"
-#include "transport/ucx_server.h"
+#include "server/ucx_fuzzer.h"
+#include "server/ucx_server.h"
 #endif
 
 namespace py = pybind11;
@@ -30,8 +31,24 @@ BAGPIPE_BINDING(ucx) {
   m.attr("UCX_VERSION") = transport::RdmaLibraryVersion();
   m.attr("RDMA_UNAVAILABLE") = transport::RdmaUnavailableReason();
 #ifdef BAGPIPE_HAVE_UCX
-  using transport::UcxServerOptions;
-  using transport::UcxShardServer;
+  using server::UcxServerOptions;
+  using server::UcxShardServer;
+  py::class_<UcxServerOptions>(m, "UcxServerOptions",
+                               "A UCX shard server's options (csrc/server/ucx_server.h).")
+      .def(py::init<>())
+      .def_readwrite("host", &UcxServerOptions::host)
+      .def_readwrite("port", &UcxServerOptions::port)
+      .def_readwrite("job_token", &UcxServerOptions::job_token)
+      .def_property(
+          "ucx_tls", [](const UcxServerOptions& o) { return o.config.tls; },
+          [](UcxServerOptions& o, const std::string& v) { o.config.tls = v; },
+          "UCX transports ('' : $UCX_TLS)")
+      .def_property(
+          "ucx_devices", [](const UcxServerOptions& o) { return o.config.net_devices; },
+          [](UcxServerOptions& o, const std::string& v) { o.config.net_devices = v; },
+          "UCX devices ('' : $UCX_NET_DEVICES)")
+      .def_readwrite("handshake_timeout", &UcxServerOptions::handshake_timeout)
+      .def_readwrite("max_connections", &UcxServerOptions::max_connections);
   py::class_<UcxShardServer>(m, "UcxShardServerCore")
       .def_property_readonly("host", &UcxShardServer::host)
       .def_property_readonly("port", &UcxShardServer::port)
@@ -41,42 +58,21 @@ BAGPIPE_BINDING(ucx) {
       .def("stats", [](UcxShardServer& s) { return ServerStatsDict(s.stats()); });
   m.def(
       "serve_ucx",
-      [](std::shared_ptr<commit::PSShard> shard, const std::string& host, uint16_t port,
-         const std::string& job_token, const std::string& tls, const std::string& devices,
-         double handshake_timeout, size_t max_connections) {
-        UcxServerOptions o;
-        o.host = host;
-        o.port = port;
-        o.job_token = job_token;
-        o.config.tls = tls;
-        o.config.net_devices = devices;
-        o.handshake_timeout = handshake_timeout;
-        o.max_connections = max_connections;
+      [](std::shared_ptr<commit::PSShard> shard, const UcxServerOptions& options) {
         py::gil_scoped_release release;
-        return std::make_unique<UcxShardServer>(std::move(shard), o);
+        return std::make_unique<UcxShardServer>(std::move(shard), options);
       },
-      py::arg("shard"), py::arg("host"), py::arg("port"), py::arg("job_token"), py::arg("tls"),
-      py::arg("devices"), py::arg("handshake_timeout"), py::arg("max_connections"));
+      py::arg("shard"), py::arg("options"));
   m.def(
       "fuzz_ucx_server",
       [](const std::string& host, uint16_t port, const std::string& token, uint64_t bootstraps,
          uint64_t frames, uint64_t seed) {
-        transport::UcxFuzzStats st;
+        server::FuzzStats st;
         {
           py::gil_scoped_release release;
-          st = transport::FuzzUcxServer(host, port, token, bootstraps, frames, seed);
+          st = server::FuzzUcxServer(host, port, token, bootstraps, frames, seed);
         }
-        py::dict d;
-        d["bootstraps"] = st.bootstraps;
-        d["bootstraps_refused"] = st.bootstraps_refused;
-        d["frames"] = st.frames;
-        d["connections"] = st.connections;
-        d["error_replies"] = st.error_replies;
-        d["closed_by_server"] = st.closed_by_server;
-        d["accepted"] = st.accepted;
-        d["timeouts"] = st.timeouts;
-        d["first_accepted"] = st.first_accepted;
-        return d;
+        return FuzzStatsDict(st);
       },
       py::arg("host"), py::arg("port"), py::arg("job_token"), py::arg("bootstraps"),
       py::arg("frames"), py::arg("seed"));

@@ -4,14 +4,11 @@
 #include <cstring>
 #include <limits>
 
-#include "commit/wire.h"
 #include "common/errors.h"
 
 namespace bagpipe::commit {
 
 using transport::Channel;
-using transport::Deadline;
-using transport::DeadlineAfter;
 using transport::Error;
 using transport::ErrorKind;
 using transport::Reply;
@@ -46,6 +43,14 @@ size_t SlotBytesFor(const ClientOptions& o) {
   bytes = std::max(bytes, kHeaderBytes + sizeof(wire::OpenBody) +
                              o.init.bound_starts.size() * 12 + wire::kMaxTableName);
   return bytes;
+}
+
+transport::ChannelOptions ChannelOptionsFor(const ClientOptions& o) {
+  transport::ChannelOptions c;
+  c.num_slots = o.inflight_packets;
+  c.slot_bytes = SlotBytesFor(o);
+  c.io_timeout = o.timeout;
+  return c;
 }
 
 // ---- ClientOp -------------------------------------------------------------------------------
@@ -198,6 +203,16 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
     throw;
   }
   worker_ = std::thread([this] { WorkerLoop(); });
+}
+
+std::unique_ptr<PSClient> PSClient::Connect(const ClientOptions& options,
+                                            const std::vector<transport::ShardEndpoint>& endpoints,
+                                            const transport::ConnectOptions& connect) {
+  const transport::ChannelOptions co = ChannelOptionsFor(options);
+  std::vector<std::unique_ptr<Channel>> channels;
+  channels.reserve(endpoints.size());
+  for (const auto& e : endpoints) channels.push_back(transport::ConnectChannel(e, co, connect));
+  return std::make_unique<PSClient>(options, std::move(channels));
 }
 
 PSClient::~PSClient() {
@@ -374,7 +389,7 @@ std::shared_ptr<ClientOp> PSClient::PickReadyLocked() {
 }
 
 void PSClient::ExpireQueuedLocked() {
-  const auto now = transport::Clock::now();
+  const auto now = Clock::now();
   for (auto it = queue_.begin(); it != queue_.end();) {
     auto op = *it;
     if (op->deadline_ > now) {
@@ -415,7 +430,7 @@ void PSClient::WorkerLoop() {
     if (stop_worker_) break;
     auto op = PickReadyLocked();
     if (!op) {
-      auto next = transport::Clock::now() + std::chrono::seconds(1);
+      auto next = Clock::now() + std::chrono::seconds(1);
       for (const auto& q : queue_) next = std::min(next, q->deadline_);
       work_cv_.wait_until(lock, next);
       continue;
@@ -464,91 +479,9 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
   if (op->ready_) op->ready_();
   switch (op->kind_) {
     case OpKind::kCommit:
-    case OpKind::kAssign: {
-      const bool is_commit = op->kind_ == OpKind::kCommit;
-      const size_t dim = options_.dim;
-      const size_t maxr = options_.max_packet_rows;
-      const uint32_t S = num_shards();
-      partitioner_.Split(op->keys_, op->n_, &scratch_shards_, &scratch_order_, &scratch_offsets_);
-      const auto& off = scratch_offsets_;
-      const int64_t* order = scratch_order_.data();
-      std::vector<uint32_t> chunks(S);
-      uint32_t total = 0, max_chunks = 0;
-      for (uint32_t j = 0; j < S; ++j) {
-        const size_t rows = off[j + 1] - off[j];
-        uint32_t c = static_cast<uint32_t>((rows + maxr - 1) / maxr);
-        if (is_commit && c == 0) c = 1;  // the marker: every shard hears from every rank
-        chunks[j] = c;
-        total += c;
-        max_chunks = std::max(max_chunks, c);
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        op->outstanding_ = static_cast<int>(total);
-      }
-      const bool identity = S == 1;
-      for (uint32_t k = 0; k < max_chunks; ++k) {
-        for (uint32_t j = 0; j < S; ++j) {
-          if (k >= chunks[j]) continue;
-          if (abort_.load()) throw SessionError("the client failed while sending");
-          const size_t begin = off[j] + k * maxr;
-          const size_t count = std::min(maxr, off[j + 1] - begin);
-          Channel& ch = *channels_[j];
-          const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
-          uint8_t* f = ch.SlotBuffer(slot);
-          size_t len, fixed;
-          if (is_commit) {
-            wire::CommitBody b{};
-            b.session = options_.session;
-            b.step = op->step_;
-            b.rank = options_.rank;
-            b.world_size = options_.world_size;
-            b.chunk_index = k;
-            b.chunk_count = chunks[j];
-            b.dim = options_.dim;
-            b.lr = options_.lr;
-            b.nrows = static_cast<uint32_t>(count);
-            std::memcpy(f + kHeaderBytes, &b, sizeof(b));
-            fixed = sizeof(b);
-            len = wire::CommitFrameBytes(count, dim);
-          } else {
-            wire::AssignBody b{};
-            b.session = options_.session;
-            b.nrows = static_cast<uint32_t>(count);
-            b.dim = options_.dim;
-            std::memcpy(f + kHeaderBytes, &b, sizeof(b));
-            fixed = sizeof(b);
-            len = wire::AssignFrameBytes(count, dim);
-          }
-          WriteHeader(f, is_commit ? MsgType::kCommit : MsgType::kAssign, len);
-          auto request = std::make_shared<ChunkRequest>(this, op, j);
-          if (identity) {
-            // The chunk's keys and rows are contiguous in the caller's inputs: the channel
-            // sends them from there (or copies them into the slot if it cannot gather).
-            transport::ConstSpan pieces[2];
-            if (count) {
-              pieces[0] = {reinterpret_cast<const uint8_t*>(op->keys_ + begin), count * 8};
-              pieces[1] = {reinterpret_cast<const uint8_t*>(op->rows_ + begin * dim),
-                           count * dim * 4};
-            }
-            ch.PostGather(slot, kHeaderBytes + fixed, pieces, count ? 2 : 0, std::move(request));
-          } else {
-            auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + fixed);
-            auto* rows = reinterpret_cast<float*>(f + kHeaderBytes + fixed + count * 8);
-            for (size_t i = 0; i < count; ++i) {
-              const int64_t p = order[begin + i];
-              keys[i] = op->keys_[p];
-              std::memcpy(rows + i * dim, op->rows_ + p * static_cast<int64_t>(dim), dim * 4);
-            }
-            ch.Post(slot, len, std::move(request));
-          }
-        }
-      }
-      for (uint32_t j = 0; j < S; ++j) {
-        if (chunks[j]) channels_[j]->Flush();
-      }
+    case OpKind::kAssign:
+      StageRows(op);
       return;
-    }
     case OpKind::kGet:
       StageGet(op);
       return;
@@ -558,24 +491,24 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
   }
 }
 
-void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {
+template <typename PostChunk>
+void PSClient::SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector<size_t>& off,
+                          bool marker, PostChunk&& post_chunk) {
   const size_t maxr = options_.max_packet_rows;
   const uint32_t S = num_shards();
-  partitioner_.Split(op->keys_, op->n_, &scratch_shards_, &scratch_order_, &scratch_offsets_);
-  op->order_.swap(scratch_order_);  // the replies read positions from it
-  const auto off = scratch_offsets_;
-  uint32_t total = 0, max_chunks = 0;
   std::vector<uint32_t> chunks(S);
+  uint32_t total = 0, max_chunks = 0;
   for (uint32_t j = 0; j < S; ++j) {
-    chunks[j] = static_cast<uint32_t>((off[j + 1] - off[j] + maxr - 1) / maxr);
-    total += chunks[j];
-    max_chunks = std::max(max_chunks, chunks[j]);
+    uint32_t c = static_cast<uint32_t>((off[j + 1] - off[j] + maxr - 1) / maxr);
+    if (marker && c == 0) c = 1;  // the marker: every shard hears from every rank
+    chunks[j] = c;
+    total += c;
+    max_chunks = std::max(max_chunks, c);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     op->outstanding_ = static_cast<int>(total);
   }
-  const int64_t* order = op->order_.data();
   for (uint32_t k = 0; k < max_chunks; ++k) {
     for (uint32_t j = 0; j < S; ++j) {
       if (k >= chunks[j]) continue;
@@ -584,24 +517,93 @@ void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {
       const size_t count = std::min(maxr, off[j + 1] - begin);
       Channel& ch = *channels_[j];
       const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
-      uint8_t* f = ch.SlotBuffer(slot);
-      wire::GetBody b{};
-      b.session = options_.session;
-      b.at_step = op->step_;
-      b.nrows = static_cast<uint32_t>(count);
-      b.dim = options_.dim;
-      std::memcpy(f + kHeaderBytes, &b, sizeof(b));
-      auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + sizeof(b));
-      for (size_t i = 0; i < count; ++i) keys[i] = op->keys_[order[begin + i]];
-      const size_t len = wire::GetFrameBytes(count);
-      WriteHeader(f, MsgType::kGet, len);
-      const bool direct = order[begin + count - 1] - order[begin] == static_cast<int64_t>(count) - 1;
-      ch.Post(slot, len, std::make_shared<GetRequest>(this, op, j, order + begin, count, direct));
+      post_chunk(ch, j, slot, k, chunks[j], begin, count);
     }
   }
   for (uint32_t j = 0; j < S; ++j) {
     if (chunks[j]) channels_[j]->Flush();
   }
+}
+
+void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
+  const bool is_commit = op->kind_ == OpKind::kCommit;
+  const size_t dim = options_.dim;
+  partitioner_.Split(op->keys_, op->n_, &scratch_shards_, &scratch_order_, &scratch_offsets_);
+  const int64_t* order = scratch_order_.data();
+  const bool identity = num_shards() == 1;
+  SendChunks(op, scratch_offsets_, /*marker=*/is_commit,
+             [&](Channel& ch, uint32_t shard, uint32_t slot, uint32_t k, uint32_t chunk_count,
+                 size_t begin, size_t count) {
+    uint8_t* f = ch.SlotBuffer(slot);
+    size_t len, fixed;
+    if (is_commit) {
+      wire::CommitBody b{};
+      b.session = options_.session;
+      b.step = op->step_;
+      b.rank = options_.rank;
+      b.world_size = options_.world_size;
+      b.chunk_index = k;
+      b.chunk_count = chunk_count;
+      b.dim = options_.dim;
+      b.lr = options_.lr;
+      b.nrows = static_cast<uint32_t>(count);
+      std::memcpy(f + kHeaderBytes, &b, sizeof(b));
+      fixed = sizeof(b);
+      len = wire::CommitFrameBytes(count, dim);
+    } else {
+      wire::AssignBody b{};
+      b.session = options_.session;
+      b.nrows = static_cast<uint32_t>(count);
+      b.dim = options_.dim;
+      std::memcpy(f + kHeaderBytes, &b, sizeof(b));
+      fixed = sizeof(b);
+      len = wire::AssignFrameBytes(count, dim);
+    }
+    WriteHeader(f, is_commit ? MsgType::kCommit : MsgType::kAssign, len);
+    auto request = std::make_shared<ChunkRequest>(this, op, shard);
+    if (identity) {
+      // The chunk's keys and rows are contiguous in the caller's inputs: the channel
+      // sends them from there (or copies them into the slot if it cannot gather).
+      transport::ConstSpan pieces[2];
+      if (count) {
+        pieces[0] = {reinterpret_cast<const uint8_t*>(op->keys_ + begin), count * 8};
+        pieces[1] = {reinterpret_cast<const uint8_t*>(op->rows_ + begin * dim), count * dim * 4};
+      }
+      ch.PostGather(slot, kHeaderBytes + fixed, pieces, count ? 2 : 0, std::move(request));
+    } else {
+      auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + fixed);
+      auto* rows = reinterpret_cast<float*>(f + kHeaderBytes + fixed + count * 8);
+      for (size_t i = 0; i < count; ++i) {
+        const int64_t p = order[begin + i];
+        keys[i] = op->keys_[p];
+        std::memcpy(rows + i * dim, op->rows_ + p * static_cast<int64_t>(dim), dim * 4);
+      }
+      ch.Post(slot, len, std::move(request));
+    }
+  });
+}
+
+void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {
+  partitioner_.Split(op->keys_, op->n_, &scratch_shards_, &scratch_order_, &scratch_offsets_);
+  op->order_.swap(scratch_order_);  // the replies read positions from it
+  const int64_t* order = op->order_.data();
+  SendChunks(op, scratch_offsets_, /*marker=*/false,
+             [&](Channel& ch, uint32_t shard, uint32_t slot, uint32_t, uint32_t, size_t begin,
+                 size_t count) {
+    uint8_t* f = ch.SlotBuffer(slot);
+    wire::GetBody b{};
+    b.session = options_.session;
+    b.at_step = op->step_;
+    b.nrows = static_cast<uint32_t>(count);
+    b.dim = options_.dim;
+    std::memcpy(f + kHeaderBytes, &b, sizeof(b));
+    auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + sizeof(b));
+    for (size_t i = 0; i < count; ++i) keys[i] = op->keys_[order[begin + i]];
+    const size_t len = wire::GetFrameBytes(count);
+    WriteHeader(f, MsgType::kGet, len);
+    const bool direct = order[begin + count - 1] - order[begin] == static_cast<int64_t>(count) - 1;
+    ch.Post(slot, len, std::make_shared<GetRequest>(this, op, shard, order + begin, count, direct));
+  });
 }
 
 void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {

@@ -39,11 +39,16 @@
 #include <thread>
 #include <vector>
 
-#include "commit/partitioner.h"
-#include "store/embedding_store.h"
-#include "transport/transport.h"
+#include "common/deadline.h"
+#include "protocol/partitioner.h"
+#include "protocol/wire.h"
+#include "store/init.h"
+#include "transport/channel.h"
+#include "transport/connect.h"
 
 namespace bagpipe::commit {
+
+namespace wire = protocol::wire;
 
 struct ClientOptions {
   std::string table;
@@ -55,7 +60,7 @@ struct ClientOptions {
   bool grad_division = true;
   store::InitSpec init;          // how the shards initialise never-written rows
   int64_t key_bound = -1;        // >= 0: keys must lie in [0, key_bound)
-  PartitionKind partition = PartitionKind::kModulo;
+  protocol::PartitionKind partition = protocol::PartitionKind::kModulo;
   uint32_t max_packet_rows = 4096;
   uint32_t inflight_packets = 8; // slots per shard channel (the in-flight window)
   double timeout = 120.0;        // seconds: bound on every internal wait
@@ -63,6 +68,9 @@ struct ClientOptions {
 
 // Bytes of the largest frame a client with these options sends (the slot size).
 size_t SlotBytesFor(const ClientOptions& options);
+// The channel options such a client needs: one slot per in-flight packet
+// (inflight_packets), each SlotBytesFor(options) bytes; io_timeout = options.timeout.
+transport::ChannelOptions ChannelOptionsFor(const ClientOptions& options);
 
 enum class OpKind : uint8_t { kCommit = 0, kGet = 1, kAssign = 2, kCheckpoint = 3 };
 
@@ -74,7 +82,7 @@ class ClientOp {
   bool Done() const;
   // Waits until done; throws TimeoutError at the deadline (the operation continues), or the
   // operation's error (TransportError, SessionError, ValueError, TimeoutError).
-  void Wait(transport::Deadline deadline) const;
+  void Wait(Deadline deadline) const;
   // kCheckpoint: the step each shard saved, in shard order. Valid after a successful Wait.
   const std::vector<int64_t>& shard_steps() const { return shard_steps_; }
 
@@ -98,7 +106,7 @@ class ClientOp {
   const float* rows_ = nullptr;  // commit grads / assign rows
   std::function<void()> ready_;   // runs on the worker before the inputs are read
   float* out_ = nullptr;         // get output (n x dim)
-  transport::Deadline deadline_;
+  Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
   int outstanding_ = 0;           // replies not yet received
   bool staged_ = false;           // every packet posted
@@ -123,13 +131,19 @@ class PSClient {
   // Throws ValueError (a field the shards refuse, naming it; a shard id out of order),
   // SessionError, TransportError, TimeoutError; on failure every channel is closed.
   PSClient(const ClientOptions& options, std::vector<std::unique_ptr<transport::Channel>> channels);
+  // Connects a channel (ChannelOptionsFor(options)) to every endpoint, in shard order, then
+  // opens the session as the constructor does. Throws as the constructor and
+  // transport::ConnectChannel; on failure every channel is closed.
+  static std::unique_ptr<PSClient> Connect(const ClientOptions& options,
+                                           const std::vector<transport::ShardEndpoint>& endpoints,
+                                           const transport::ConnectOptions& connect);
   ~PSClient();  // Close(options.timeout), errors swallowed
   PSClient(const PSClient&) = delete;
   PSClient& operator=(const PSClient&) = delete;
 
   const ClientOptions& options() const { return options_; }
   uint32_t num_shards() const { return static_cast<uint32_t>(channels_.size()); }
-  const Partitioner& partitioner() const { return partitioner_; }
+  const protocol::Partitioner& partitioner() const { return partitioner_; }
 
   // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0).
   // `ready`, if set, runs on the worker thread before it reads keys/grads (e.g. waiting for
@@ -171,8 +185,18 @@ class PSClient {
   std::shared_ptr<ClientOp> PickReadyLocked();
   void ExpireQueuedLocked();
   void Stage(const std::shared_ptr<ClientOp>& op);
+  // Commit / assign: keys and rows (gradients or weights) in chunks per shard.
+  void StageRows(const std::shared_ptr<ClientOp>& op);
+  // Get: keys in chunks per shard; the replies land in op->out_.
   void StageGet(const std::shared_ptr<ClientOp>& op);
   void StageCheckpoint(const std::shared_ptr<ClientOp>& op);
+  // The one chunk planner and sender: the positions of shard j are off[j]..off[j+1] (of a
+  // Partitioner::Split order); each shard gets ceil(rows / max_packet_rows) chunks (at least
+  // one with `marker`), sent round-robin (chunk 0 of every shard, then chunk 1, ...) so the
+  // shards' windows fill evenly; post_chunk stages and posts one chunk into an acquired slot.
+  template <typename PostChunk>
+  void SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector<size_t>& off,
+                  bool marker, PostChunk&& post_chunk);
   void OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r);
   void OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r,
                   const int64_t* positions, size_t count, bool direct);
@@ -187,11 +211,11 @@ class PSClient {
   int64_t MinCommittedLocked() const;
   void CheckKeys(const int64_t* keys, size_t n, const char* what) const;
   void OpenSessions();
-  void CloseSessions(transport::Deadline deadline, std::optional<transport::Error>* err);
-  void WriteHeader(uint8_t* frame, commit::wire::MsgType type, size_t frame_len) const;
+  void CloseSessions(Deadline deadline, std::optional<transport::Error>* err);
+  void WriteHeader(uint8_t* frame, wire::MsgType type, size_t frame_len) const;
 
   const ClientOptions options_;
-  const Partitioner partitioner_;
+  const protocol::Partitioner partitioner_;
   std::vector<std::unique_ptr<transport::Channel>> channels_;
 
   // Worker-owned scratch (reused across operations).

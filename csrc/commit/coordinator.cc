@@ -61,11 +61,11 @@ std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b) {
   return {};
 }
 
-CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableStore> store,
+CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableBackend> store,
                                      int64_t committed_step, CoordinatorOptions options)
     : table_(std::move(table)),
       store_(std::move(store)),
-      spec_(store_->spec()),
+      schema_(store_->schema()),
       options_(std::move(options)),
       committed_(committed_step) {
   stats_.committed_step = committed_step;
@@ -87,34 +87,34 @@ bool CommitCoordinator::PendingHasChunksLocked() const {
 }
 
 std::string CommitCoordinator::CheckKeysLocked(const int64_t* keys, size_t n) const {
-  if (spec_.key_bound < 0) return {};
+  if (schema_.key_bound < 0) return {};
   for (size_t i = 0; i < n; ++i) {
     int64_t k;
     std::memcpy(&k, keys + i, sizeof(k));
-    if (k < 0 || k >= spec_.key_bound) {
+    if (k < 0 || k >= schema_.key_bound) {
       return "key " + std::to_string(k) + " at position " + std::to_string(i) +
-             " is outside [0, " + std::to_string(spec_.key_bound) + ") of table '" + table_ + "'";
+             " is outside [0, " + std::to_string(schema_.key_bound) + ") of table '" + table_ + "'";
     }
   }
   return {};
 }
 
 int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
-                                const TableSpec& table_spec,
+                                const TableSchema& table_schema,
                                 const std::shared_ptr<ServerLink>& link) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string where = "table '" + table_ + "': ";
   if (shutting_down_) throw TransportError(where + "the shard is shutting down");
-  if (params.dim != spec_.dim || table_spec.dim != spec_.dim) {
+  if (params.dim != schema_.dim || table_schema.dim != schema_.dim) {
     throw ValueError(where + "dim " + std::to_string(params.dim) + " differs from the table's dim " +
-                     std::to_string(spec_.dim));
+                     std::to_string(schema_.dim));
   }
-  if (const std::string d = InitDifference(table_spec.init, spec_.init); !d.empty()) {
+  if (const std::string d = InitDifference(table_schema.init, schema_.init); !d.empty()) {
     throw ValueError(where + d);
   }
-  if (table_spec.key_bound != spec_.key_bound) {
-    throw ValueError(where + "key_bound " + std::to_string(table_spec.key_bound) +
-                     " differs from the table's " + std::to_string(spec_.key_bound));
+  if (table_schema.key_bound != schema_.key_bound) {
+    throw ValueError(where + "key_bound " + std::to_string(table_schema.key_bound) +
+                     " differs from the table's " + std::to_string(schema_.key_bound));
   }
   if (params.world_size == 0 || rank >= params.world_size) {
     throw ValueError(where + "rank " + std::to_string(rank) + " is not below world_size " +
@@ -281,10 +281,10 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
                        what + ": world_size " + std::to_string(b.world_size) +
                            " differs from the session's " + std::to_string(params_.world_size));
   }
-  if (b.dim != spec_.dim) {
+  if (b.dim != schema_.dim) {
     return reply_error(Status::kInvalidArgument, what + ": dim " + std::to_string(b.dim) +
                                                      " differs from the table's " +
-                                                     std::to_string(spec_.dim));
+                                                     std::to_string(schema_.dim));
   }
   if (!SameBits(b.lr, params_.lr)) {
     return reply_error(Status::kInvalidArgument, what + ": lr " + FloatText(b.lr) +
@@ -407,10 +407,10 @@ void CommitCoordinator::ServeLocked(const Waiter& w) {
   wire::GetOkBody body{};
   body.served_step = committed_;
   body.nrows = static_cast<uint32_t>(n);
-  body.dim = spec_.dim;
+  body.dim = schema_.dim;
   try {
     w.link->Send(MsgType::kGetOk, Status::kOk, w.tag, w.slot, &body, sizeof(body),
-                 n * spec_.dim * sizeof(float), [&](uint8_t* dst) {
+                 n * schema_.dim * sizeof(float), [&](uint8_t* dst) {
                    store_->Read(w.keys.data(), n, reinterpret_cast<float*>(dst));
                  });
   } catch (const std::exception& e) {
@@ -446,10 +446,10 @@ void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint
     link->SendError(tag, slot, Status::kShuttingDown, session, "the shard is shutting down");
     return;
   }
-  if (dim != spec_.dim) {
+  if (dim != schema_.dim) {
     link->SendError(tag, slot, Status::kInvalidArgument, session,
                     "get: dim " + std::to_string(dim) + " differs from table '" + table_ +
-                        "' dim " + std::to_string(spec_.dim));
+                        "' dim " + std::to_string(schema_.dim));
     return;
   }
   const std::string bad = CheckKeysLocked(keys, n);
@@ -490,7 +490,7 @@ int64_t CommitCoordinator::Read(const int64_t* keys, size_t n, float* out) {
 }
 
 int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n, float* out,
-                                  transport::Deadline deadline) {
+                                  Deadline deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) throw ValueError("keys: " + bad);

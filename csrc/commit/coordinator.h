@@ -7,7 +7,7 @@
 // rows sends one empty chunk, the marker). Each chunk is acknowledged at once (the ACK is
 // sent before any SGD work). When every rank's chunks of the pending step are in, the
 // chunks are applied in the order rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, with ONE
-// TableStore::ApplySgdSegments(chunks, lr, grad_division ? W : 1) (bitwise one ApplySgd on
+// TableBackend::ApplySgdSegments(chunks, lr, grad_division ? W : 1) (bitwise one ApplySgd on
 // their concatenation, without copying the gradients); then committed_step
 // becomes t, deferred reads waiting for t are served and every attached rank is notified.
 //
@@ -43,14 +43,16 @@
 #include <string>
 #include <vector>
 
-#include "commit/table_store.h"
-#include "commit/wire.h"
+#include "commit/table_backend.h"
+#include "common/deadline.h"
+#include "common/log.h"
+#include "protocol/wire.h"
+#include "transport/frame_handler.h"
 #include "transport/recv_buffer.h"
-#include "transport/transport.h"
 
 namespace bagpipe::commit {
 
-using LogFn = std::function<void(const std::string&)>;
+namespace wire = protocol::wire;
 
 // Empty if the two init specs define the same rows; otherwise which field differs.
 std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b);
@@ -85,20 +87,20 @@ struct CoordinatorStats {
 class CommitCoordinator {
  public:
   // `committed_step`: -1 for a new table, the checkpoint's step for a restored one.
-  CommitCoordinator(std::string table, std::unique_ptr<TableStore> store, int64_t committed_step,
+  CommitCoordinator(std::string table, std::unique_ptr<TableBackend> store, int64_t committed_step,
                     CoordinatorOptions options);
   ~CommitCoordinator();
   CommitCoordinator(const CommitCoordinator&) = delete;
   CommitCoordinator& operator=(const CommitCoordinator&) = delete;
 
   const std::string& table() const { return table_; }
-  const TableSpec& spec() const { return spec_; }
+  const TableSchema& schema() const { return schema_; }
 
   // Attaches `link` as `rank` of the session described by params. The first Open (no rank
   // attached) fixes the parameters; later ones must agree. Throws ValueError naming the
   // disagreeing field (dim, lr, world_size, grad_division, session, init, key_bound), or
   // SessionError if the session is failed. Returns the committed step.
-  int64_t Open(const SessionParams& params, uint32_t rank, const TableSpec& table_spec,
+  int64_t Open(const SessionParams& params, uint32_t rank, const TableSchema& table_schema,
                const std::shared_ptr<transport::ServerLink>& link);
 
   // Rank `rank` (attached through `link`) leaves cleanly. If the pending step already has
@@ -132,7 +134,7 @@ class CommitCoordinator {
   // Waits until committed_step >= at_step or the deadline, then reads. Throws TimeoutError /
   // SessionError / ValueError.
   int64_t ReadAt(int64_t at_step, const int64_t* keys, size_t n, float* out,
-                 transport::Deadline deadline);
+                 Deadline deadline);
 
   // Saves the table at its committed step into dir (meta: options' checkpoint_meta plus
   // committed_step and table). Returns the step saved. Throws IOError / ValueError.
@@ -186,8 +188,8 @@ class CommitCoordinator {
   int AttachedLocked() const;
 
   const std::string table_;
-  const std::unique_ptr<TableStore> store_;
-  const TableSpec spec_;
+  const std::unique_ptr<TableBackend> store_;
+  const TableSchema schema_;
   const CoordinatorOptions options_;
   const LogFn& log_ = options_.log;
 

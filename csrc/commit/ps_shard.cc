@@ -1,6 +1,7 @@
 #include "commit/ps_shard.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -33,7 +34,7 @@ bool TokenEquals(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-bool SameSpec(const TableSpec& a, const TableSpec& b, std::string* why) {
+bool SameSchema(const TableSchema& a, const TableSchema& b, std::string* why) {
   if (a.dim != b.dim) {
     *why = "dim " + std::to_string(a.dim) + " differs from the table's dim " + std::to_string(b.dim);
     return false;
@@ -52,8 +53,10 @@ bool SameSpec(const TableSpec& a, const TableSpec& b, std::string* why) {
 
 }  // namespace
 
-PSShard::PSShard(ShardOptions options, TableFactory factory, TableLoader loader)
+PSShard::PSShard(ShardOptions options, TableBackendFactory factory, TableBackendLoader loader,
+                 LogFn log)
     : options_(std::move(options)),
+      log_(std::move(log)),
       factory_(std::move(factory)),
       loader_(std::move(loader)),
       instance_id_(RandomId()) {
@@ -73,7 +76,7 @@ std::string PSShard::TableDir(const std::string& dir, const std::string& name) {
 
 CoordinatorOptions PSShard::MakeCoordinatorOptions(const std::string& name) const {
   CoordinatorOptions o;
-  o.log = options_.log;
+  o.log = log_;
   if (!options_.checkpoint_dir.empty()) o.checkpoint_dir = TableDir(options_.checkpoint_dir, name);
   o.checkpoint_every = options_.checkpoint_every;
   o.checkpoint_meta = {{"shard_id", std::to_string(options_.shard_id)},
@@ -81,34 +84,34 @@ CoordinatorOptions PSShard::MakeCoordinatorOptions(const std::string& name) cons
   return o;
 }
 
-CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSpec& spec) {
+CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSchema& schema) {
   if (!wire::ValidTableName(name)) {
     throw ValueError("table name '" + name + "' must be 1-128 characters of [A-Za-z0-9_.:-]");
   }
-  if (spec.dim == 0 || spec.dim > wire::kMaxDim) {
-    throw ValueError("dim " + std::to_string(spec.dim) + " is outside [1, " +
+  if (schema.dim == 0 || schema.dim > wire::kMaxDim) {
+    throw ValueError("dim " + std::to_string(schema.dim) + " is outside [1, " +
                      std::to_string(wire::kMaxDim) + "]");
   }
-  if (options_.expected_dim != 0 && spec.dim != options_.expected_dim) {
-    throw ValueError("dim " + std::to_string(spec.dim) + " of table '" + name +
+  if (options_.expected_dim != 0 && schema.dim != options_.expected_dim) {
+    throw ValueError("dim " + std::to_string(schema.dim) + " of table '" + name +
                      "' differs from this shard's --dim " + std::to_string(options_.expected_dim));
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto it = tables_.find(name);
   if (it != tables_.end()) {
     std::string why;
-    if (!SameSpec(spec, it->second->spec(), &why)) {
+    if (!SameSchema(schema, it->second->schema(), &why)) {
       throw ValueError("table '" + name + "': " + why);
     }
     return it->second.get();
   }
-  auto store = factory_(name, spec);
+  auto store = factory_(name, schema);
   auto coord = std::make_unique<CommitCoordinator>(name, std::move(store), -1,
                                                    MakeCoordinatorOptions(name));
   auto* raw = coord.get();
   tables_.emplace(name, std::move(coord));
-  if (options_.log) {
-    options_.log("table '" + name + "' created (dim " + std::to_string(spec.dim) + ")");
+  if (log_) {
+    log_("table '" + name + "' created (dim " + std::to_string(schema.dim) + ")");
   }
   return raw;
 }
@@ -138,17 +141,54 @@ ShardStats PSShard::stats() {
   return stats_;
 }
 
+// ---- frame handling ----------------------------------------------------------------------
+
+// The session a link opened, kept on the link (ServerLink::state); touched only by the
+// thread delivering the link's requests and by LinkClosed.
+class PSShard::LinkSession : public transport::LinkState {
+ public:
+  bool open = false;                        // after a successful Open
+  std::string table;                        // the table the session is on
+  uint64_t session = 0;
+  uint32_t rank = 0;
+  CommitCoordinator* coordinator = nullptr;  // owned by the shard (invariant 3)
+};
+
+struct PSShard::Request {
+  const std::shared_ptr<ServerLink>& link;
+  const wire::FrameHeader& header;
+  const uint8_t* body;
+  size_t len;
+  transport::RecvBuffer* owner;
+  LinkSession& session;
+};
+
+PSShard::LinkSession& PSShard::SessionOf(ServerLink& link) {
+  if (!link.state) link.state = std::make_unique<LinkSession>();
+  return static_cast<LinkSession&>(*link.state);
+}
+
+transport::FrameHandler::Identity PSShard::identity() const {
+  Identity id;
+  id.shard_id = options_.shard_id;
+  id.num_shards = options_.num_shards;
+  id.max_frame_bytes = options_.max_frame_bytes;
+  return id;
+}
+
 bool PSShard::HandleFrame(const std::shared_ptr<ServerLink>& link, const wire::FrameHeader& h,
                           const uint8_t* body, size_t body_len, transport::RecvBuffer* owner) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.frames;
   }
+  LinkSession& session = SessionOf(*link);
+  const Request r{link, h, body, body_len, owner, session};
   try {
-    return Dispatch(link, h, body, body_len, owner);
+    return Dispatch(r);
   } catch (const std::exception& e) {
-    // Dispatch answers every error it expects; this is a last line of defence.
-    link->SendError(h.tag, h.slot, Status::kInternal, link->session,
+    // The handlers answer every error they expect; this is a last line of defence.
+    link->SendError(h.tag, h.slot, Status::kInternal, session.session,
                     std::string("shard ") + std::to_string(options_.shard_id) +
                         " could not handle a " + wire::MsgTypeName(h.type) + " frame: " + e.what());
     std::lock_guard<std::mutex> lock(mu_);
@@ -157,197 +197,236 @@ bool PSShard::HandleFrame(const std::shared_ptr<ServerLink>& link, const wire::F
   }
 }
 
-bool PSShard::Dispatch(const std::shared_ptr<ServerLink>& link, const wire::FrameHeader& h,
-                       const uint8_t* body, size_t len, transport::RecvBuffer* owner) {
+bool PSShard::Reject(const Request& r, Status status, const std::string& text, bool keep_link) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.rejected;
+    if (status == Status::kUnauthorized) ++stats_.unauthorized;
+  }
+  r.link->SendError(r.header.tag, r.header.slot, status, r.session.session, text);
+  return keep_link;
+}
+
+bool PSShard::Dispatch(const Request& r) {
+  const wire::FrameHeader& h = r.header;
   const auto type = static_cast<MsgType>(h.type);
-  auto reject = [&](Status st, const std::string& text, bool keep) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.rejected;
-      if (st == Status::kUnauthorized) ++stats_.unauthorized;
-    }
-    link->SendError(h.tag, h.slot, st, link->session, text);
-    return keep;
-  };
   std::string why;
   if (!wire::CheckHeader(h, options_.max_frame_bytes, &why)) {
-    return reject(Status::kProtocolError, why, false);
+    return Reject(r, Status::kProtocolError, why, false);
   }
   if (!wire::IsRequestType(type)) {
-    return reject(Status::kProtocolError,
+    return Reject(r, Status::kProtocolError,
                   std::string("a client may not send ") + wire::MsgTypeName(h.type) + " frames",
                   false);
   }
-  if (type == MsgType::kHello) {
-    if (link->authenticated) return reject(Status::kProtocolError, "duplicate Hello", false);
-    wire::HelloView hello;
-    if (!wire::ParseHello(body, len, &hello, &why)) return reject(Status::kProtocolError, why, false);
-    if (!TokenEquals(hello.token, link->expected_token) ||
-        h.job != wire::TokenDigest(hello.token)) {
-      return reject(Status::kUnauthorized,
-                    "job token refused: this PS shard serves another job", false);
-    }
-    link->authenticated = true;
-    link->job_digest = h.job;
-    wire::HelloOkBody ok{};
-    ok.shard_id = options_.shard_id;
-    ok.num_shards = options_.num_shards;
-    ok.max_frame_bytes = options_.max_frame_bytes;
-    ok.instance_id = instance_id_;
-    link->Send(MsgType::kHelloOk, Status::kOk, h.tag, h.slot, &ok, sizeof(ok), 0, nullptr);
-    return true;
+  if (type == MsgType::kHello) return OnHello(r);
+  if (!r.link->authenticated) {
+    return Reject(r, Status::kUnauthorized, "the first frame of a connection must be Hello", false);
   }
-  if (!link->authenticated) {
-    return reject(Status::kUnauthorized, "the first frame of a connection must be Hello", false);
-  }
-  if (h.job != link->job_digest) {
-    return reject(Status::kUnauthorized, "frame carries another job's token digest", false);
+  if (h.job != r.link->job_digest) {
+    return Reject(r, Status::kUnauthorized, "frame carries another job's token digest", false);
   }
   if (shutting_down_.load() && type != MsgType::kClose && type != MsgType::kPing) {
-    return reject(Status::kShuttingDown,
+    return Reject(r, Status::kShuttingDown,
                   "PS shard " + std::to_string(options_.shard_id) + " is shutting down", true);
   }
-  auto* coord = static_cast<CommitCoordinator*>(link->coordinator);
   switch (type) {
-    case MsgType::kPing:
-      link->Send(MsgType::kPong, Status::kOk, h.tag, h.slot, nullptr, 0, 0, nullptr);
-      return true;
-    case MsgType::kOpen: {
-      wire::OpenView open;
-      if (!wire::ParseOpen(body, len, &open, &why)) return reject(Status::kProtocolError, why, true);
-      const std::string name(open.table);
-      if (link->session_open && name != link->table) {
-        return reject(Status::kInvalidArgument,
-                      "this connection already has table '" + link->table + "' open", true);
-      }
-      TableSpec spec;
-      spec.dim = open.body.dim;
-      spec.init.kind = static_cast<store::InitKind>(open.body.init_kind);
-      spec.init.bound = open.body.init_bound;
-      spec.init.value = open.body.init_value;
-      spec.init.seed = open.body.init_seed;
-      spec.init.bound_starts = open.bound_starts;
-      spec.init.bound_values = open.bound_values;
-      spec.key_bound = open.body.key_bound;
-      SessionParams params;
-      params.session = open.body.session;
-      params.world_size = open.body.world_size;
-      params.dim = open.body.dim;
-      params.lr = open.body.lr;
-      params.grad_division = open.body.grad_division != 0;
-      int64_t committed;
-      CommitCoordinator* table;
-      try {
-        table = CreateTable(name, spec);
-        committed = table->Open(params, open.body.rank, spec, link);
-      } catch (const ValueError& e) {
-        return reject(Status::kInvalidArgument, e.what(), true);
-      } catch (const SessionError& e) {
-        return reject(Status::kSessionFailed, e.what(), true);
-      } catch (const TransportError& e) {
-        return reject(Status::kShuttingDown, e.what(), true);
-      } catch (const std::exception& e) {
-        return reject(Status::kInternal, std::string("could not open table '") + name + "': " +
-                                             e.what(), true);
-      }
-      link->session_open = true;
-      link->table = name;
-      link->session = params.session;
-      link->rank = open.body.rank;
-      link->coordinator = table;
-      wire::OpenOkBody ok{};
-      ok.committed_step = committed;
-      ok.dim = spec.dim;
-      link->Send(MsgType::kOpenOk, Status::kOk, h.tag, h.slot, &ok, sizeof(ok), 0, nullptr);
-      return true;
-    }
-    case MsgType::kCommit: {
-      wire::CommitView chunk;
-      if (!wire::ParseCommit(body, len, &chunk, &why)) return reject(Status::kProtocolError, why, true);
-      if (!link->session_open) {
-        return reject(Status::kNotOpen, "Commit before Open on this connection", true);
-      }
-      coord->SubmitChunk(chunk, link, h.tag, h.slot, owner);
-      return true;
-    }
-    case MsgType::kGet: {
-      wire::GetView get;
-      if (!wire::ParseGet(body, len, &get, &why)) return reject(Status::kProtocolError, why, true);
-      if (!link->session_open) return reject(Status::kNotOpen, "Get before Open on this connection", true);
-      if (get.body.session != link->session) {
-        return reject(Status::kInvalidArgument, "Get for session " + std::to_string(get.body.session) +
-                                                    " on a connection of session " +
-                                                    std::to_string(link->session), true);
-      }
-      coord->Get(get.body.at_step, get.keys, get.body.nrows, get.body.dim, link, h.tag, h.slot);
-      return true;
-    }
-    case MsgType::kAssign: {
-      wire::AssignView as;
-      if (!wire::ParseAssign(body, len, &as, &why)) return reject(Status::kProtocolError, why, true);
-      if (!link->session_open) {
-        return reject(Status::kNotOpen, "Assign before Open on this connection", true);
-      }
-      if (as.body.session != link->session || as.body.dim != coord->spec().dim) {
-        return reject(Status::kInvalidArgument, "Assign: session or dim differs from the open session",
-                      true);
-      }
-      try {
-        coord->Assign(as.keys, as.body.nrows, as.rows);
-      } catch (const ValueError& e) {
-        return reject(Status::kInvalidArgument, e.what(), true);
-      } catch (const std::exception& e) {
-        return reject(Status::kInternal, e.what(), true);
-      }
-      wire::StepBody ok{link->session, coord->committed_step()};
-      link->Send(MsgType::kAssignOk, Status::kOk, h.tag, h.slot, &ok, sizeof(ok), 0, nullptr);
-      return true;
-    }
-    case MsgType::kClose: {
-      wire::CloseBody cl;
-      if (!wire::ParseClose(body, len, &cl, &why)) return reject(Status::kProtocolError, why, true);
-      int64_t committed = -1;
-      if (link->session_open) {
-        committed = coord->Close(link->rank, link.get());
-        link->session_open = false;
-        link->coordinator = nullptr;
-      }
-      wire::StepBody ok{cl.session, committed};
-      link->Send(MsgType::kCloseOk, Status::kOk, h.tag, h.slot, &ok, sizeof(ok), 0, nullptr);
-      return true;
-    }
-    case MsgType::kCheckpoint: {
-      wire::SessionBody sb;
-      if (!wire::ParseSession(body, len, &sb, &why)) return reject(Status::kProtocolError, why, true);
-      if (!link->session_open) {
-        return reject(Status::kNotOpen, "Checkpoint before Open on this connection", true);
-      }
-      if (options_.checkpoint_dir.empty()) {
-        return reject(Status::kInvalidArgument,
-                      "PS shard " + std::to_string(options_.shard_id) +
-                          " has no checkpoint directory (start it with --checkpoint-dir)", true);
-      }
-      int64_t step;
-      try {
-        step = coord->Checkpoint(TableDir(options_.checkpoint_dir, link->table));
-      } catch (const std::exception& e) {
-        return reject(Status::kInternal, std::string("checkpoint failed: ") + e.what(), true);
-      }
-      wire::StepBody ok{link->session, step};
-      link->Send(MsgType::kCheckpointOk, Status::kOk, h.tag, h.slot, &ok, sizeof(ok), 0, nullptr);
-      return true;
-    }
-    default:
-      return reject(Status::kProtocolError, "unexpected frame type", false);
+    case MsgType::kPing: return OnPing(r);
+    case MsgType::kOpen: return OnOpen(r);
+    case MsgType::kCommit: return OnCommit(r);
+    case MsgType::kGet: return OnGet(r);
+    case MsgType::kAssign: return OnAssign(r);
+    case MsgType::kClose: return OnClose(r);
+    case MsgType::kCheckpoint: return OnCheckpoint(r);
+    default: return Reject(r, Status::kProtocolError, "unexpected frame type", false);
   }
 }
 
-void PSShard::LinkClosed(ServerLink* link) {
-  if (link->session_open && link->coordinator) {
-    static_cast<CommitCoordinator*>(link->coordinator)->Detach(link);
+bool PSShard::OnHello(const Request& r) {
+  ServerLink& link = *r.link;
+  if (link.authenticated) return Reject(r, Status::kProtocolError, "duplicate Hello", false);
+  wire::HelloView hello;
+  std::string why;
+  if (!wire::ParseHello(r.body, r.len, &hello, &why)) {
+    return Reject(r, Status::kProtocolError, why, false);
   }
-  link->session_open = false;
-  link->coordinator = nullptr;
+  if (!TokenEquals(hello.token, link.expected_token) ||
+      r.header.job != wire::TokenDigest(hello.token)) {
+    return Reject(r, Status::kUnauthorized, "job token refused: this PS shard serves another job",
+                  false);
+  }
+  link.authenticated = true;
+  link.job_digest = r.header.job;
+  wire::HelloOkBody ok{};
+  ok.shard_id = options_.shard_id;
+  ok.num_shards = options_.num_shards;
+  ok.max_frame_bytes = options_.max_frame_bytes;
+  ok.instance_id = instance_id_;
+  link.Send(MsgType::kHelloOk, Status::kOk, r.header.tag, r.header.slot, &ok, sizeof(ok), 0,
+            nullptr);
+  return true;
+}
+
+bool PSShard::OnPing(const Request& r) {
+  r.link->Send(MsgType::kPong, Status::kOk, r.header.tag, r.header.slot, nullptr, 0, 0, nullptr);
+  return true;
+}
+
+bool PSShard::OnOpen(const Request& r) {
+  LinkSession& ls = r.session;
+  wire::OpenView open;
+  std::string why;
+  if (!wire::ParseOpen(r.body, r.len, &open, &why)) {
+    return Reject(r, Status::kProtocolError, why, true);
+  }
+  const std::string name(open.table);
+  if (ls.open && name != ls.table) {
+    return Reject(r, Status::kInvalidArgument,
+                  "this connection already has table '" + ls.table + "' open", true);
+  }
+  TableSchema schema;
+  schema.dim = open.body.dim;
+  schema.init.kind = static_cast<store::InitKind>(open.body.init_kind);
+  schema.init.bound = open.body.init_bound;
+  schema.init.value = open.body.init_value;
+  schema.init.seed = open.body.init_seed;
+  schema.init.bound_starts = open.bound_starts;
+  schema.init.bound_values = open.bound_values;
+  schema.key_bound = open.body.key_bound;
+  SessionParams params;
+  params.session = open.body.session;
+  params.world_size = open.body.world_size;
+  params.dim = open.body.dim;
+  params.lr = open.body.lr;
+  params.grad_division = open.body.grad_division != 0;
+  int64_t committed;
+  CommitCoordinator* table;
+  try {
+    table = CreateTable(name, schema);
+    committed = table->Open(params, open.body.rank, schema, r.link);
+  } catch (const ValueError& e) {
+    return Reject(r, Status::kInvalidArgument, e.what(), true);
+  } catch (const SessionError& e) {
+    return Reject(r, Status::kSessionFailed, e.what(), true);
+  } catch (const TransportError& e) {
+    return Reject(r, Status::kShuttingDown, e.what(), true);
+  } catch (const std::exception& e) {
+    return Reject(r, Status::kInternal,
+                  std::string("could not open table '") + name + "': " + e.what(), true);
+  }
+  ls.open = true;
+  ls.table = name;
+  ls.session = params.session;
+  ls.rank = open.body.rank;
+  ls.coordinator = table;
+  wire::OpenOkBody ok{};
+  ok.committed_step = committed;
+  ok.dim = schema.dim;
+  r.link->Send(MsgType::kOpenOk, Status::kOk, r.header.tag, r.header.slot, &ok, sizeof(ok), 0,
+               nullptr);
+  return true;
+}
+
+bool PSShard::OnCommit(const Request& r) {
+  wire::CommitView chunk;
+  std::string why;
+  if (!wire::ParseCommit(r.body, r.len, &chunk, &why)) {
+    return Reject(r, Status::kProtocolError, why, true);
+  }
+  if (!r.session.open) return Reject(r, Status::kNotOpen, "Commit before Open on this connection", true);
+  r.session.coordinator->SubmitChunk(chunk, r.link, r.header.tag, r.header.slot, r.owner);
+  return true;
+}
+
+bool PSShard::OnGet(const Request& r) {
+  const LinkSession& ls = r.session;
+  wire::GetView get;
+  std::string why;
+  if (!wire::ParseGet(r.body, r.len, &get, &why)) return Reject(r, Status::kProtocolError, why, true);
+  if (!ls.open) return Reject(r, Status::kNotOpen, "Get before Open on this connection", true);
+  if (get.body.session != ls.session) {
+    return Reject(r, Status::kInvalidArgument,
+                  "Get for session " + std::to_string(get.body.session) +
+                      " on a connection of session " + std::to_string(ls.session), true);
+  }
+  ls.coordinator->Get(get.body.at_step, get.keys, get.body.nrows, get.body.dim, r.link,
+                      r.header.tag, r.header.slot);
+  return true;
+}
+
+bool PSShard::OnAssign(const Request& r) {
+  const LinkSession& ls = r.session;
+  wire::AssignView as;
+  std::string why;
+  if (!wire::ParseAssign(r.body, r.len, &as, &why)) {
+    return Reject(r, Status::kProtocolError, why, true);
+  }
+  if (!ls.open) return Reject(r, Status::kNotOpen, "Assign before Open on this connection", true);
+  CommitCoordinator* coord = ls.coordinator;
+  if (as.body.session != ls.session || as.body.dim != coord->schema().dim) {
+    return Reject(r, Status::kInvalidArgument,
+                  "Assign: session or dim differs from the open session", true);
+  }
+  try {
+    coord->Assign(as.keys, as.body.nrows, as.rows);
+  } catch (const ValueError& e) {
+    return Reject(r, Status::kInvalidArgument, e.what(), true);
+  } catch (const std::exception& e) {
+    return Reject(r, Status::kInternal, e.what(), true);
+  }
+  wire::StepBody ok{ls.session, coord->committed_step()};
+  r.link->Send(MsgType::kAssignOk, Status::kOk, r.header.tag, r.header.slot, &ok, sizeof(ok), 0,
+               nullptr);
+  return true;
+}
+
+bool PSShard::OnClose(const Request& r) {
+  LinkSession& ls = r.session;
+  wire::CloseBody cl;
+  std::string why;
+  if (!wire::ParseClose(r.body, r.len, &cl, &why)) return Reject(r, Status::kProtocolError, why, true);
+  int64_t committed = -1;
+  if (ls.open) {
+    committed = ls.coordinator->Close(ls.rank, r.link.get());
+    ls.open = false;
+    ls.coordinator = nullptr;
+  }
+  wire::StepBody ok{cl.session, committed};
+  r.link->Send(MsgType::kCloseOk, Status::kOk, r.header.tag, r.header.slot, &ok, sizeof(ok), 0,
+               nullptr);
+  return true;
+}
+
+bool PSShard::OnCheckpoint(const Request& r) {
+  const LinkSession& ls = r.session;
+  wire::SessionBody sb;
+  std::string why;
+  if (!wire::ParseSession(r.body, r.len, &sb, &why)) {
+    return Reject(r, Status::kProtocolError, why, true);
+  }
+  if (!ls.open) return Reject(r, Status::kNotOpen, "Checkpoint before Open on this connection", true);
+  if (options_.checkpoint_dir.empty()) {
+    return Reject(r, Status::kInvalidArgument,
+                  "PS shard " + std::to_string(options_.shard_id) +
+                      " has no checkpoint directory (start it with --checkpoint-dir)", true);
+  }
+  int64_t step;
+  try {
+    step = ls.coordinator->Checkpoint(TableDir(options_.checkpoint_dir, ls.table));
+  } catch (const std::exception& e) {
+    return Reject(r, Status::kInternal, std::string("checkpoint failed: ") + e.what(), true);
+  }
+  wire::StepBody ok{ls.session, step};
+  r.link->Send(MsgType::kCheckpointOk, Status::kOk, r.header.tag, r.header.slot, &ok, sizeof(ok),
+               0, nullptr);
+  return true;
+}
+
+void PSShard::LinkClosed(ServerLink* link) {
+  LinkSession& ls = SessionOf(*link);
+  if (ls.open && ls.coordinator) ls.coordinator->Detach(link);
+  ls.open = false;
+  ls.coordinator = nullptr;
 }
 
 std::map<std::string, int64_t> PSShard::Checkpoint(const std::string& dir_in) {
@@ -401,9 +480,9 @@ std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
       throw ValueError("restore: checkpoint '" + path.string() + "' holds table '" +
                        get("table") + "'");
     }
-    if (options_.expected_dim != 0 && store->spec().dim != options_.expected_dim) {
+    if (options_.expected_dim != 0 && store->schema().dim != options_.expected_dim) {
       throw ValueError("restore: table '" + name + "' has dim " +
-                       std::to_string(store->spec().dim) + ", this shard's --dim is " +
+                       std::to_string(store->schema().dim) + ", this shard's --dim is " +
                        std::to_string(options_.expected_dim));
     }
     auto coord = std::make_unique<CommitCoordinator>(name, std::move(store), step,
@@ -414,8 +493,8 @@ std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
       tables_.emplace(name, std::move(coord));
     }
     steps[name] = step;
-    if (options_.log) {
-      options_.log("table '" + name + "' restored from " + path.string() + " at committed step " +
+    if (log_) {
+      log_("table '" + name + "' restored from " + path.string() + " at committed step " +
                    std::to_string(step));
     }
   }
@@ -431,7 +510,7 @@ void PSShard::BeginShutdown(const std::string& why) {
   }
   for (auto* c : coords) c->Shutdown("PS shard " + std::to_string(options_.shard_id) +
                                      " is shutting down: " + why);
-  if (options_.log) options_.log("shutting down: " + why);
+  if (log_) log_("shutting down: " + why);
 }
 
 }  // namespace bagpipe::commit

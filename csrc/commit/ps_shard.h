@@ -1,11 +1,13 @@
-// PSShard: one parameter-server shard hosting named tables, each an embedding store plus a
-// CommitCoordinator (tables may have different dims). It is transport-independent: a
-// backend (local, tcp's ShardServer, UCX's UcxShardServer) delivers each request frame to
-// HandleFrame together with the ServerLink the reply goes back through.
+// PSShard: one parameter-server shard hosting named tables, each a TableBackend plus a
+// CommitCoordinator (tables may have different dims). It is the transport layer's
+// FrameHandler (transport/frame_handler.h): a backend (the local channel, the TCP and UCX
+// servers of server/) delivers each request frame to HandleFrame together with the
+// ServerLink the reply goes back through. Each message type has its own handler function.
 //
 // Thread safety: every public method is thread-safe. Requests of one link are delivered by
-// one thread at a time (the link's dispatcher state in ServerLink is touched only there);
-// different links run concurrently and meet in the table's coordinator.
+// one thread at a time (the link's session state, kept in ServerLink::state, is touched only
+// there and in LinkClosed); different links run concurrently and meet in the table's
+// coordinator.
 //
 // Invariants:
 //   1. A link must authenticate (Hello with the expected job token) before any other
@@ -27,10 +29,11 @@
 #include <vector>
 
 #include "commit/coordinator.h"
-#include "commit/table_store.h"
-#include "commit/wire.h"
+#include "commit/table_backend.h"
+#include "common/log.h"
+#include "protocol/wire.h"
+#include "transport/frame_handler.h"
 #include "transport/recv_buffer.h"
-#include "transport/transport.h"
 
 namespace bagpipe::commit {
 
@@ -41,7 +44,6 @@ struct ShardOptions {
   std::string checkpoint_dir;         // default directory of Checkpoint() and periodic saves
   int64_t checkpoint_every = 0;       // > 0: checkpoint each table every N committed steps
   size_t max_frame_bytes = wire::kDefaultMaxFrameBytes;  // announced in HelloOk
-  LogFn log;                          // one line per session event; may be empty
 };
 
 struct ShardStats {
@@ -50,35 +52,41 @@ struct ShardStats {
   uint64_t unauthorized = 0;    // frames refused for a token / digest / ordering problem
 };
 
-class PSShard {
+class PSShard : public transport::FrameHandler {
  public:
-  // REQUIRES: shard_id < num_shards (ValueError).
-  PSShard(ShardOptions options, TableFactory factory, TableLoader loader);
-  ~PSShard();
+  // `log`: one line per session event; may be empty.
+  // REQUIRES: shard_id < num_shards, checkpoint_every >= 0, max_frame_bytes >= 4096
+  // (ValueError naming the field).
+  PSShard(ShardOptions options, TableBackendFactory factory, TableBackendLoader loader,
+          LogFn log = nullptr);
+  ~PSShard() override;
   PSShard(const PSShard&) = delete;
   PSShard& operator=(const PSShard&) = delete;
 
   const ShardOptions& options() const { return options_; }
   uint64_t instance_id() const { return instance_id_; }
 
-  // Creates table `name`, or returns the existing one if its spec matches (ValueError
-  // naming the field otherwise).
-  CommitCoordinator* CreateTable(const std::string& name, const TableSpec& spec);
-  // nullptr if absent.
-  CommitCoordinator* FindTable(const std::string& name);
-  // Throws ValueError naming the table if absent.
-  CommitCoordinator* GetTable(const std::string& name);
-  std::vector<std::string> TableNames();
-
+  // ---- transport::FrameHandler ---------------------------------------------------------
+  Identity identity() const override;
+  const LogFn& log() const override { return log_; }
   // Handles one request frame from `link`; replies through it. Returns false when the
   // connection must be closed (invariant 1). Never throws.
   // `owner`, if not null, is the buffer that holds body: a commit chunk may take it over
   // (swapping in another buffer) instead of copying its payload.
   bool HandleFrame(const std::shared_ptr<transport::ServerLink>& link,
                    const wire::FrameHeader& header, const uint8_t* body, size_t body_len,
-                   transport::RecvBuffer* owner = nullptr);
+                   transport::RecvBuffer* owner = nullptr) override;
   // The connection behind `link` is gone: its rank leaves its session.
-  void LinkClosed(transport::ServerLink* link);
+  void LinkClosed(transport::ServerLink* link) override;
+
+  // Creates table `name`, or returns the existing one if its schema matches (ValueError
+  // naming the field otherwise).
+  CommitCoordinator* CreateTable(const std::string& name, const TableSchema& schema);
+  // nullptr if absent.
+  CommitCoordinator* FindTable(const std::string& name);
+  // Throws ValueError naming the table if absent.
+  CommitCoordinator* GetTable(const std::string& name);
+  std::vector<std::string> TableNames();
 
   // Checkpoints every table into dir (empty: options().checkpoint_dir). Returns table ->
   // committed step saved. Throws ValueError if no directory is known, IOError on failure.
@@ -97,13 +105,29 @@ class PSShard {
   static std::string TableDir(const std::string& dir, const std::string& name);
 
  private:
-  bool Dispatch(const std::shared_ptr<transport::ServerLink>& link, const wire::FrameHeader& h,
-                const uint8_t* body, size_t len, transport::RecvBuffer* owner);
+  struct Request;  // one request frame being handled (ps_shard.cc)
+  class LinkSession;
+
+  bool Dispatch(const Request& r);
+  // One handler per request type; each replies (or rejects) and returns whether the link
+  // stays open.
+  bool OnHello(const Request& r);
+  bool OnPing(const Request& r);
+  bool OnOpen(const Request& r);
+  bool OnCommit(const Request& r);
+  bool OnGet(const Request& r);
+  bool OnAssign(const Request& r);
+  bool OnClose(const Request& r);
+  bool OnCheckpoint(const Request& r);
+  // Answers r with an error `status` (counted in stats) and returns `keep_link`.
+  bool Reject(const Request& r, wire::Status status, const std::string& text, bool keep_link);
+  static LinkSession& SessionOf(transport::ServerLink& link);
   CoordinatorOptions MakeCoordinatorOptions(const std::string& name) const;
 
   const ShardOptions options_;
-  const TableFactory factory_;
-  const TableLoader loader_;
+  const LogFn log_;
+  const TableBackendFactory factory_;
+  const TableBackendLoader loader_;
   const uint64_t instance_id_;
   std::atomic<bool> shutting_down_{false};
 

@@ -11,7 +11,7 @@
 #include "common/errors.h"
 #include "common/thread_pool.h"
 #include "store/checkpoint.h"
-#include "store/hash.h"
+#include "store/splitmix64.h"
 #include "store/key_map.h"
 #include "store/os_memory.h"
 #include "store/page_arena.h"

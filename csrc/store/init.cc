@@ -5,7 +5,7 @@
 #include <string>
 
 #include "common/errors.h"
-#include "store/hash.h"
+#include "store/splitmix64.h"
 
 namespace bagpipe::store {
 

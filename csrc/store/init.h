@@ -3,7 +3,7 @@
 // The value is a pure function of (InitSpec, key, column), independent of shard count,
 // thread count and history, so any process (a PS shard, a test, a trainer) can recompute
 // it. For InitKind::kUniform, with u64 arithmetic modulo 2^64 and
-//   SplitMix64(z) = finalizer(z + 0x9E3779B97F4A7C15)           (see hash.h)
+//   SplitMix64(z) = finalizer(z + 0x9E3779B97F4A7C15)           (see splitmix64.h)
 //   base  = SplitMix64(seed XOR SplitMix64(uint64(key)))
 //   bits  = SplitMix64(base + column * 0x9E3779B97F4A7C15)      (column-th SplitMix64 output)
 //   s     = float32(int32(bits >> 40) * 2 - 2^24) * 2^-24        (exact, in [-1, 1))

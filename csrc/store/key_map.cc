@@ -3,7 +3,7 @@
 #include <cstring>
 #include <new>
 
-#include "store/hash.h"
+#include "store/splitmix64.h"
 #include "store/os_memory.h"
 
 namespace bagpipe::store {

@@ -14,7 +14,7 @@
 #include "commit/ps_shard.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
-#include "transport/transport.h"
+#include "transport/channel.h"
 
 namespace bagpipe::testing {
 
@@ -43,7 +43,7 @@ inline commit::ClientOptions ClientOpts(uint64_t session, uint32_t rank, uint32_
   o.init.value = 0.5f;
   o.max_packet_rows = max_rows;
   o.inflight_packets = inflight;
-  o.partition = commit::PartitionKind::kHash;
+  o.partition = protocol::PartitionKind::kHash;
   o.timeout = 20.0;
   return o;
 }
@@ -80,7 +80,7 @@ inline Batch SeededBatch(uint64_t seed, int max_rows, int64_t num_keys) {
 // the world size.
 inline std::unique_ptr<MapTable> ReferenceModel(
     int steps, uint32_t world, const std::function<Batch(int step, uint32_t rank)>& batch) {
-  commit::TableSpec spec;
+  commit::TableSchema spec;
   spec.dim = kClientDim;
   spec.init.kind = store::InitKind::kConstant;
   spec.init.value = 0.5f;

@@ -1,4 +1,4 @@
-// Helpers for the commit/transport tests: a map-based reference TableStore with the
+// Helpers for the commit/transport tests: a map-based reference TableBackend with the
 // store's SGD arithmetic, a ServerLink that records frames, and a reference SGD model.
 #pragma once
 
@@ -9,32 +9,32 @@
 #include <string>
 #include <vector>
 
-#include "commit/table_store.h"
-#include "commit/wire.h"
-#include "transport/transport.h"
+#include "commit/table_backend.h"
+#include "protocol/wire.h"
+#include "transport/frame_handler.h"
 
 namespace bagpipe::testing {
 
 // Reference table: rows never written read as init.value + key * 1e-3 (a cheap
 // deterministic initialiser that still differs per key).
-class MapTable : public commit::TableStore {
+class MapTable : public commit::TableBackend {
  public:
-  explicit MapTable(const commit::TableSpec& spec) : spec_(spec) {}
-  const commit::TableSpec& spec() const override { return spec_; }
+  explicit MapTable(const commit::TableSchema& spec) : schema_(spec) {}
+  const commit::TableSchema& schema() const override { return schema_; }
 
   std::vector<float> Row(int64_t key) const {
     auto it = rows_.find(key);
     if (it != rows_.end()) return it->second;
-    std::vector<float> r(spec_.dim);
-    for (uint32_t c = 0; c < spec_.dim; ++c) {
-      r[c] = spec_.init.value + static_cast<float>(key % 1000) * 1e-3f + static_cast<float>(c) * 1e-4f;
+    std::vector<float> r(schema_.dim);
+    for (uint32_t c = 0; c < schema_.dim; ++c) {
+      r[c] = schema_.init.value + static_cast<float>(key % 1000) * 1e-3f + static_cast<float>(c) * 1e-4f;
     }
     return r;
   }
 
   void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int div) override {
     ++apply_calls;
-    const size_t d = spec_.dim;
+    const size_t d = schema_.dim;
     std::map<int64_t, std::vector<float>> sum;
     std::vector<int64_t> order;
     for (size_t i = 0; i < n; ++i) {
@@ -61,12 +61,12 @@ class MapTable : public commit::TableStore {
   void Read(const int64_t* keys, size_t n, float* out) override {
     for (size_t i = 0; i < n; ++i) {
       auto r = Row(keys[i]);
-      std::memcpy(out + i * spec_.dim, r.data(), spec_.dim * 4);
+      std::memcpy(out + i * schema_.dim, r.data(), schema_.dim * 4);
     }
   }
   void Assign(const int64_t* keys, size_t n, const float* rows) override {
     for (size_t i = 0; i < n; ++i) {
-      rows_[keys[i]] = std::vector<float>(rows + i * spec_.dim, rows + (i + 1) * spec_.dim);
+      rows_[keys[i]] = std::vector<float>(rows + i * schema_.dim, rows + (i + 1) * schema_.dim);
     }
   }
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta) override {
@@ -84,20 +84,20 @@ class MapTable : public commit::TableStore {
   std::map<int64_t, std::vector<float>> saved_rows;
 
  private:
-  commit::TableSpec spec_;
+  commit::TableSchema schema_;
   std::map<int64_t, std::vector<float>> rows_;
 };
 
-inline commit::TableFactory MapTableFactory(std::vector<MapTable*>* created = nullptr) {
-  return [created](const std::string&, const commit::TableSpec& spec) {
+inline commit::TableBackendFactory MapTableFactory(std::vector<MapTable*>* created = nullptr) {
+  return [created](const std::string&, const commit::TableSchema& spec) {
     auto t = std::make_unique<MapTable>(spec);
     if (created) created->push_back(t.get());
-    return std::unique_ptr<commit::TableStore>(std::move(t));
+    return std::unique_ptr<commit::TableBackend>(std::move(t));
   };
 }
 
-inline commit::TableLoader NoLoader() {
-  return [](const std::string& dir, std::map<std::string, std::string>*) -> std::unique_ptr<commit::TableStore> {
+inline commit::TableBackendLoader NoLoader() {
+  return [](const std::string& dir, std::map<std::string, std::string>*) -> std::unique_ptr<commit::TableBackend> {
     throw std::runtime_error("no loader in this test: " + dir);
   };
 }
@@ -106,8 +106,8 @@ inline commit::TableLoader NoLoader() {
 class RecordingLink : public transport::ServerLink {
  public:
   struct Frame {
-    commit::wire::MsgType type;
-    commit::wire::Status status;
+    protocol::wire::MsgType type;
+    protocol::wire::Status status;
     uint64_t tag;
     uint32_t slot;
     std::vector<uint8_t> fixed;
@@ -117,7 +117,7 @@ class RecordingLink : public transport::ServerLink {
 
   RecordingLink() { authenticated = true; }
 
-  bool Send(commit::wire::MsgType type, commit::wire::Status status, uint64_t tag, uint32_t slot,
+  bool Send(protocol::wire::MsgType type, protocol::wire::Status status, uint64_t tag, uint32_t slot,
             const void* fixed, size_t fixed_len, size_t payload_len,
             const transport::PayloadFill& fill) override {
     Frame f{type, status, tag, slot,
@@ -144,7 +144,7 @@ class RecordingLink : public transport::ServerLink {
 };
 
 // Builds a Commit frame body (CommitBody + keys + grads).
-inline std::vector<uint8_t> CommitBodyBytes(const commit::wire::CommitBody& b,
+inline std::vector<uint8_t> CommitBodyBytes(const protocol::wire::CommitBody& b,
                                             const std::vector<int64_t>& keys,
                                             const std::vector<float>& grads) {
   std::vector<uint8_t> out(sizeof(b) + keys.size() * 8 + grads.size() * 4);

@@ -24,7 +24,7 @@ struct Fixture {
   MapTable* table;
   std::unique_ptr<CommitCoordinator> coord;
   std::vector<std::shared_ptr<RecordingLink>> links;
-  TableSpec spec;
+  TableSchema spec;
   SessionParams params;
   // owned: chunks arrive in `reader`, a receive buffer the coordinator may take over (as
   // the TCP server's), which is then overwritten by the next frame.
@@ -107,7 +107,7 @@ std::vector<float> ReadRow(CommitCoordinator& c, int64_t key) {
 TEST_CASE(coordinator_open_refuses_mismatches_naming_the_field) {
   Fixture fx(2);
   auto link = std::make_shared<RecordingLink>();
-  auto refused = [&](SessionParams p, TableSpec s, const char* field) {
+  auto refused = [&](SessionParams p, TableSchema s, const char* field) {
     try {
       fx.coord->Open(p, 0, s, link);
     } catch (const ValueError& e) {
@@ -310,7 +310,7 @@ TEST_CASE(coordinator_read_at_times_out) {
   Fixture fx(1);
   int64_t key = 1;
   float out[kDim];
-  CHECK_THROWS(TimeoutError, fx.coord->ReadAt(3, &key, 1, out, transport::DeadlineAfter(0.05)));
+  CHECK_THROWS(TimeoutError, fx.coord->ReadAt(3, &key, 1, out, DeadlineAfter(0.05)));
   fx.Send(0, 0, 0, 1, {1}, {1.f, 1.f});
-  CHECK_EQ(fx.coord->ReadAt(0, &key, 1, out, transport::DeadlineAfter(1)), int64_t{0});
+  CHECK_EQ(fx.coord->ReadAt(0, &key, 1, out, DeadlineAfter(1)), int64_t{0});
 }

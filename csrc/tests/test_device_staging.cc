@@ -15,7 +15,7 @@
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
 #include "transport/device_staging.h"
-#include "transport/local_transport.h"
+#include "transport/local_channel.h"
 
 using namespace bagpipe;
 using namespace bagpipe::transport;

@@ -10,13 +10,13 @@
 #include "commit/client.h"
 #include "commit/ps_shard.h"
 #include "common/errors.h"
-#include "server/shard_server.h"
+#include "server/tcp_server.h"
 #include "tests/ps_client_test_util.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
-#include "transport/local_transport.h"
-#include "transport/socket_io.h"
-#include "transport/tcp_transport.h"
+#include "transport/local_channel.h"
+#include "transport/socket.h"
+#include "transport/tcp_channel.h"
 
 using namespace bagpipe;
 using namespace bagpipe::commit;
@@ -47,7 +47,7 @@ void RunRank(PSClient& client, int steps, uint32_t rank) {
   for (int t = 0; t < steps; ++t) {
     auto b = MakeBatch(t, rank);
     auto op = client.CommitAsync(t, b.keys.data(), b.keys.size(), b.grads.data());
-    op->Wait(transport::DeadlineAfter(20));
+    op->Wait(DeadlineAfter(20));
   }
 }
 
@@ -56,7 +56,7 @@ void CheckEqualsReference(PSClient& client, int steps, uint32_t world) {
   std::vector<int64_t> keys;
   for (int64_t k = 0; k < 23; ++k) keys.push_back(k);
   std::vector<float> got(keys.size() * kDim);
-  client.GetAsync(keys.data(), keys.size(), steps - 1, got.data())->Wait(transport::DeadlineAfter(20));
+  client.GetAsync(keys.data(), keys.size(), steps - 1, got.data())->Wait(DeadlineAfter(20));
   bagpipe::testing::CheckRows(keys, got, *ref);
 }
 
@@ -105,9 +105,9 @@ TEST_CASE(client_get_waits_for_its_step_and_never_for_unsent_work) {
   CHECK(!get->Done());  // step 0 needs rank 1
   CHECK(!commit_a->Done());
   auto commit_b = b.CommitAsync(0, nullptr, 0, nullptr);
-  get->Wait(transport::DeadlineAfter(5));
-  commit_a->Wait(transport::DeadlineAfter(5));
-  commit_b->Wait(transport::DeadlineAfter(5));
+  get->Wait(DeadlineAfter(5));
+  commit_a->Wait(DeadlineAfter(5));
+  commit_b->Wait(DeadlineAfter(5));
   for (uint32_t c = 0; c < kDim; ++c) {
     float u = grad[c] / 2.0f;
     u = u * 0.125f;
@@ -127,9 +127,9 @@ TEST_CASE(client_get_of_a_step_never_submitted_times_out) {
   int64_t key = 1;
   float out[kDim];
   auto get = client.GetAsync(&key, 1, 5, out);
-  CHECK_THROWS(TimeoutError, get->Wait(transport::DeadlineAfter(5)));
+  CHECK_THROWS(TimeoutError, get->Wait(DeadlineAfter(5)));
   try {
-    get->Wait(transport::DeadlineAfter(1));
+    get->Wait(DeadlineAfter(1));
   } catch (const TimeoutError& e) {
     CHECK(std::string(e.what()).find("must follow the commit") != std::string::npos);
   }
@@ -142,9 +142,9 @@ TEST_CASE(client_out_of_order_step_is_a_session_error) {
   c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
   PSClient client(o, std::move(c));
   auto op = client.CommitAsync(3, nullptr, 0, nullptr);
-  CHECK_THROWS(SessionError, op->Wait(transport::DeadlineAfter(5)));
+  CHECK_THROWS(SessionError, op->Wait(DeadlineAfter(5)));
   // Sticky: every later operation fails with the session's error.
-  CHECK_THROWS(SessionError, client.CommitAsync(0, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
+  CHECK_THROWS(SessionError, client.CommitAsync(0, nullptr, 0, nullptr)->Wait(DeadlineAfter(5)));
   client.Close(5);  // a failed client still closes without raising
 }
 
@@ -169,9 +169,9 @@ TEST_CASE(client_open_refusal_names_the_field) {
 TEST_CASE(client_tcp_and_mixed_transports_equal_reference) {
   const int steps = 20;
   std::vector<std::shared_ptr<PSShard>> shards{MakeShard(0, 2), MakeShard(1, 2)};
-  server::ServerOptions so;
+  server::TcpServerOptions so;
   so.job_token = "job-a";
-  server::ShardServer srv0(shards[0], so), srv1(shards[1], so);
+  server::TcpShardServer srv0(shards[0], so), srv1(shards[1], so);
   std::vector<std::unique_ptr<PSClient>> clients;
   for (uint32_t r = 0; r < 2; ++r) {
     auto o = Options(r, 2, 2, 3);
@@ -197,14 +197,14 @@ TEST_CASE(client_tcp_and_mixed_transports_equal_reference) {
 
 TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
   auto shard = MakeShard(0, 1);
-  server::ServerOptions so;
+  server::TcpServerOptions so;
   so.job_token = "secret";
-  server::ShardServer srv(shard, so);
+  server::TcpShardServer srv(shard, so);
   auto o = Options(0, 1);
   CHECK_THROWS(TransportError, transport::TcpChannel::Connect("127.0.0.1", srv.port(), "other", ChannelOpts(o), 5));
   // Raw garbage, then a truncated frame, then silence are all dropped.
   for (int i = 0; i < 3; ++i) {
-    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), transport::DeadlineAfter(5));
+    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), DeadlineAfter(5)).Release();
     std::vector<uint8_t> junk(i == 0 ? 100 : 20, static_cast<uint8_t>(0xAB + i));
     if (i < 2) transport::WriteAll(fd, junk.data(), junk.size(), "srv");
     if (i == 1) ::shutdown(fd, SHUT_WR);
@@ -213,17 +213,17 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
   // A frame of another protocol version is answered with an error naming the version, even
   // though its body is never read, and then the connection is closed.
   {
-    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), transport::DeadlineAfter(5));
-    std::vector<uint8_t> frame(commit::wire::kHeaderBytes + 5000, 0x11);
-    auto h = commit::wire::MakeHeader(commit::wire::MsgType::kHello, 0, 5000);
+    int fd = transport::ConnectTcp("127.0.0.1", srv.port(), DeadlineAfter(5)).Release();
+    std::vector<uint8_t> frame(protocol::wire::kHeaderBytes + 5000, 0x11);
+    auto h = protocol::wire::MakeHeader(protocol::wire::MsgType::kHello, 0, 5000);
     h.version = 2;
-    commit::wire::StoreHeader(frame.data(), h);
+    protocol::wire::StoreHeader(frame.data(), h);
     transport::WriteAll(fd, frame.data(), frame.size(), "srv");
     transport::SetRecvTimeout(fd, 5);
-    uint8_t hb[commit::wire::kHeaderBytes];
+    uint8_t hb[protocol::wire::kHeaderBytes];
     CHECK(transport::ReadFull(fd, hb, sizeof(hb), false, "srv"));
-    const auto reply = commit::wire::LoadHeader(hb);
-    CHECK(reply.type == static_cast<uint16_t>(commit::wire::MsgType::kError));
+    const auto reply = protocol::wire::LoadHeader(hb);
+    CHECK(reply.type == static_cast<uint16_t>(protocol::wire::MsgType::kError));
     std::string body(reply.body_len, '\0');
     transport::ReadFull(fd, body.data(), body.size(), false, "srv");
     CHECK(body.find("protocol version 2 is not supported") != std::string::npos);
@@ -234,7 +234,7 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
   std::vector<std::unique_ptr<transport::Channel>> c;
   c.push_back(transport::TcpChannel::Connect("127.0.0.1", srv.port(), "secret", ChannelOpts(o), 5));
   PSClient client(o, std::move(c));
-  client.CommitAsync(0, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5));
+  client.CommitAsync(0, nullptr, 0, nullptr)->Wait(DeadlineAfter(5));
   CHECK_EQ(client.CommittedStep(), int64_t{0});
   client.Close(5);
   srv.Stop(1);
@@ -243,8 +243,8 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
 
 TEST_CASE(tcp_dead_shard_fails_pending_work_at_once) {
   auto shard = MakeShard(0, 1);
-  server::ServerOptions so;
-  auto srv = std::make_unique<server::ShardServer>(shard, so);
+  server::TcpServerOptions so;
+  auto srv = std::make_unique<server::TcpShardServer>(shard, so);
   auto o = Options(0, 2);
   o.timeout = 30;
   std::vector<std::unique_ptr<transport::Channel>> c;
@@ -252,11 +252,11 @@ TEST_CASE(tcp_dead_shard_fails_pending_work_at_once) {
   PSClient client(o, std::move(c));
   auto op = client.CommitAsync(0, nullptr, 0, nullptr);  // waits for rank 1 forever
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  const auto t0 = transport::Clock::now();
+  const auto t0 = Clock::now();
   srv->Stop(0);  // the shard goes away
-  CHECK_THROWS(TransportError, op->Wait(transport::DeadlineAfter(10)));
-  CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));  // not the 30 s timeout
-  CHECK_THROWS(TransportError, client.CommitAsync(1, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
+  CHECK_THROWS(TransportError, op->Wait(DeadlineAfter(10)));
+  CHECK(Clock::now() - t0 < std::chrono::seconds(5));  // not the 30 s timeout
+  CHECK_THROWS(TransportError, client.CommitAsync(1, nullptr, 0, nullptr)->Wait(DeadlineAfter(5)));
   client.Close(1);
 }
 
@@ -273,13 +273,13 @@ TEST_CASE(client_commit_ready_hook_runs_on_the_worker_before_staging) {
   client.CommitAsync(0, &key, 1, grad, [&] {
     ran_on = std::this_thread::get_id();
     for (float& g : grad) g = 8.0f;
-  })->Wait(transport::DeadlineAfter(5));
+  })->Wait(DeadlineAfter(5));
   CHECK(ran_on != std::this_thread::get_id());
   float out[kDim];
-  client.GetAsync(&key, 1, 0, out)->Wait(transport::DeadlineAfter(5));
+  client.GetAsync(&key, 1, 0, out)->Wait(DeadlineAfter(5));
   CHECK(out[0] == 0.5f + 2e-3f - 1.0f);
   auto failing = client.CommitAsync(1, nullptr, 0, nullptr, [] { throw ValueError("event failed"); });
-  CHECK_THROWS(ValueError, failing->Wait(transport::DeadlineAfter(5)));
+  CHECK_THROWS(ValueError, failing->Wait(DeadlineAfter(5)));
 }
 
 // A TCP "shard" that answers Hello and Open, then either never answers anything else
@@ -299,28 +299,28 @@ class FakeShard {
  private:
   void Serve(uint32_t shard_id, uint32_t num_shards, bool die_after_open) {
     const int fd = ::accept(lfd_, nullptr, nullptr);
-    auto reply = [&](commit::wire::MsgType type, const void* body, size_t len, uint64_t tag,
+    auto reply = [&](protocol::wire::MsgType type, const void* body, size_t len, uint64_t tag,
                      uint32_t slot) {
-      std::vector<uint8_t> f(commit::wire::kHeaderBytes + len);
-      commit::wire::StoreHeader(f.data(), commit::wire::MakeHeader(type, commit::wire::TokenDigest(""),
-                                                                   len, commit::wire::Status::kOk,
+      std::vector<uint8_t> f(protocol::wire::kHeaderBytes + len);
+      protocol::wire::StoreHeader(f.data(), protocol::wire::MakeHeader(type, protocol::wire::TokenDigest(""),
+                                                                   len, protocol::wire::Status::kOk,
                                                                    tag, slot));
-      std::memcpy(f.data() + commit::wire::kHeaderBytes, body, len);
+      std::memcpy(f.data() + protocol::wire::kHeaderBytes, body, len);
       transport::WriteAll(fd, f.data(), f.size(), "fake");
     };
     try {
       for (;;) {
-        uint8_t hb[commit::wire::kHeaderBytes];
+        uint8_t hb[protocol::wire::kHeaderBytes];
         if (!transport::ReadFull(fd, hb, sizeof(hb), true, "fake")) break;
-        const auto h = commit::wire::LoadHeader(hb);
+        const auto h = protocol::wire::LoadHeader(hb);
         std::vector<uint8_t> body(h.body_len);
         transport::ReadFull(fd, body.data(), body.size(), false, "fake");
-        if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kHello)) {
-          commit::wire::HelloOkBody ok{shard_id, num_shards, commit::wire::kDefaultMaxFrameBytes, 1};
-          reply(commit::wire::MsgType::kHelloOk, &ok, sizeof(ok), h.tag, h.slot);
-        } else if (h.type == static_cast<uint16_t>(commit::wire::MsgType::kOpen)) {
-          commit::wire::OpenOkBody ok{-1, kDim, 0};
-          reply(commit::wire::MsgType::kOpenOk, &ok, sizeof(ok), h.tag, h.slot);
+        if (h.type == static_cast<uint16_t>(protocol::wire::MsgType::kHello)) {
+          protocol::wire::HelloOkBody ok{shard_id, num_shards, protocol::wire::kDefaultMaxFrameBytes, 1};
+          reply(protocol::wire::MsgType::kHelloOk, &ok, sizeof(ok), h.tag, h.slot);
+        } else if (h.type == static_cast<uint16_t>(protocol::wire::MsgType::kOpen)) {
+          protocol::wire::OpenOkBody ok{-1, kDim, 0};
+          reply(protocol::wire::MsgType::kOpenOk, &ok, sizeof(ok), h.tag, h.slot);
         } else if (die_after_open) {
           break;
         }
@@ -346,17 +346,17 @@ TEST_CASE(client_close_is_bounded_when_a_shard_hangs) {
   std::vector<float> grads(3 * kDim, 1.0f);
   auto op = client->CommitAsync(0, keys.data(), keys.size(), grads.data());
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the worker waits for a slot
-  const auto t0 = transport::Clock::now();
+  const auto t0 = Clock::now();
   bool timed_out = false;
   try {
     client->Close(0.3);
   } catch (const TimeoutError&) {
     timed_out = true;
   }
-  const bool prompt = transport::Clock::now() - t0 < std::chrono::seconds(5);
+  const bool prompt = Clock::now() - t0 < std::chrono::seconds(5);
   bool failed_fast = false;  // the commit ends with the closed connection, not a timeout
   try {
-    op->Wait(transport::DeadlineAfter(1));
+    op->Wait(DeadlineAfter(1));
   } catch (const TransportError&) {
     failed_fast = true;
   } catch (const SessionError&) {
@@ -372,7 +372,7 @@ TEST_CASE(client_failure_stops_a_worker_blocked_on_another_shard) {
   FakeShard dies(0, 2, /*die_after_open=*/true);
   FakeShard hangs(1, 2, /*die_after_open=*/false);
   auto o = Options(0, 1, /*max_rows=*/1, /*inflight=*/1);
-  o.partition = PartitionKind::kModulo;
+  o.partition = protocol::PartitionKind::kModulo;
   o.timeout = 30;
   std::vector<std::unique_ptr<transport::Channel>> c;
   c.push_back(transport::TcpChannel::Connect("127.0.0.1", dies.port(), "", ChannelOpts(o), 5));
@@ -383,9 +383,9 @@ TEST_CASE(client_failure_stops_a_worker_blocked_on_another_shard) {
   std::vector<int64_t> keys{1, 3, 5, 0};
   std::vector<float> grads(4 * kDim, 1.0f);
   auto op = client->CommitAsync(0, keys.data(), keys.size(), grads.data());
-  const auto t0 = transport::Clock::now();
-  CHECK_THROWS(TransportError, op->Wait(transport::DeadlineAfter(10)));
+  const auto t0 = Clock::now();
+  CHECK_THROWS(TransportError, op->Wait(DeadlineAfter(10)));
   client->Close(30);  // a failed client: no error, and no 30 s wait for the hung shard
-  CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));
+  CHECK(Clock::now() - t0 < std::chrono::seconds(5));
   client.reset();
 }

@@ -5,7 +5,7 @@
 
 #include "common/errors.h"
 #include "store/checksum.h"
-#include "store/hash.h"
+#include "store/splitmix64.h"
 #include "store/init.h"
 #include "tests/test_harness.h"
 

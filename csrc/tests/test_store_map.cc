@@ -3,7 +3,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "store/hash.h"
+#include "store/splitmix64.h"
 #include "store/key_map.h"
 #include "tests/test_harness.h"
 

@@ -1,14 +1,14 @@
 #include <cstring>
 #include <vector>
 
-#include "commit/partitioner.h"
-#include "commit/wire.h"
+#include "protocol/partitioner.h"
+#include "protocol/wire.h"
 #include "common/errors.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
 
 using namespace bagpipe;
-using namespace bagpipe::commit;
+using namespace bagpipe::protocol;
 
 TEST_CASE(wire_header_roundtrip_and_checks) {
   auto h = wire::MakeHeader(wire::MsgType::kCommit, 42, 100, wire::Status::kOk, 7, 3);

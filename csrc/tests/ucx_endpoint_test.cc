@@ -20,7 +20,7 @@
 
 #include "common/errors.h"
 #include "tests/test_harness.h"
-#include "transport/ucx_acceptor.h"
+#include "server/ucx_acceptor.h"
 #include "transport/ucx_endpoint.h"
 
 namespace bagpipe::transport::ucx {
@@ -51,12 +51,12 @@ class EchoServer {
  public:
   explicit EchoServer(const std::string& tls, BootFault fault = BootFault::kNone,
                       size_t max_ring_bytes = size_t{1} << 30) {
-    AcceptorOptions o;
+    server::UcxAcceptorOptions o;
     o.config.tls = tls;
     o.limits.fault = fault;
     o.limits.max_ring_bytes = max_ring_bytes;
     o.handshake_timeout = 5;
-    acceptor_ = std::make_unique<Acceptor>(
+    acceptor_ = std::make_unique<server::UcxAcceptor>(
         o, [](const std::string& t, std::string*) { return t == kToken; },
         [this](const std::shared_ptr<Endpoint>& ep) { return Attach(ep); });
   }
@@ -70,7 +70,7 @@ class EchoServer {
     for (auto& e : eps) e->Close();
   }
   uint16_t port() const { return acceptor_->port(); }
-  Acceptor& acceptor() { return *acceptor_; }
+  server::UcxAcceptor& acceptor() { return *acceptor_; }
 
   // Waits until n connections are attached; returns them.
   std::vector<std::shared_ptr<Endpoint>> WaitEndpoints(size_t n) {
@@ -122,7 +122,7 @@ class EchoServer {
     return h;
   }
 
-  std::unique_ptr<Acceptor> acceptor_;
+  std::unique_ptr<server::UcxAcceptor> acceptor_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::shared_ptr<Endpoint>> endpoints_;
@@ -166,7 +166,7 @@ class TestClient {
       failed_ = true;
       cv_.notify_all();
     };
-    ep_ = Endpoint::Connect(o, std::move(h), DeadlineIn(timeout));
+    ep_ = Endpoint::Connect(o, std::move(h), DeadlineAfter(timeout));
   }
   ~TestClient() {
     if (ep_) ep_->Close();
@@ -388,11 +388,12 @@ TEST_CASE(ucx_wrong_token_and_oversized_ring_are_refused) {
     }
     // Garbage on the control port is refused and the shard still serves a good client.
     {
-      Socket s = ConnectTcp("127.0.0.1", server.port(), DeadlineIn(2));
+      Socket s = ConnectTcp("127.0.0.1", server.port(), DeadlineAfter(2));
+      SetNonBlocking(s.fd(), true);
       std::vector<uint8_t> junk(200, 0xab);
-      SendAll(s.fd(), junk.data(), junk.size(), DeadlineIn(2), "test");
+      SendAll(s.fd(), junk.data(), junk.size(), DeadlineAfter(2), "test");
       uint8_t buf[64];
-      RecvAll(s.fd(), buf, sizeof(buf), DeadlineIn(5), "test");
+      RecvAll(s.fd(), buf, sizeof(buf), DeadlineAfter(5), "test");
       wire::BootReply r;
       std::memcpy(&r, buf, sizeof(r));
       CHECK_EQ(r.status, int32_t(wire::BootStatus::kBadRequest));

@@ -13,9 +13,9 @@
 #include "tests/ps_client_test_util.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
-#include "transport/local_transport.h"
-#include "transport/ucx_server.h"
-#include "transport/ucx_transport.h"
+#include "transport/local_channel.h"
+#include "server/ucx_server.h"
+#include "transport/ucx_channel.h"
 
 using namespace bagpipe;
 using namespace bagpipe::commit;
@@ -62,12 +62,12 @@ void ForEachTls(F f) {
   }
 }
 
-std::unique_ptr<transport::UcxShardServer> Serve(const std::shared_ptr<PSShard>& s,
+std::unique_ptr<server::UcxShardServer> Serve(const std::shared_ptr<PSShard>& s,
                                                  const std::string& token) {
-  transport::UcxServerOptions so;
+  server::UcxServerOptions so;
   so.job_token = token;
   so.handshake_timeout = 5;
-  return std::make_unique<transport::UcxShardServer>(s, so);
+  return std::make_unique<server::UcxShardServer>(s, so);
 }
 
 }  // namespace
@@ -99,7 +99,7 @@ TEST_CASE(ucx_client_two_ranks_two_shards_equal_reference) {
       for (int t = 0; t < steps; ++t) {
         auto b = MakeBatch(t, rank);
         clients[rank]->CommitAsync(t, b.keys.data(), b.keys.size(), b.grads.data())
-            ->Wait(transport::DeadlineAfter(20));
+            ->Wait(DeadlineAfter(20));
       }
     };
     std::thread t1([&] { run(1); });
@@ -110,7 +110,7 @@ TEST_CASE(ucx_client_two_ranks_two_shards_equal_reference) {
     for (int64_t k = 0; k < kKeys; ++k) keys.push_back(k);
     for (auto& c : clients) {
       std::vector<float> got(keys.size() * kDim);
-      c->GetAsync(keys.data(), keys.size(), steps - 1, got.data())->Wait(transport::DeadlineAfter(20));
+      c->GetAsync(keys.data(), keys.size(), steps - 1, got.data())->Wait(DeadlineAfter(20));
       CheckRows(keys, got, *ref);
     }
     // Every shard heard from every rank every step (markers included).
@@ -118,10 +118,10 @@ TEST_CASE(ucx_client_two_ranks_two_shards_equal_reference) {
     for (auto& c : clients) c->Close(5);
     CHECK_EQ(shards[1]->GetTable("emb")->attached_ranks(), 0);
     // Every client left: draining returns as soon as the server noticed, not at its timeout.
-    const auto t0 = transport::Clock::now();
+    const auto t0 = Clock::now();
     srv0->Stop(30);
     srv1->Stop(30);
-    CHECK(transport::Clock::now() - t0 < std::chrono::seconds(10));
+    CHECK(Clock::now() - t0 < std::chrono::seconds(10));
     CHECK_EQ(srv1->stats().accepted, uint64_t{2});
     CHECK_EQ(srv1->stats().closed_by_server, uint64_t{0});
   });
@@ -153,7 +153,7 @@ TEST_CASE(ucx_slot_reuse_under_pressure_stays_exact) {
                                        batches[t].grads.data()));
       ops.push_back(client.GetAsync(keys.data(), keys.size(), t, outs[t].data()));
     }
-    for (auto& op : ops) op->Wait(transport::DeadlineAfter(30));
+    for (auto& op : ops) op->Wait(DeadlineAfter(30));
     for (int t = 0; t < steps; ++t) {
       auto ref = Reference(t + 1, 1, rows);
       CheckRows(keys, outs[t], *ref);
@@ -199,11 +199,11 @@ TEST_CASE(ucx_refuses_strangers_and_survives_malformed_frames) {
       std::atomic<bool> failed{false};
       transport::ucx::EndpointHandlers h;
       h.on_failure = [&](const transport::ucx::Failure&) { failed = true; };
-      auto ep = transport::ucx::Endpoint::Connect(co, h, transport::ucx::DeadlineIn(5));
+      auto ep = transport::ucx::Endpoint::Connect(co, h, DeadlineAfter(5));
       ep->PostPut(0, slot.size(), 1);
       ep->FlushAndRing();
-      const auto t0 = transport::Clock::now();
-      while (!failed && transport::Clock::now() - t0 < std::chrono::seconds(10)) {
+      const auto t0 = Clock::now();
+      while (!failed && Clock::now() - t0 < std::chrono::seconds(10)) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
       CHECK(failed.load());
@@ -212,7 +212,7 @@ TEST_CASE(ucx_refuses_strangers_and_survives_malformed_frames) {
     std::vector<std::unique_ptr<transport::Channel>> c;
     c.push_back(transport::UcxChannel::Connect("127.0.0.1", srv->port(), "secret", ChannelOpts(o), 5));
     PSClient client(o, std::move(c));
-    client.CommitAsync(0, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5));
+    client.CommitAsync(0, nullptr, 0, nullptr)->Wait(DeadlineAfter(5));
     CHECK_EQ(client.CommittedStep(), int64_t{0});
     client.Close(5);
     srv->Stop(1);
@@ -233,12 +233,12 @@ TEST_CASE(ucx_dead_shard_fails_pending_work_at_once) {
     PSClient client(o, std::move(c));
     auto op = client.CommitAsync(0, nullptr, 0, nullptr);  // waits for rank 1 forever
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const auto t0 = transport::Clock::now();
+    const auto t0 = Clock::now();
     srv->Stop(0);  // the shard goes away
-    CHECK_THROWS(TransportError, op->Wait(transport::DeadlineAfter(10)));
-    CHECK(transport::Clock::now() - t0 < std::chrono::seconds(5));  // not the 30 s timeout
+    CHECK_THROWS(TransportError, op->Wait(DeadlineAfter(10)));
+    CHECK(Clock::now() - t0 < std::chrono::seconds(5));  // not the 30 s timeout
     CHECK_THROWS(TransportError,
-                 client.CommitAsync(1, nullptr, 0, nullptr)->Wait(transport::DeadlineAfter(5)));
+                 client.CommitAsync(1, nullptr, 0, nullptr)->Wait(DeadlineAfter(5)));
     client.Close(1);
   });
 }

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "common/cuda_api.h"
-#include "transport/transport.h"
+#include "transport/channel.h"
 
 namespace bagpipe::transport {
 

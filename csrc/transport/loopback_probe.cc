@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "common/errors.h"
-#include "transport/socket_io.h"
+#include "transport/socket.h"
 
 namespace bagpipe::transport {
 namespace {
@@ -26,7 +26,7 @@ void Connect(Pair* p) {
   uint16_t port = 0;
   const int lfd = ListenTcp("127.0.0.1", 0, 1, &port);
   std::thread acceptor([&] { p->server = ::accept(lfd, nullptr, nullptr); });
-  p->client = ConnectTcp("127.0.0.1", port, DeadlineAfter(10));
+  p->client = ConnectTcp("127.0.0.1", port, DeadlineAfter(10)).Release();
   acceptor.join();
   ::close(lfd);
   if (p->server < 0) throw TransportError("loopback probe: accept failed");

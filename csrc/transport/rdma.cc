@@ -4,7 +4,7 @@
 
 #ifdef BAGPIPE_HAVE_UCX
 #include "transport/ucx_context.h"
-#include "transport/ucx_transport.h"
+#include "transport/ucx_channel.h"
 #endif
 
 namespace bagpipe::transport {

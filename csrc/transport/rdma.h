@@ -1,5 +1,5 @@
 // The rdma backend's entry points that exist in every build. With UCX (BAGPIPE_HAVE_UCX)
-// they reach ucx_transport.h; without it they explain which library is missing.
+// they reach ucx_channel.h; without it they explain which library is missing.
 //
 // Thread safety: free functions, thread-safe.
 #pragma once
@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "transport/transport.h"
+#include "transport/channel.h"
 
 namespace bagpipe::transport {
 

@@ -25,19 +25,6 @@ void ThrowStatus(const std::string& what, ucs_status_t status) {
 
 const char* VersionString() { return ucp_get_version_string(); }
 
-Deadline DeadlineIn(double seconds) {
-  const double s = (seconds > 0 && seconds < 1e9) ? seconds : 1e9;
-  return Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-}
-
-int MillisLeft(Deadline deadline) {
-  const auto now = Clock::now();
-  if (deadline <= now) return 0;
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
-  return static_cast<int>(std::min<int64_t>(ms + 1, 86'400'000));
-}
-
 Context::Context(const UcxConfig& config) : config_(config) {
   ucp_config_t* ucp_config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucp_config);

@@ -17,14 +17,12 @@
 
 #include <ucp/api/ucp.h>
 
-#include <chrono>
 #include <memory>
 #include <string>
 
-namespace bagpipe::transport::ucx {
+#include "common/deadline.h"
 
-using Clock = std::chrono::steady_clock;
-using Deadline = Clock::time_point;
+namespace bagpipe::transport::ucx {
 
 struct UcxConfig {
   std::string tls;          // UCX_TLS for this context ("sm", "tcp", "rc,sm,self"); empty: env
@@ -62,10 +60,5 @@ std::string StatusText(const std::string& what, ucs_status_t status);
 [[noreturn]] void ThrowStatus(const std::string& what, ucs_status_t status);
 // The UCX library version this process runs ("1.13.1").
 const char* VersionString();
-
-// Deadline `seconds` from now (seconds <= 0 or huge: about 30 years).
-Deadline DeadlineIn(double seconds);
-// Milliseconds left until `deadline` (>= 0, capped at one day).
-int MillisLeft(Deadline deadline);
 
 }  // namespace bagpipe::transport::ucx

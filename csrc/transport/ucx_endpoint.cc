@@ -271,6 +271,7 @@ std::shared_ptr<Endpoint> Endpoint::Connect(const ConnectOptions& o, EndpointHan
   ep->Start(deadline);
 
   Socket s = ConnectTcp(o.host, o.port, deadline);
+  SetNonBlocking(s.fd(), true);  // the control connection's reads and writes are deadline-bounded
   ep->RunOnThread([&] { my_address = ep->WorkerAddress(); }, deadline);
 
   wire::BootHello hello{};
@@ -1133,7 +1134,7 @@ void Endpoint::CloseEndpoint(bool force) {
   ucs_status_ptr_t req = ucp_ep_close_nbx(ep_, &prm);
   ep_ = nullptr;
   if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-  const Deadline deadline = DeadlineIn(kCloseTimeout);
+  const Deadline deadline = DeadlineAfter(kCloseTimeout);
   while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < deadline) {
     ucp_worker_progress(worker_);
     ProcessCompleted();
@@ -1152,7 +1153,7 @@ void Endpoint::WaitOutstanding(Deadline deadline) {
 void Endpoint::HandleFailure() {
   failure_handled_ = true;
   CloseEndpoint(/*force=*/true);
-  WaitOutstanding(DeadlineIn(kCloseTimeout));
+  WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {
     if (in.held) ucp_am_data_release(worker_, in.data);
   }
@@ -1185,7 +1186,7 @@ void Endpoint::Teardown() {
     std::lock_guard<std::mutex> lock(mu_);
     graceful = graceful_stop_ && !failed_;
   }
-  if (graceful && ep_ != nullptr) WaitOutstanding(DeadlineIn(kCloseTimeout));
+  if (graceful && ep_ != nullptr) WaitOutstanding(DeadlineAfter(kCloseTimeout));
   // Goodbye first: the peer then reads our endpoint closing as the graceful close it is.
   if (graceful && monitoring_.load() && control_.valid()) {
     const uint8_t bye = wire::kByeByte;
@@ -1193,7 +1194,7 @@ void Endpoint::Teardown() {
   }
   monitoring_.store(false);
   CloseEndpoint(/*force=*/!graceful);
-  WaitOutstanding(DeadlineIn(kCloseTimeout));
+  WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {
     if (in.held) ucp_am_data_release(worker_, in.data);
   }

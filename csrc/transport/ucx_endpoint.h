@@ -65,7 +65,7 @@
 
 #include "transport/ucx_context.h"
 #include "transport/ucx_memory.h"
-#include "transport/ucx_socket.h"
+#include "transport/socket.h"
 #include "transport/ucx_wire.h"
 
 namespace bagpipe::transport::ucx {

@@ -7,22 +7,11 @@
 #include <utility>
 
 #include "common/errors.h"
+#include "common/hash.h"
 
 namespace bagpipe::transport::ucx {
 
-uint64_t KeyDigest(const uint8_t* data, size_t len) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < len; ++i) {
-    h ^= data[i];
-    h *= 0x100000001b3ull;
-  }
-  h ^= h >> 33;
-  h *= 0xff51afd7ed558ccdull;
-  h ^= h >> 33;
-  h *= 0xc4ceb9fe1a85ec53ull;
-  h ^= h >> 33;
-  return h;
-}
+uint64_t KeyDigest(const uint8_t* data, size_t len) { return Digest64(data, len); }
 
 Region::Region(std::shared_ptr<Context> context, ucp_mem_h memh, uint8_t* data, size_t size)
     : context_(std::move(context)), memh_(memh), data_(data), size_(size) {}

@@ -78,7 +78,7 @@ class RemoteKey {
   const uint64_t size_;
 };
 
-// 64-bit digest (FNV-1a, then a murmur finaliser) of a packed key or any byte string.
+// 64-bit digest (common/hash.h Digest64) of a packed key or any byte string.
 uint64_t KeyDigest(const uint8_t* data, size_t len);
 
 }  // namespace bagpipe::transport::ucx

@@ -145,27 +145,21 @@ def build_fused_table(
     written by the caller right after (table_io.py).
     """
     from torchrec_bagpipe.ps.client import PSClient
+    from torchrec_bagpipe.ps.options import client_options
     from torchrec_bagpipe.runtime.controller import BagPipeController
 
-    client = PSClient(
-        job.endpoints,
+    client = PSClient.from_options(job.endpoints, client_options(
+        config,
         table=spec.name,
         dim=spec.dim,
         lr=spec.lr,
         rank=job.rank,
         world_size=job.world_size,
-        gradient_division=config.resolved_gradient_division(),
-        partitioner=config.partitioner,
         job_token=job.job_token,
-        max_packet_rows=config.max_packet_rows,
-        inflight_packets=config.inflight_packets,
-        timeout=config.ps_timeout,
-        connect_timeout=config.connect_timeout,
         init="uniform",
         init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
-        seed=config.init_seed,
         key_bound=spec.num_keys,
-    )
+    ))
     try:
         controller = BagPipeController(
             config,

@@ -89,6 +89,7 @@ class BagPipeJob:
         return str(self.control.broadcast_object(mine, src=0))
 
     def _deploy(self) -> list[Any]:
+        from torchrec_bagpipe.ps.options import shard_options
         from torchrec_bagpipe.ps.shard import PSShard
 
         config = self.config
@@ -123,12 +124,7 @@ class BagPipeJob:
                 f"a trainer process, so at most world_size={self.world_size} shards"
             )
         if self.rank < shards:
-            self.shard = PSShard(
-                self.rank, shards,
-                store_threads=config.store_threads,
-                memory_budget=config.memory_budget,
-                spill_dir=config.spill_dir,
-            )
+            self.shard = PSShard.from_options(shard_options(config, self.rank, shards))
             if kind == "rdma":
                 self.server = self.shard.serve_ucx("127.0.0.1", 0, job_token=self.job_token)
             else:

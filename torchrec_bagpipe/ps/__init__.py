@@ -1,4 +1,4 @@
-"""The parameter server: storage engine, shards, client and server program."""
+"""The parameter server: storage engine, shards, client, their options and the server program."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
     "PSClient": "torchrec_bagpipe.ps.client",
     "PSHandle": "torchrec_bagpipe.ps.client",
+    "PSClientOptions": "torchrec_bagpipe.ps.options",
     "PSShard": "torchrec_bagpipe.ps.shard",
+    "PSShardOptions": "torchrec_bagpipe.ps.options",
     "Partitioner": "torchrec_bagpipe.ps.partitioner",
     "SpillWarning": "torchrec_bagpipe.ps.store",
     "ServerProcess": "torchrec_bagpipe.ps.shard",
@@ -16,6 +18,8 @@ _LAZY = {
     "spawn_server": "torchrec_bagpipe.ps.shard",
     "serve_ucx": "torchrec_bagpipe.ps.rdma",
     "UcxShardServer": "torchrec_bagpipe.ps.rdma",
+    "client_options": "torchrec_bagpipe.ps.options",
+    "shard_options": "torchrec_bagpipe.ps.options",
     "start_local_shards": "torchrec_bagpipe.ps.shard",
     "start_tcp_shard": "torchrec_bagpipe.ps.shard",
 }

@@ -14,7 +14,6 @@ process (local: no sockets), ``"host:port"`` / ``"tcp://host:port"`` / ``(host, 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import numbers
 import threading
 from collections.abc import Sequence
@@ -23,16 +22,19 @@ from typing import Any
 import torch
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps.partitioner import KINDS, Partitioner
+from torchrec_bagpipe.ps import rdma
+from torchrec_bagpipe.ps._args import float_arg, int_arg, keys_arg, rows_arg
+from torchrec_bagpipe.ps.options import PSClientOptions, default_session_id, ps_client_options
+from torchrec_bagpipe.ps.partitioner import Partitioner
 from torchrec_bagpipe.ps.shard import PSShard
-from torchrec_bagpipe.ps.store import _float_arg, _init_args, _int_arg, _keys_arg, _rows_arg
 
-__all__ = ["PSClient", "PSHandle", "default_session_id"]
+__all__ = ["PSClient", "PSClientOptions", "PSHandle", "default_session_id"]
 
-def default_session_id(job_token: str, table: str) -> int:
-    """The session id every rank of a job derives for `table` (64-bit, never 0)."""
-    digest = hashlib.blake2b(f"{job_token}\0{table}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") or 1
+
+def _num_endpoints(endpoints: Any) -> int:
+    if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
+        raise TypeError("endpoints must be a sequence (one endpoint per shard, in shard order)")
+    return len(endpoints)
 
 
 def _endpoint(e: Any, index: int) -> Any:
@@ -48,11 +50,9 @@ def _endpoint(e: Any, index: int) -> Any:
         return (host, int(port))
     if isinstance(e, str):
         text = e
-        rdma = text.startswith("ucx://") or text.startswith("rdma://")
-        if rdma:
-            from torchrec_bagpipe.ps import rdma as _rdma
-
-            _rdma.require_rdma()
+        is_rdma = text.startswith("ucx://") or text.startswith("rdma://")
+        if is_rdma:
+            rdma.require_rdma()
             text = text.split("://", 1)[1]
         if text.startswith("tcp://"):
             text = text[len("tcp://"):]
@@ -61,7 +61,7 @@ def _endpoint(e: Any, index: int) -> Any:
             host = host[1:-1]
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"endpoints[{index}] = {e!r} is not host:port")
-        return ("ucx", host, int(port)) if rdma else (host, int(port))
+        return ("ucx", host, int(port)) if is_rdma else (host, int(port))
     raise TypeError(
         f"endpoints[{index}] must be a PSShard, 'host:port' or (host, port), got {type(e).__name__}"
     )
@@ -100,7 +100,7 @@ class PSHandle:
         return bool(self._op.done())
 
     def wait(self, timeout: float | None = None) -> Any:
-        t = self._client.timeout if timeout is None else _float_arg(timeout, "timeout")
+        t = self._client.timeout if timeout is None else float_arg(timeout, "timeout")
         if t < 0:
             raise ValueError(f"timeout must be >= 0, got {t}")
         try:
@@ -150,97 +150,65 @@ class PSClient:
         seed: int = 0,
         key_bound: int | None = None,
     ) -> None:
+        if isinstance(partitioner, Partitioner):
+            if partitioner.num_shards != _num_endpoints(endpoints):
+                raise ValueError(
+                    f"partitioner has {partitioner.num_shards} shards but "
+                    f"{_num_endpoints(endpoints)} endpoints"
+                )
+            partitioner = partitioner.kind
+        self._open(
+            endpoints,
+            ps_client_options(
+                table=table,
+                dim=dim,
+                lr=lr,
+                rank=rank,
+                world_size=world_size,
+                gradient_division=gradient_division,
+                partitioner=partitioner,
+                job_token=job_token,
+                session_id=session_id,
+                max_packet_rows=max_packet_rows,
+                inflight_packets=inflight_packets,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+                init=init,
+                init_bound=init_bound,
+                init_value=init_value,
+                seed=seed,
+                key_bound=key_bound,
+            ),
+        )
+
+    @classmethod
+    def from_options(cls, endpoints: Sequence[Any], options: PSClientOptions) -> PSClient:
+        """A client built from its options (`torchrec_bagpipe.ps.options.ps_client_options`,
+        or `client_options(config, ...)` for the settings of a `BagPipeConfig`)."""
+        client = cls.__new__(cls)
+        client._open(endpoints, options)
+        return client
+
+    def _open(self, endpoints: Sequence[Any], options: PSClientOptions) -> None:
         self._core: Any = None
         self._closed = False
         self._lock = threading.Lock()
         self._pending: list[PSHandle] = []
         self._stager: Any = None  # DeviceStagerCore, created by the first CUDA commit
-        if isinstance(endpoints, (str, bytes)) or not isinstance(endpoints, Sequence):
-            raise TypeError("endpoints must be a sequence (one endpoint per shard, in shard order)")
-        if len(endpoints) == 0:
-            raise ValueError("endpoints must list at least one shard")
+        _num_endpoints(endpoints)
         eps = [_endpoint(e, i) for i, e in enumerate(endpoints)]
-        if not isinstance(table, str):
-            raise TypeError(f"table must be a str, got {type(table).__name__}")
-        dim = _int_arg(dim, "dim", minimum=1)
-        lr = _float_arg(lr, "lr")
-        world_size = _int_arg(world_size, "world_size", minimum=1)
-        rank = _int_arg(rank, "rank", minimum=0)
-        if rank >= world_size:
-            raise ValueError(f"rank {rank} must be below world_size {world_size}")
-        if isinstance(partitioner, Partitioner):
-            if partitioner.num_shards != len(eps):
-                raise ValueError(
-                    f"partitioner has {partitioner.num_shards} shards but {len(eps)} endpoints"
-                )
-            kind = partitioner.kind
-        else:
-            if partitioner not in KINDS:
-                raise ValueError(f"partitioner must be one of {list(KINDS)}, got {partitioner!r}")
-            kind = partitioner
-        if not isinstance(job_token, str):
-            raise TypeError("job_token must be a str")
-        if session_id is None:
-            session_id = default_session_id(job_token, table)
-        session_id = _int_arg(session_id, "session_id", minimum=0)
-        if session_id >= 1 << 64:
-            raise ValueError("session_id must fit in 64 bits")
-        if key_bound is not None:
-            key_bound = _int_arg(key_bound, "key_bound", minimum=1)
-        init_kind, bound, value, seed, starts, bounds = _init_args(
-            init, init_bound, init_value, seed, key_bound
-        )
-        self.timeout = _float_arg(timeout, "timeout")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be > 0, got {self.timeout}")
-        connect_timeout = _float_arg(connect_timeout, "connect_timeout")
-        self.table = table
-        self.dim = dim
-        self.lr = lr
-        self.rank = rank
-        self.world_size = world_size
-        self.session_id = session_id
-        self.partitioner = Partitioner(kind, len(eps))
-        self._core = C.PSClientCore(
-            eps, table, session_id, rank, world_size, dim, lr, bool(gradient_division),
-            init_kind, bound, value, seed, starts, bounds,
-            -1 if key_bound is None else key_bound, kind,
-            _int_arg(max_packet_rows, "max_packet_rows", minimum=1),
-            _int_arg(inflight_packets, "inflight_packets", minimum=1),
-            self.timeout, connect_timeout, job_token,
-        )
-
-    @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        endpoints: Sequence[Any],
-        *,
-        table: str,
-        dim: int,
-        lr: float,
-        rank: int,
-        world_size: int,
-        **kwargs: Any,
-    ) -> PSClient:
-        """A client with the PS knobs of a `BagPipeConfig` (partitioner, packet rows, window,
-        timeouts, job token, gradient division); `kwargs` (init, key_bound, ...) pass through."""
-        return cls(
-            endpoints,
-            table=table,
-            dim=dim,
-            lr=lr,
-            rank=rank,
-            world_size=world_size,
-            gradient_division=config.resolved_gradient_division(),
-            partitioner=config.partitioner,
-            job_token=config.job_token or "",
-            max_packet_rows=config.max_packet_rows,
-            inflight_packets=config.inflight_packets,
-            timeout=config.ps_timeout,
-            connect_timeout=config.connect_timeout,
-            **kwargs,
-        )
+        if not eps:
+            raise ValueError("endpoints must list at least one shard")
+        o = options.client
+        self.table = str(o.table)
+        self.dim = int(o.dim)
+        self.lr = float(o.lr)
+        self.rank = int(o.rank)
+        self.world_size = int(o.world_size)
+        self.session_id = int(o.session)
+        self.timeout = float(o.timeout)
+        self.partitioner = Partitioner(str(o.partition), len(eps))
+        self._core = C.PSClientCore(eps, o, options.connect)
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -270,11 +238,11 @@ class PSClient:
         """Commits this rank's gradient rows of `step` (keys: 1-D int64 on the CPU; grads:
         (n, dim) float32, on the CPU or in CUDA memory; n may be 0 — every rank commits every
         step). The handle completes when every shard has committed `step`."""
-        step = _int_arg(step, "step", minimum=0)
+        step = int_arg(step, "step", minimum=0)
         if isinstance(grads, torch.Tensor) and grads.is_cuda:
             return self._commit_async_device(step, keys, grads)
-        k = _keys_arg(keys)
-        g = _rows_arg(grads, "grads", k.shape[0], self.dim)
+        k = keys_arg(keys)
+        g = rows_arg(grads, "grads", k.shape[0], self.dim)
         op = self._live().commit_async(step, k, g)
         return self._track(PSHandle(op, "commit", None, (keys, grads, k, g), self))
 
@@ -289,7 +257,7 @@ class PSClient:
                 f"keys must be a CPU tensor, got device {keys.device}: commit IDs come from the "
                 "CPU-side plans, never from a device round trip"
             )
-        k = _keys_arg(keys)
+        k = keys_arg(keys)
         if grads.dtype != torch.float32:
             raise TypeError(f"grads must have dtype torch.float32, got {grads.dtype}")
         if grads.layout != torch.strided or not grads.is_contiguous():
@@ -315,11 +283,11 @@ class PSClient:
     ) -> PSHandle:
         """Rows of `keys` (n, dim) once every shard committed `at_step` (-1: now). A get must
         follow this client's commit of `at_step`, or it fails with TimeoutError."""
-        at_step = _int_arg(at_step, "at_step", minimum=-1)
-        k = _keys_arg(keys)
+        at_step = int_arg(at_step, "at_step", minimum=-1)
+        k = keys_arg(keys)
         if out is None:
             out = torch.empty((k.shape[0], self.dim), dtype=torch.float32)
-        o = _rows_arg(out, "out", k.shape[0], self.dim)
+        o = rows_arg(out, "out", k.shape[0], self.dim)
         if out.requires_grad:
             raise ValueError("out must not require grad")
         op = self._live().get_async(k, at_step, o)
@@ -346,8 +314,8 @@ class PSClient:
     def assign(self, keys: torch.Tensor, rows: torch.Tensor, timeout: float | None = None) -> None:
         """Writes rows (n, dim) for keys on their shards (loading weights; the last duplicate
         wins). Runs after every earlier operation and before every later one."""
-        k = _keys_arg(keys)
-        r = _rows_arg(rows, "rows", k.shape[0], self.dim)
+        k = keys_arg(keys)
+        r = rows_arg(rows, "rows", k.shape[0], self.dim)
         op = self._live().assign_async(k, r)
         self._track(PSHandle(op, "assign", None, (keys, rows, k, r), self)).wait(timeout)
 
@@ -386,7 +354,7 @@ class PSClient:
             return
         self._closed = True
         try:
-            core.close(self.timeout if timeout is None else _float_arg(timeout, "timeout"))
+            core.close(self.timeout if timeout is None else float_arg(timeout, "timeout"))
         finally:
             with self._lock:
                 self._pending.clear()

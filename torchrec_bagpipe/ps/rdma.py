@@ -14,11 +14,11 @@ Clients name a UCX shard ``"ucx://host:port"`` (or ``"rdma://host:port"``) in
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps.shard import _NativeServer
+from torchrec_bagpipe.ps.native_server import NativeServer
+from torchrec_bagpipe.ps.options import ucx_server_options
 
 __all__ = [
     "HAVE_UCX",
@@ -66,7 +66,7 @@ def rdma_endpoint(address: str) -> str:
     return f"ucx://{text}"
 
 
-class UcxShardServer(_NativeServer):
+class UcxShardServer(NativeServer):
     """A UCX server for one `PSShard`, running on background native threads."""
 
     _scheme = "ucx://"
@@ -88,21 +88,14 @@ def serve_ucx(
     `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server.
     """
     require_rdma()
-    if not isinstance(host, str) or not host:
-        raise TypeError("host must be a non-empty str")
-    if isinstance(port, bool) or not isinstance(port, numbers.Integral):
-        raise TypeError(f"port must be an int, got {type(port).__name__}")
-    if not 0 <= int(port) <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {port}")
-    for name, value in (("job_token", job_token), ("ucx_tls", ucx_tls or ""),
-                        ("ucx_devices", ucx_devices or "")):
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be a str")
-    if not handshake_timeout > 0:
-        raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
-    if isinstance(max_connections, bool) or not isinstance(max_connections, numbers.Integral) \
-            or max_connections < 1:
-        raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
-    core = C.serve_ucx(shard.core, host, int(port), job_token, ucx_tls or "", ucx_devices or "",
-                       float(handshake_timeout), int(max_connections))
+    options = ucx_server_options(
+        host,
+        port,
+        job_token=job_token,
+        ucx_tls=ucx_tls,
+        ucx_devices=ucx_devices,
+        handshake_timeout=handshake_timeout,
+        max_connections=max_connections,
+    )
+    core = C.serve_ucx(shard.core, options)
     return UcxShardServer(core, shard)

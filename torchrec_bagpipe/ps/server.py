@@ -18,13 +18,21 @@ import threading
 import time
 from collections.abc import Sequence
 
-from torchrec_bagpipe.config import parse_memory_budget
+from torchrec_bagpipe.config import BagPipeConfig, parse_memory_budget
 
-__all__ = ["build_parser", "main"]
+__all__ = ["CONFIG_FLAGS", "build_parser", "main"]
 
-# Kept equal to torchrec_bagpipe.ps.shard.DEFAULT_MAX_FRAME_BYTES; this module imports the
+# Kept equal to torchrec_bagpipe.ps.options.DEFAULT_MAX_FRAME_BYTES; this module imports the
 # shard (and torch) only after the arguments are checked, so --help and usage errors are fast.
 DEFAULT_MAX_FRAME_BYTES = 256 << 20
+
+# The flags that are BagPipeConfig fields: same names, same help as a trainer's (the values
+# reach the shard through torchrec_bagpipe.ps.options.shard_options, like a trainer-hosted
+# shard's). The other flags are the server's own.
+CONFIG_FLAGS = {
+    "network": ("job_token",),
+    "store": ("memory_budget", "spill_dir", "store_threads"),
+}
 
 EPILOG = """\
 Clients authenticate with the job token (--job-token, or the BAGPIPE_JOB_TOKEN environment
@@ -70,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rdma: UCX transports, overriding $UCX_TLS (e.g. rc,sm,self or tcp)")
     g.add_argument("--ucx-devices", default=None,
                    help="rdma: UCX devices, overriding $UCX_NET_DEVICES (e.g. mlx5_0:1)")
-    g.add_argument("--job-token", default=None,
-                   help="token clients must present (default: $BAGPIPE_JOB_TOKEN, else empty)")
+    BagPipeConfig.add_arguments(g, CONFIG_FLAGS["network"], group=None)
     g.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection has to authenticate (default 10)")
     g.add_argument("--max-connections", type=int, default=1024,
@@ -83,13 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("store (every table of this shard)")
     g.add_argument("--dim", type=int, default=None,
                    help="accept only tables of this row width (default: any)")
-    g.add_argument("--memory-budget", default=None,
-                   help="DRAM budget per table in bytes, with K/M/G/T suffixes, or 'auto' "
-                        "(default: unlimited)")
-    g.add_argument("--spill-dir", default=None,
-                   help="directory for pages spilled above the budget (default: memory only)")
-    g.add_argument("--store-threads", type=int, default=1,
-                   help="worker threads of each table's store (default 1)")
+    BagPipeConfig.add_arguments(g, CONFIG_FLAGS["store"], group=None)
     g.add_argument("--store-shards", type=int, default=16,
                    help="internal hash shards of each store, a power of two (default 16)")
     g.add_argument("--page-rows", type=int, default=None,
@@ -131,6 +132,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
             parse_memory_budget(args.memory_budget, "--memory-budget (memory_budget)")
         except (TypeError, ValueError) as e:
             return str(e)
+    if args.store_threads < 1:
+        return f"--store-threads must be >= 1, got {args.store_threads}"
     if args.checkpoint_every < 0:
         return "--checkpoint-every must be >= 0"
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -144,8 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         print(f"torchrec-bagpipe-ps: {problem}", file=sys.stderr)
         return 2
+    from torchrec_bagpipe.ps.options import shard_options
     from torchrec_bagpipe.ps.shard import PSShard
-    token = args.job_token
+
+    try:
+        config = BagPipeConfig.from_args(args)
+    except (ValueError, TypeError) as e:
+        print(f"torchrec-bagpipe-ps: {e}", file=sys.stderr)
+        return 2
+    token = config.job_token
     if token is None:
         token = os.environ.get("BAGPIPE_JOB_TOKEN", "")
     prefix = f"bagpipe-ps shard {args.shard_id}/{args.num_shards}"
@@ -154,21 +164,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("torchrec-bagpipe-ps: --restore needs --checkpoint-dir", file=sys.stderr)
         return 2
     try:
-        shard = PSShard(
+        options = shard_options(
+            config,
             args.shard_id,
             args.num_shards,
             dim=args.dim,
-            store_threads=args.store_threads,
             store_shards=args.store_shards,
-            memory_budget=args.memory_budget,
-            spill_dir=args.spill_dir,
             page_rows=args.page_rows,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
-            restore=bool(restore),
             max_frame_bytes=args.max_frame_bytes,
-            verbose=not args.quiet,
         )
+        shard = PSShard.from_options(options, restore=bool(restore), verbose=not args.quiet)
         if args.transport == "rdma":
             server = shard.serve_ucx(
                 args.host,

@@ -23,7 +23,16 @@ from typing import IO, Any
 import torch
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps.store import _budget_arg, _init_args, _int_arg, _keys_arg, _rows_arg
+from torchrec_bagpipe.ps._args import int_arg, keys_arg, optional_path, rows_arg
+from torchrec_bagpipe.ps.native_server import NativeServer
+from torchrec_bagpipe.ps.options import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PSShardOptions,
+    ps_shard_options,
+    table_schema,
+    tcp_server_options,
+)
+from torchrec_bagpipe.ps.rdma import UcxShardServer, serve_ucx
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
@@ -35,62 +44,10 @@ __all__ = [
     "start_tcp_shard",
 ]
 
-DEFAULT_MAX_FRAME_BYTES = 256 << 20
 LISTEN_RE = re.compile(r"^listening (\S+):(\d+) shard (\d+)/(\d+)")
 
 
-def _path_or_empty(value: Any, name: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path, got {type(value).__name__}")
-    return os.fspath(value)
-
-
-class _NativeServer:
-    """A shard server (TCP or UCX) running on background native threads; `_core` is its
-    native handle (host, port, stopped, stop(drain_timeout), stats())."""
-
-    _scheme = ""  # the endpoint prefix clients use for this transport
-
-    def __init__(self, core: Any, shard: PSShard) -> None:
-        self._core = core
-        self.shard = shard
-
-    @property
-    def host(self) -> str:
-        return str(self._core.host)
-
-    @property
-    def port(self) -> int:
-        return int(self._core.port)
-
-    @property
-    def address(self) -> str:
-        """The `PSClient` endpoint of this server (IPv6 hosts bracketed)."""
-        host = self.host
-        port = self.port
-        return self._scheme + (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-
-    @property
-    def stopped(self) -> bool:
-        return bool(self._core.stopped)
-
-    def stop(self, drain_timeout: float = 0.0) -> None:
-        """Stops accepting, waits up to `drain_timeout` s for clients to disconnect, then
-        closes the remaining connections (their ranks leave their sessions)."""
-        self._core.stop(float(drain_timeout))
-
-    def stats(self) -> dict[str, int]:
-        """accepted, refused, active, frames, bytes_in, bytes_out, closed_by_server."""
-        return dict(self._core.stats())
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.address}, "
-                f"shard={self.shard.shard_id}/{self.shard.num_shards})")
-
-
-class ShardServer(_NativeServer):
+class ShardServer(NativeServer):
     """A TCP server for one `PSShard`, running on background native threads."""
 
 
@@ -124,33 +81,47 @@ class PSShard:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         verbose: bool = False,
     ) -> None:
-        shard_id = _int_arg(shard_id, "shard_id", minimum=0)
-        num_shards = _int_arg(num_shards, "num_shards", minimum=1)
-        if shard_id >= num_shards:
-            raise ValueError(f"shard_id {shard_id} must be below num_shards {num_shards}")
-        expected_dim = 0 if dim is None else _int_arg(dim, "dim", minimum=1)
-        checkpoint_every = _int_arg(checkpoint_every, "checkpoint_every", minimum=0)
-        ckpt = _path_or_empty(checkpoint_dir, "checkpoint_dir")
-        if checkpoint_every and not ckpt:
-            raise ValueError("checkpoint_every needs a checkpoint_dir")
-        self._core = C.PSShardCore(
-            shard_id,
-            num_shards,
-            expected_dim,
-            ckpt,
-            checkpoint_every,
-            _int_arg(max_frame_bytes, "max_frame_bytes", minimum=4096),
-            bool(verbose),
-            _int_arg(store_shards, "store_shards", minimum=1),
-            _int_arg(store_threads, "store_threads", minimum=1),
-            _budget_arg(memory_budget),
-            _path_or_empty(spill_dir, "spill_dir"),
-            float(high_watermark),
-            float(low_watermark),
-            0 if page_rows is None else _int_arg(page_rows, "page_rows", minimum=1),
+        self._open(
+            ps_shard_options(
+                shard_id,
+                num_shards,
+                dim=dim,
+                store_threads=store_threads,
+                store_shards=store_shards,
+                memory_budget=memory_budget,
+                spill_dir=spill_dir,
+                high_watermark=high_watermark,
+                low_watermark=low_watermark,
+                page_rows=page_rows,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every,
+                max_frame_bytes=max_frame_bytes,
+            ),
+            restore=restore,
+            verbose=verbose,
         )
+
+    @classmethod
+    def from_options(
+        cls,
+        options: PSShardOptions,
+        *,
+        restore: bool | str | os.PathLike[str] = False,
+        verbose: bool = False,
+    ) -> PSShard:
+        """A shard built from its options (`torchrec_bagpipe.ps.options.ps_shard_options`,
+        or `shard_options(config, ...)`); `restore` and `verbose` as the constructor."""
+        shard = cls.__new__(cls)
+        shard._open(options, restore=restore, verbose=verbose)
+        return shard
+
+    def _open(
+        self, options: PSShardOptions, *, restore: bool | str | os.PathLike[str], verbose: bool
+    ) -> None:
+        self._core = C.PSShardCore(options.shard, options.store, bool(verbose))
+        ckpt = str(options.shard.checkpoint_dir)
         self.checkpoint_dir = ckpt or None
-        self._servers: list[Any] = []  # ShardServer, UcxShardServer
+        self._servers: list[NativeServer] = []
         self.restored: dict[str, int] = {}
         if restore is True:
             if not ckpt:
@@ -158,7 +129,7 @@ class PSShard:
             if os.path.isdir(ckpt):
                 self.restored = dict(self._core.restore(ckpt))
         elif restore is not False and restore is not None:
-            self.restored = dict(self._core.restore(_path_or_empty(restore, "restore")))
+            self.restored = dict(self._core.restore(optional_path(restore, "restore")))
 
     # ---- identity ------------------------------------------------------------------------
     @property
@@ -193,16 +164,9 @@ class PSShard:
         ValueError naming the field). A client's session open creates it on demand too."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
-        dim = _int_arg(dim, "dim", minimum=1)
-        if key_bound is not None:
-            key_bound = _int_arg(key_bound, "key_bound", minimum=1)
-        kind, bound, value, seed, starts, bounds = _init_args(
-            init, init_bound, init_value, seed, key_bound
-        )
-        self._core.create_table(
-            name, dim, kind, bound, value, seed, starts, bounds,
-            -1 if key_bound is None else key_bound,
-        )
+        schema = table_schema(dim, init=init, init_bound=init_bound, init_value=init_value,
+                              seed=seed, key_bound=key_bound)
+        self._core.create_table(name, schema)
 
     def tables(self) -> list[str]:
         return list(self._core.tables())
@@ -213,7 +177,7 @@ class PSShard:
 
     def lookup(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         """Rows of `keys` at the table's current committed step (a pure read)."""
-        k = _keys_arg(keys)
+        k = keys_arg(keys)
         out = torch.empty((k.shape[0], int(self._core.table_dim(table))), dtype=torch.float32)
         self._core.read(table, k, out.numpy())
         return out
@@ -222,23 +186,23 @@ class PSShard:
         self, table: str, keys: torch.Tensor, at_step: int, timeout: float = 120.0
     ) -> torch.Tensor:
         """Rows of `keys` once the table committed `at_step` (TimeoutError after `timeout`)."""
-        k = _keys_arg(keys)
-        at_step = _int_arg(at_step, "at_step", minimum=-1)
+        k = keys_arg(keys)
+        at_step = int_arg(at_step, "at_step", minimum=-1)
         out = torch.empty((k.shape[0], int(self._core.table_dim(table))), dtype=torch.float32)
         self._core.read_at(table, at_step, k, out.numpy(), float(timeout))
         return out
 
     def assign(self, table: str, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Bulk load (outside the step protocol); the last duplicate wins."""
-        k = _keys_arg(keys)
+        k = keys_arg(keys)
         dim = int(self._core.table_dim(table))
-        self._core.assign(table, k, _rows_arg(rows, "rows", k.shape[0], dim))
+        self._core.assign(table, k, rows_arg(rows, "rows", k.shape[0], dim))
 
     # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint(self, directory: str | os.PathLike[str] | None = None) -> dict[str, int]:
         """Checkpoints every table at its committed step into `directory` (default: the
         shard's checkpoint_dir); returns table -> step saved."""
-        return dict(self._core.checkpoint(_path_or_empty(directory, "directory")))
+        return dict(self._core.checkpoint(optional_path(directory, "directory")))
 
     # ---- serving -------------------------------------------------------------------------
     def serve(
@@ -252,26 +216,17 @@ class PSShard:
     ) -> ShardServer:
         """Serves this shard over TCP on background native threads (port 0: any free port;
         see `ShardServer.port`). Only 127.0.0.1 unless told otherwise."""
-        if not isinstance(host, str) or not host:
-            raise TypeError("host must be a non-empty str")
-        port = _int_arg(port, "port", minimum=0)
-        if port > 65535:
-            raise ValueError(f"port must be <= 65535, got {port}")
-        if not isinstance(job_token, str):
-            raise TypeError("job_token must be a str")
-        core = self._core.serve(
-            host, port, job_token, float(handshake_timeout),
-            _int_arg(max_connections, "max_connections", minimum=1),
-        )
+        options = tcp_server_options(host, port, job_token=job_token,
+                                     handshake_timeout=handshake_timeout,
+                                     max_connections=max_connections)
+        core = self._core.serve(options)
         server = ShardServer(core, self)
         self._servers.append(server)
         return server
 
-    def serve_ucx(self, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> Any:
+    def serve_ucx(self, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> UcxShardServer:
         """Serves this shard over the rdma (UCX) transport (`torchrec_bagpipe.ps.rdma.serve_ucx`
         takes the keyword arguments); clients use the returned server's ``address``."""
-        from torchrec_bagpipe.ps.rdma import serve_ucx
-
         server = serve_ucx(self, host, port, **kwargs)
         self._servers.append(server)
         return server
@@ -303,7 +258,7 @@ class PSShard:
 
 def start_local_shards(num_shards: int = 1, **shard_kwargs: Any) -> list[PSShard]:
     """`num_shards` in-process shards (pass them to `PSClient` as endpoints)."""
-    num_shards = _int_arg(num_shards, "num_shards", minimum=1)
+    num_shards = int_arg(num_shards, "num_shards", minimum=1)
     return [PSShard(i, num_shards, **shard_kwargs) for i in range(num_shards)]
 
 
@@ -408,8 +363,8 @@ def spawn_server(
     `args` are extra command-line flags (``--dim``, ``--checkpoint-dir`` ...). The job token
     travels in the environment (``BAGPIPE_JOB_TOKEN``), not on the command line.
     """
-    shard_id = _int_arg(shard_id, "shard_id", minimum=0)
-    num_shards = _int_arg(num_shards, "num_shards", minimum=1)
+    shard_id = int_arg(shard_id, "shard_id", minimum=0)
+    num_shards = int_arg(num_shards, "num_shards", minimum=1)
     if not isinstance(port, numbers.Integral):
         raise TypeError("port must be an int")
     child_env = dict(os.environ if env is None else env)

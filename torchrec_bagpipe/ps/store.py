@@ -7,9 +7,6 @@ checked here first so that errors name the argument the caller passed.
 
 from __future__ import annotations
 
-import itertools
-import math
-import numbers
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -18,123 +15,19 @@ import numpy as np
 import torch
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.config import parse_memory_budget
+from torchrec_bagpipe.ps._args import (
+    float_arg,
+    int_arg,
+    keys_arg,
+    path_arg,
+    rows_arg,
+    tensor_arg,
+)
+from torchrec_bagpipe.ps.options import init_spec, load_overrides, store_options
 
 __all__ = ["EmbeddingStore", "SpillWarning", "checkpoint_info", "initial_rows"]
 
 SpillWarning = C.SpillWarning
-
-_INIT_KINDS = ("uniform", "zeros", "constant")
-
-
-# ---- argument checking ----------------------------------------------------------------------
-def _int_arg(value: Any, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _float_arg(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-# These checks run on every batch op: each costs tens of nanoseconds (no device objects).
-def _tensor_arg(t: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if not t.is_cpu:
-        raise TypeError(f"{name} must be a CPU tensor, got device {t.device}")
-    if not t.is_contiguous():
-        raise TypeError(f"{name} must be contiguous")
-    return t
-
-
-def _numpy(t: torch.Tensor) -> Any:
-    """Zero-copy numpy view of a checked tensor."""
-    return t.detach().numpy() if t.requires_grad else t.numpy()
-
-
-def _keys_arg(keys: Any, name: str = "keys") -> Any:
-    keys = _tensor_arg(keys, name, torch.int64)
-    if keys.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(keys.shape)}")
-    return _numpy(keys)
-
-
-def _rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
-    rows = _tensor_arg(rows, name, torch.float32)
-    if rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] != dim:
-        raise ValueError(f"{name} must have shape ({n}, {dim}), got {tuple(rows.shape)}")
-    return _numpy(rows)
-
-
-def _budget_arg(value: Any) -> int:
-    """None -> 0 (unlimited), 'auto' -> -1, else bytes (int or '512M' / '4G' strings)."""
-    return 0 if value is None else parse_memory_budget(value, "memory_budget")
-
-
-def _init_args(
-    init: Any, init_bound: Any, init_value: Any, seed: Any, key_bound: int | None
-) -> tuple[str, float, float, int, list[int], list[float]]:
-    if init not in _INIT_KINDS:
-        raise ValueError(f"init must be one of {list(_INIT_KINDS)}, got {init!r}")
-    seed = _int_arg(seed, "seed")
-    if not 0 <= seed < 1 << 64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    value = _float_arg(init_value, "init_value")
-    bound, starts, bounds = 0.0, [], []
-    if init == "uniform":
-        if init_bound is None:
-            if key_bound is None or key_bound == 0:
-                raise ValueError(
-                    "init_bound is required for init='uniform' without key_bound (TorchRec's "
-                    "default is sqrt(1 / num_embeddings) of each table)"
-                )
-            bound = math.sqrt(1.0 / key_bound)
-        elif isinstance(init_bound, numbers.Real) and not isinstance(init_bound, bool):
-            bound = _float_arg(init_bound, "init_bound")
-            if bound < 0:
-                raise ValueError(f"init_bound must be >= 0, got {bound}")
-        elif isinstance(init_bound, Sequence) and not isinstance(init_bound, str):
-            if not init_bound:
-                raise ValueError("init_bound: the list of (start_key, bound) ranges is empty")
-            for i, item in enumerate(init_bound):
-                if not (isinstance(item, Sequence) and len(item) == 2):
-                    raise TypeError(f"init_bound[{i}] must be a (start_key, bound) pair")
-                starts.append(_int_arg(item[0], f"init_bound[{i}][0]"))
-                b = _float_arg(item[1], f"init_bound[{i}][1]")
-                if b < 0:
-                    raise ValueError(f"init_bound[{i}][1] must be >= 0, got {b}")
-                bounds.append(b)
-            if any(b <= a for a, b in itertools.pairwise(starts)):
-                raise ValueError("init_bound: range starts must be strictly increasing")
-        else:
-            raise TypeError(
-                "init_bound must be None, a float or a list of (start_key, bound) pairs, got "
-                f"{type(init_bound).__name__}"
-            )
-    return init, bound, value, seed, starts, bounds
-
-
-def _path_arg(path: Any, name: str) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{name} must be a non-empty path")
-    return text
 
 
 def _f32(x: float) -> int:
@@ -144,7 +37,7 @@ def _f32(x: float) -> int:
 
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified manifest of a checkpoint (dim, init, rows, meta, ...), without its data."""
-    info = dict(C.store_checkpoint_info(_path_arg(path, "path")))
+    info = dict(C.store_checkpoint_info(path_arg(path, "path")))
     info["meta"] = dict(info["meta"])
     return info
 
@@ -158,11 +51,11 @@ def initial_rows(
     seed: int = 0,
 ) -> torch.Tensor:
     """The deterministic initial rows of `keys` (what a store returns for unwritten keys)."""
-    k = _keys_arg(keys)
-    dim = _int_arg(dim, "dim", minimum=1)
-    kind, bound, value, seed, starts, bounds = _init_args(init, init_bound, init_value, seed, None)
+    k = keys_arg(keys)
+    dim = int_arg(dim, "dim", minimum=1)
+    spec = init_spec(init, init_bound, init_value, seed, None)
     out = torch.empty((k.shape[0], dim), dtype=torch.float32)
-    C.store_initial_rows(k, out.numpy(), kind, bound, value, seed, starts, bounds)
+    C.store_initial_rows(k, out.numpy(), spec)
     return out
 
 
@@ -192,38 +85,33 @@ class EmbeddingStore:
         low_watermark: float = 0.6,
         page_rows: int | None = None,
     ) -> None:
-        dim = _int_arg(dim, "dim", minimum=1)
-        num_shards = _int_arg(num_shards, "num_shards", minimum=1)
-        num_threads = _int_arg(num_threads, "num_threads", minimum=1)
-        if key_bound is not None:
-            key_bound = _int_arg(key_bound, "key_bound", minimum=1)
-        kind, bound, value, seed, starts, bounds = _init_args(
-            init, init_bound, init_value, seed, key_bound
-        )
-        budget = _budget_arg(memory_budget)
-        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
-            raise TypeError(f"spill_dir must be a path, got {type(spill_dir).__name__}")
-        high = _float_arg(high_watermark, "high_watermark")
-        low = _float_arg(low_watermark, "low_watermark")
-        rows_per_page = 0 if page_rows is None else _int_arg(page_rows, "page_rows", minimum=1)
-        self._core = C.StoreCore(
+        options = store_options(
             dim,
-            num_shards,
-            num_threads,
-            kind,
-            bound,
-            value,
-            seed,
-            starts,
-            bounds,
-            -1 if key_bound is None else key_bound,
-            rows_per_page,
-            budget,
-            "" if spill_dir is None else os.fspath(spill_dir),
-            high,
-            low,
+            num_shards=num_shards,
+            num_threads=num_threads,
+            init=init,
+            init_bound=init_bound,
+            init_value=init_value,
+            seed=seed,
+            key_bound=key_bound,
+            memory_budget=memory_budget,
+            spill_dir=spill_dir,
+            high_watermark=high_watermark,
+            low_watermark=low_watermark,
+            page_rows=page_rows,
         )
-        self._dim = dim
+        self._open(options)
+
+    @classmethod
+    def from_options(cls, options: Any) -> EmbeddingStore:
+        """A store built from a ``C.StoreOptions`` (`torchrec_bagpipe.ps.options.store_options`)."""
+        store = cls.__new__(cls)
+        store._open(options)
+        return store
+
+    def _open(self, options: Any) -> None:
+        self._core = C.StoreCore(options)
+        self._dim = int(options.dim)
         self.meta: dict[str, str] = {}
 
     # ---- properties ---------------------------------------------------------------------
@@ -254,11 +142,11 @@ class EmbeddingStore:
         ``insert_missing=False`` is a pure read: absent rows read as their initial value and
         are not stored.
         """
-        k = _keys_arg(keys)
+        k = keys_arg(keys)
         n = k.shape[0]
         if out is None:
             out = torch.empty((n, self._dim), dtype=torch.float32)
-        o = _tensor_arg(out, "out", torch.float32)
+        o = tensor_arg(out, "out", torch.float32)
         if o.dim() != 2 or o.shape[0] != n or o.shape[1] != self._dim:
             raise ValueError(f"out must have shape ({n}, {self._dim}), got {tuple(o.shape)}")
         if o.requires_grad:
@@ -268,42 +156,42 @@ class EmbeddingStore:
 
     def assign(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Sets the rows of `keys`; for duplicate keys the last occurrence wins."""
-        k = _keys_arg(keys)
-        self._core.assign(k, _rows_arg(rows, "rows", k.shape[0], self._dim))
+        k = keys_arg(keys)
+        self._core.assign(k, rows_arg(rows, "rows", k.shape[0], self._dim))
 
     def apply_sgd(
         self, keys: torch.Tensor, grads: torch.Tensor, lr: float, grad_divisor: int = 1
     ) -> None:
         """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``."""
-        k = _keys_arg(keys)
-        g = _rows_arg(grads, "grads", k.shape[0], self._dim)
-        lr = _float_arg(lr, "lr")
-        grad_divisor = _int_arg(grad_divisor, "grad_divisor", minimum=1)
+        k = keys_arg(keys)
+        g = rows_arg(grads, "grads", k.shape[0], self._dim)
+        lr = float_arg(lr, "lr")
+        grad_divisor = int_arg(grad_divisor, "grad_divisor", minimum=1)
         if grad_divisor > 2**31 - 1:
             raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")
         self._core.apply_sgd(k, g, lr, grad_divisor)
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """A bool tensor: whether each key is stored."""
-        k = _keys_arg(keys)
+        k = keys_arg(keys)
         out = torch.empty(k.shape[0], dtype=torch.uint8)
         self._core.contains(k, out.numpy())
         return out.view(torch.bool)
 
     def erase(self, keys: torch.Tensor) -> int:
         """Removes the present keys; returns how many distinct keys were removed."""
-        return int(self._core.erase(_keys_arg(keys)))
+        return int(self._core.erase(keys_arg(keys)))
 
     def reserve(self, n: int) -> None:
         """Prepares key-map capacity for `n` rows in total (outside the hot path)."""
-        self._core.reserve(_int_arg(n, "n", minimum=0))
+        self._core.reserve(int_arg(n, "n", minimum=0))
 
     def export(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yields (keys, rows) chunks of every stored row, in a deterministic order.
 
         The store must not change while the iterator is consumed (ValueError otherwise).
         """
-        chunk_rows = _int_arg(chunk_rows, "chunk_rows", minimum=1)
+        chunk_rows = int_arg(chunk_rows, "chunk_rows", minimum=1)
         cursor = 0
         while cursor != -1:
             keys = torch.empty(chunk_rows, dtype=torch.int64)
@@ -329,7 +217,7 @@ class EmbeddingStore:
         `meta` (str -> str) is stored in the manifest and returned by `load` as ``store.meta``.
         ``weights_only=True`` writes an inference export without optimizer state.
         """
-        path = _path_arg(path, "path")
+        path = path_arg(path, "path")
         if meta is None:
             meta = {}
         if not isinstance(meta, dict):
@@ -369,59 +257,50 @@ class EmbeddingStore:
         runtime options (threads, budget, spill). A torn, corrupt or unknown-version
         checkpoint raises ValueError.
         """
-        path = _path_arg(path, "path")
+        path = path_arg(path, "path")
         info = checkpoint_info(path)
         if dim is not None:
-            _int_arg(dim, "dim", minimum=1)
+            int_arg(dim, "dim", minimum=1)
         if init is not None and init != info["init"]:
             raise ValueError(
                 f"init: the checkpoint in {path} uses init={info['init']!r}, expected {init!r}"
             )
-        if seed is not None and _int_arg(seed, "seed") != info["seed"]:
+        if seed is not None and int_arg(seed, "seed") != info["seed"]:
             raise ValueError(f"seed: the checkpoint in {path} uses seed={info['seed']}, got {seed}")
         if (
             init_value is not None
             and info["init"] == "constant"
-            and _f32(_float_arg(init_value, "init_value")) != _f32(info["init_value"])
+            and _f32(float_arg(init_value, "init_value")) != _f32(info["init_value"])
         ):
             raise ValueError(
                 f"init_value: the checkpoint in {path} uses {info['init_value']}, got {init_value}"
             )
         if init_bound is not None and info["init"] == "uniform":
-            _, bound, _, _, starts, bounds = _init_args(
+            want = init_spec(
                 "uniform", init_bound, 0.0, 0, info["key_bound"] if info["key_bound"] > 0 else None
             )
             same = (
-                starts == list(info["bound_starts"])
-                and [_f32(b) for b in bounds] == [_f32(b) for b in info["bound_values"]]
-                and (starts or _f32(bound) == _f32(info["init_bound"]))
+                list(want.bound_starts) == list(info["bound_starts"])
+                and [_f32(b) for b in want.bound_values] == [_f32(b) for b in info["bound_values"]]
+                and (want.bound_starts or _f32(want.bound) == _f32(info["init_bound"]))
             )
             if not same:
                 raise ValueError(
                     f"init_bound: the checkpoint in {path} was written with a different bound"
                 )
-
-        def opt_int(value: Any, name: str, minimum: int) -> int | None:
-            return None if value is None else _int_arg(value, name, minimum=minimum)
-
-        def opt_float(value: Any, name: str) -> float | None:
-            return None if value is None else _float_arg(value, name)
-
-        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
-            raise TypeError(f"spill_dir must be a path, got {type(spill_dir).__name__}")
-        core, meta = C.store_load(
-            path,
-            opt_int(num_shards, "num_shards", 1),
-            opt_int(num_threads, "num_threads", 1),
-            opt_int(key_bound, "key_bound", 1),
-            opt_int(page_rows, "page_rows", 1),
-            None if memory_budget is None else _budget_arg(memory_budget),
-            None if spill_dir is None else os.fspath(spill_dir),
-            opt_float(high_watermark, "high_watermark"),
-            opt_float(low_watermark, "low_watermark"),
-            dim,
-            bool(weights_only),
+        overrides = load_overrides(
+            dim=dim,
+            num_shards=num_shards,
+            num_threads=num_threads,
+            key_bound=key_bound,
+            memory_budget=memory_budget,
+            spill_dir=spill_dir,
+            high_watermark=high_watermark,
+            low_watermark=low_watermark,
+            page_rows=page_rows,
+            weights_only=weights_only,
         )
+        core, meta = C.store_load(path, overrides)
         store = cls.__new__(cls)
         store._core = core
         store._dim = int(core.options()["dim"])

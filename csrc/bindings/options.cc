@@ -1,0 +1,137 @@
+// Python bindings of the native components' options: torchrec_bagpipe._C.{InitSpec,
+// StoreOptions, LoadOverrides, TableSchema, ShardOptions, ClientOptions, ConnectOptions,
+// TcpServerOptions} (UcxServerOptions: ucx.cc). Each is the component's own C++ struct,
+// bound field by field (def_readwrite), so settings cross the binding boundary as one typed
+// object per component instead of positional argument lists. torchrec_bagpipe.ps.options
+// builds them (from keyword arguments or from a BagPipeConfig) and checks every value first.
+//
+// Thread safety: plain values, touched with the GIL held.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "bindings/convert.h"
+#include "bindings/registry.h"
+#include "commit/client.h"
+#include "commit/ps_shard.h"
+#include "commit/table_backend.h"
+#include "protocol/partitioner.h"
+#include "server/tcp_server.h"
+#include "store/embedding_store.h"
+#include "store/init.h"
+#include "transport/channel.h"
+
+namespace py = pybind11;
+
+namespace bagpipe::bindings {
+
+// Registered first among the bindings that take these types (registry.h: name order), so
+// their signatures name the Python types.
+BAGPIPE_BINDING(options) {
+  using store::InitSpec;
+  py::class_<InitSpec>(m, "InitSpec", "How never-written rows read (csrc/store/init.h).")
+      .def(py::init<>())
+      .def_property(
+          "kind", [](const InitSpec& s) { return std::string(InitKindName(s.kind)); },
+          [](InitSpec& s, const std::string& k) { s.kind = ParseInitKind(k); },
+          "'uniform', 'zeros' or 'constant'")
+      .def_readwrite("bound", &InitSpec::bound)
+      .def_readwrite("value", &InitSpec::value)
+      .def_readwrite("seed", &InitSpec::seed)
+      .def_readwrite("bound_starts", &InitSpec::bound_starts)
+      .def_readwrite("bound_values", &InitSpec::bound_values);
+
+  using store::StoreOptions;
+  py::class_<StoreOptions>(m, "StoreOptions", "An EmbeddingStore's options (csrc/store/embedding_store.h).")
+      .def(py::init<>())
+      .def_readwrite("dim", &StoreOptions::dim)
+      .def_readwrite("num_shards", &StoreOptions::num_shards)
+      .def_readwrite("num_threads", &StoreOptions::num_threads)
+      .def_readwrite("init", &StoreOptions::init)
+      .def_readwrite("key_bound", &StoreOptions::key_bound)
+      .def_readwrite("page_rows", &StoreOptions::page_rows)
+      .def_readwrite("memory_budget", &StoreOptions::memory_budget)
+      .def_readwrite("spill_dir", &StoreOptions::spill_dir)
+      .def_readwrite("high_watermark", &StoreOptions::high_watermark)
+      .def_readwrite("low_watermark", &StoreOptions::low_watermark);
+
+  using store::LoadOverrides;
+  py::class_<LoadOverrides>(m, "LoadOverrides",
+                            "Options of EmbeddingStore.load; None: from the checkpoint.")
+      .def(py::init<>())
+      .def_readwrite("num_shards", &LoadOverrides::num_shards)
+      .def_readwrite("num_threads", &LoadOverrides::num_threads)
+      .def_readwrite("key_bound", &LoadOverrides::key_bound)
+      .def_readwrite("page_rows", &LoadOverrides::page_rows)
+      .def_readwrite("memory_budget", &LoadOverrides::memory_budget)
+      .def_readwrite("spill_dir", &LoadOverrides::spill_dir)
+      .def_readwrite("high_watermark", &LoadOverrides::high_watermark)
+      .def_readwrite("low_watermark", &LoadOverrides::low_watermark)
+      .def_readwrite("dim", &LoadOverrides::dim)
+      .def_readwrite("init", &LoadOverrides::init)
+      .def_readwrite("weights_only", &LoadOverrides::weights_only);
+
+  using commit::TableSchema;
+  py::class_<TableSchema>(m, "TableSchema",
+                          "A PS table: row width, init of never-written rows, key bound.")
+      .def(py::init<>())
+      .def_readwrite("dim", &TableSchema::dim)
+      .def_readwrite("init", &TableSchema::init)
+      .def_readwrite("key_bound", &TableSchema::key_bound);
+
+  using commit::ShardOptions;
+  py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/commit/ps_shard.h).")
+      .def(py::init<>())
+      .def_readwrite("shard_id", &ShardOptions::shard_id)
+      .def_readwrite("num_shards", &ShardOptions::num_shards)
+      .def_readwrite("expected_dim", &ShardOptions::expected_dim)
+      .def_readwrite("checkpoint_dir", &ShardOptions::checkpoint_dir)
+      .def_readwrite("checkpoint_every", &ShardOptions::checkpoint_every)
+      .def_readwrite("max_frame_bytes", &ShardOptions::max_frame_bytes);
+
+  using commit::ClientOptions;
+  py::class_<ClientOptions>(m, "ClientOptions",
+                            "A PS client's session and protocol options (csrc/commit/client.h).")
+      .def(py::init<>())
+      .def_readwrite("table", &ClientOptions::table)
+      .def_readwrite("session", &ClientOptions::session)
+      .def_readwrite("rank", &ClientOptions::rank)
+      .def_readwrite("world_size", &ClientOptions::world_size)
+      .def_readwrite("dim", &ClientOptions::dim)
+      .def_readwrite("lr", &ClientOptions::lr)
+      .def_readwrite("grad_division", &ClientOptions::grad_division)
+      .def_readwrite("init", &ClientOptions::init)
+      .def_readwrite("key_bound", &ClientOptions::key_bound)
+      .def_property(
+          "partition",
+          [](const ClientOptions& o) {
+            return std::string(protocol::Partitioner::KindName(o.partition));
+          },
+          [](ClientOptions& o, const std::string& k) {
+            o.partition = protocol::Partitioner::ParseKind(k);
+          },
+          "'modulo', 'hash' or 'fast_range'")
+      .def_readwrite("max_packet_rows", &ClientOptions::max_packet_rows)
+      .def_readwrite("inflight_packets", &ClientOptions::inflight_packets)
+      .def_readwrite("timeout", &ClientOptions::timeout);
+
+  using transport::ConnectOptions;
+  py::class_<ConnectOptions>(m, "ConnectOptions",
+                             "How a client connects to remote shards (csrc/transport/channel.h).")
+      .def(py::init<>())
+      .def_readwrite("job_token", &ConnectOptions::job_token)
+      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout);
+
+  using server::TcpServerOptions;
+  py::class_<TcpServerOptions>(m, "TcpServerOptions",
+                               "A TCP shard server's options (csrc/server/tcp_server.h).")
+      .def(py::init<>())
+      .def_readwrite("host", &TcpServerOptions::host)
+      .def_readwrite("port", &TcpServerOptions::port)
+      .def_readwrite("job_token", &TcpServerOptions::job_token)
+      .def_readwrite("handshake_timeout", &TcpServerOptions::handshake_timeout)
+      .def_readwrite("max_connections", &TcpServerOptions::max_connections);
+}
+
+}  // namespace bagpipe::bindings

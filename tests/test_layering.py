@@ -1,0 +1,213 @@
+"""The code's layering stays true (docs/ARCHITECTURE.md, "Layers"): native includes only run
+downward through csrc/'s folders, no binding takes more than 8 positional arguments (settings
+cross as option structs), and the Python package imports without cycles."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from torchrec_bagpipe._native import C
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "csrc"
+
+# What each native layer may include besides itself, lowest layer first:
+#   common < store < protocol < transport < commit < server < bindings; cache beside commit.
+NATIVE_LAYERS: dict[str, set[str]] = {
+    "common": set(),
+    "store": {"common"},
+    "protocol": {"common", "store"},
+    "transport": {"common", "store", "protocol"},
+    "cache": {"common"},
+    "commit": {"common", "store", "protocol", "transport"},
+    "server": {"common", "store", "protocol", "transport", "commit"},
+    "bindings": {"common", "store", "protocol", "transport", "cache", "commit", "server"},
+}
+# Not layers: the native tests may include any layer (and their own helpers).
+NATIVE_UNCHECKED = {"tests"}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+MAX_POSITIONAL = 8
+
+
+def native_includes() -> list[tuple[str, Path, str]]:
+    """(layer, file, included path) for every quoted include of a csrc/ layer."""
+    out = []
+    for path in sorted(CSRC.rglob("*")):
+        if path.suffix not in (".h", ".cc"):
+            continue
+        layer = path.relative_to(CSRC).parts[0]
+        if layer in NATIVE_UNCHECKED:
+            continue
+        for included in INCLUDE.findall(path.read_text()):
+            out.append((layer, path, included))
+    return out
+
+
+def test_every_native_folder_is_a_known_layer() -> None:
+    folders = {p.name for p in CSRC.iterdir() if p.is_dir()}
+    assert folders - NATIVE_UNCHECKED == set(NATIVE_LAYERS), (
+        "a new csrc/ folder must be placed in NATIVE_LAYERS (and docs/ARCHITECTURE.md)"
+    )
+
+
+def test_native_includes_only_run_downward() -> None:
+    upward = []
+    for layer, path, included in native_includes():
+        target = included.split("/", 1)[0]
+        if target != layer and target not in NATIVE_LAYERS[layer]:
+            upward.append(f"{path.relative_to(REPO)} includes {included}")
+    assert not upward, "includes against the layer order:\n" + "\n".join(upward)
+
+
+def test_the_include_check_sees_an_upward_include() -> None:
+    # The check itself: the real tree has includes of every kind it judges.
+    pairs = {(layer, inc.split("/", 1)[0]) for layer, _, inc in native_includes()}
+    assert ("commit", "transport") in pairs and ("server", "transport") in pairs
+    assert "commit" not in NATIVE_LAYERS["transport"]
+
+
+# ---- bindings -------------------------------------------------------------------------------
+def _split_params(text: str) -> list[str]:
+    """Top-level comma split of a pybind11 signature's parameter list."""
+    params, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "([{<":
+            depth += 1
+        elif ch in ")]}>":
+            depth -= 1
+        if ch == "," and depth == 0:
+            params.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        params.append(cur.strip())
+    return params
+
+
+def _signatures(name: str, doc: str | None) -> list[list[str]]:
+    """The parameter lists of every overload of `name` in a pybind11 docstring."""
+    out = []
+    for line in (doc or "").splitlines():
+        m = re.match(rf"^\s*(?:\d+\.\s*)?{re.escape(name)}\((.*)\)\s*(?:->.*)?$", line)
+        if m:
+            out.append(_split_params(m.group(1)))
+    return out
+
+
+def _binding_callables() -> list[tuple[str, str, str | None]]:
+    """(qualified name, name, docstring) of every function and method of the extension."""
+    out = []
+    for attr in dir(C):
+        obj = getattr(C, attr)
+        if isinstance(obj, type):
+            for meth in ("__init__", *(m for m in vars(obj) if not m.startswith("__"))):
+                fn = getattr(obj, meth, None)
+                if callable(fn) and not isinstance(vars(obj).get(meth), property):
+                    out.append((f"{attr}.{meth}", meth, getattr(fn, "__doc__", None)))
+        elif callable(obj) and type(obj).__name__ == "builtin_function_or_method":
+            out.append((attr, attr, obj.__doc__))
+    return out
+
+
+def test_no_binding_takes_more_than_eight_positional_arguments() -> None:
+    checked, long_lists = 0, []
+    for qualname, name, doc in _binding_callables():
+        for params in _signatures(name, doc):
+            params = [p for p in params if not p.startswith("self")]
+            checked += 1
+            if len(params) > MAX_POSITIONAL:
+                long_lists.append(f"{qualname}: {len(params)} arguments")
+    assert checked > 50, f"only {checked} binding signatures parsed: the parser is broken"
+    assert not long_lists, "use an options struct (csrc/bindings/options.cc):\n" + "\n".join(
+        long_lists
+    )
+
+
+def test_option_structs_cross_the_binding_boundary() -> None:
+    o = C.ClientOptions()
+    o.partition = "hash"
+    o.init.kind = "zeros"  # a nested struct is the field itself, not a copy
+    assert o.partition == "hash" and o.init.kind == "zeros"
+    spec = C.InitSpec()
+    spec.kind = "constant"
+    o.init = spec
+    assert o.init.kind == "constant"
+    with pytest.raises(ValueError, match="partitioner"):
+        o.partition = "round_robin"
+    with pytest.raises(ValueError, match="init"):
+        spec.kind = "normal"
+
+
+# ---- Python imports ---------------------------------------------------------------------------
+def _python_import_graph() -> dict[str, set[str]]:
+    """torchrec_bagpipe module -> the package's modules it imports (anywhere in the file,
+    function-level imports included)."""
+    mods: dict[str, Path] = {}
+    for path in (REPO / "torchrec_bagpipe").rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[mod] |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in mods:
+                        graph[mod].add(full)
+                    elif node.module in mods:
+                        graph[mod].add(node.module)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_python_modules_import_without_cycles() -> None:
+    graph = _python_import_graph()
+    assert "torchrec_bagpipe.ps.options" in graph["torchrec_bagpipe.ps.client"]
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
