@@ -14,15 +14,9 @@ namespace {
 // before the record is read. The distances cover a DRAM access at a few ns of work per key.
 constexpr size_t kCellAhead = 16;
 constexpr size_t kRecordAhead = 16;
-constexpr size_t kRing = 64;        // > kCellAhead + kRecordAhead, a power of two
-#ifndef APPLY_AHEAD
-#define APPLY_AHEAD 16
-#endif
-#ifndef VICTIM_AHEAD
-#define VICTIM_AHEAD 16
-#endif
-constexpr size_t kApplyAhead = APPLY_AHEAD;  // record prefetch distance of the mutating passes
-constexpr size_t kVictimAhead = VICTIM_AHEAD;
+constexpr size_t kRing = 64;         // > kCellAhead + kRecordAhead, a power of two
+constexpr size_t kApplyAhead = 16;   // record prefetch distance of the mutating passes
+constexpr size_t kVictimAhead = 16;  // victims gathered / prefetched ahead of their eviction
 // Queue entries pushed beyond the live ones before the queues are compacted.
 constexpr int64_t kCompactSlack = 4096;
 
@@ -234,16 +228,18 @@ void CacheMetadata::Probe(const int64_t* keys, size_t n, Sink&& sink, Pre&& pre)
     map_.Prefetch(h);
     pre(h);
   };
+  // Absent keys read slot 0's record instead of branching on presence (unpredictable).
   const auto cell_stage = [&](size_t j) {
     const int32_t c = map_.Candidate(hashes[j % kRing]);
     cands[j % kRing] = c;
-    if (c >= 0) __builtin_prefetch(&recs[c]);
+    __builtin_prefetch(&recs[c < 0 ? 0 : c]);
   };
   const auto record_stage = [&](size_t k) {
     const uint64_t h = hashes[k % kRing];
     int32_t c = cands[k % kRing];
+    const int64_t stored = recs[c < 0 ? 0 : c].key;
     // A tag shared with another key (2^-32 per compared cell): probe the whole run.
-    if (c >= 0 && recs[c].key != keys[k]) {
+    if (__builtin_expect((c >= 0) & (stored != keys[k]), 0)) {
       c = map_.Find(keys[k], h, [recs](int32_t slot) { return recs[slot].key; });
     }
     sink(k, c, h);
@@ -335,51 +331,78 @@ QueryCounts CacheMetadata::QueryInto(const int64_t* keys, const int64_t* version
                                      const int64_t* next_uses, size_t n, const QueryOut& out) {
   CheckKeysNonNegative(keys, n, "query");
   CheckNextUses(next_uses, n, "query");
-  // Pass 1 (no state change): find every key's slot, reject duplicates (a resident key by
-  // its record's mark, an absent one in the scratch set).
+  // Pass 1 (no state change): every key's slot, the positions split into resident ones
+  // (hits_) and absent ones (straight into out.miss_pos) without a branch on which.
+  found_.resize(n);
+  hash_.resize(n);
+  hits_.resize(n);
+  size_t nh = 0, nm = 0;
+  Probe(keys, n, [&](size_t i, int32_t slot, uint64_t h) {
+    found_[i] = slot;
+    hash_[i] = h;
+    hits_[nh] = static_cast<int64_t>(i);
+    out.miss_pos[nm] = static_cast<int64_t>(i);
+    nh += slot >= 0;
+    nm += slot < 0;
+  });
+  // Duplicates: a resident key by its record's mark, an absent one in the scratch set; the
+  // error names the earliest repeat.
   if (++mark_ == 0) {  // wrapped: forget every old mark once
     for (size_t s = 0; s < slots_.size(); ++s) slots_[s].mark = 0;
     mark_ = 1;
   }
-  found_.resize(n);
-  seen_.Reset(n);
-  Probe(keys, n, [&](size_t i, int32_t slot, uint64_t h) {
-    bool fresh;
-    if (slot >= 0) {
-      SlotRec& s = slots_[slot];
-      fresh = s.mark != mark_;
-      s.mark = mark_;
-    } else {
-      fresh = seen_.Insert(keys[i], h);
+  size_t repeat = n;
+  for (size_t j = 0; j < nh; ++j) {
+    if (j + kApplyAhead < nh) __builtin_prefetch(&slots_[found_[hits_[j + kApplyAhead]]]);
+    SlotRec& s = slots_[found_[hits_[j]]];
+    if (s.mark == mark_) {
+      repeat = static_cast<size_t>(hits_[j]);
+      break;
     }
-    if (!fresh) {
-      throw ValueError("query: keys must be unique, key " + std::to_string(keys[i]) +
-                       " repeats at position " + std::to_string(i));
+    s.mark = mark_;
+  }
+  seen_.Reset(nm);
+  for (size_t j = 0; j < nm; ++j) {
+    if (j + kApplyAhead < nm) seen_.Prefetch(hash_[out.miss_pos[j + kApplyAhead]]);
+    const size_t i = static_cast<size_t>(out.miss_pos[j]);
+    if (!seen_.Insert(keys[i], hash_[i])) {
+      repeat = std::min(repeat, i);
+      break;
     }
-    found_[i] = slot;
-  }, [&](uint64_t h) { seen_.Prefetch(h); });
-  // Pass 2: classify and touch, in input order.
+  }
+  if (repeat < n) {
+    throw ValueError("query: keys must be unique, key " + std::to_string(keys[repeat]) +
+                     " repeats at position " + std::to_string(repeat));
+  }
+  // Pass 2: resident keys in input order: stale ones are freed (misses), hits touched.
   QueryCounts c;
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kApplyAhead < n && found_[i + kApplyAhead] >= 0) {
-      __builtin_prefetch(&slots_[found_[i + kApplyAhead]]);
-    }
+  stale_.clear();
+  for (size_t j = 0; j < nh; ++j) {
+    if (j + kApplyAhead < nh) __builtin_prefetch(&slots_[found_[hits_[j + kApplyAhead]]]);
+    const size_t i = static_cast<size_t>(hits_[j]);
     const int32_t slot = found_[i];
-    if (slot < 0) {
-      out.miss_pos[c.misses++] = static_cast<int64_t>(i);
-      continue;
-    }
-    if (slots_[slot].version != versions[i]) {
-      ++c.stale;
+    if (__builtin_expect(slots_[slot].version != versions[i], 0)) {
       ++stats_.stale;
       FreeSlot(slot);
-      out.miss_pos[c.misses++] = static_cast<int64_t>(i);
+      stale_.push_back(static_cast<int64_t>(i));
       continue;
     }
     SetNextUse(slot, next_uses[i] < 0 ? kNever32 : static_cast<int32_t>(next_uses[i]));
     out.hit_pos[c.hits] = static_cast<int64_t>(i);
     out.hit_slots[c.hits++] = slot;
   }
+  if (!stale_.empty()) {  // merge the stale positions into the (sorted) misses, from the back
+    size_t a = nm, b = stale_.size(), w = nm + stale_.size();
+    while (b > 0) {
+      if (a > 0 && out.miss_pos[a - 1] > stale_[b - 1]) {
+        out.miss_pos[--w] = out.miss_pos[--a];
+      } else {
+        out.miss_pos[--w] = stale_[--b];
+      }
+    }
+  }
+  c.stale = static_cast<int64_t>(stale_.size());
+  c.misses = static_cast<int64_t>(nm + stale_.size());
   FinishCall();
   return c;
 }
@@ -407,24 +430,23 @@ AdmitCounts CacheMetadata::AdmitInto(const int64_t* keys, const int64_t* version
   CheckVersions(versions, n, "admit");
   CheckNextUses(next_uses, n, "admit");
   // Pass 1 (no state change): uniqueness, then residency.
-  found_.resize(n);
   hash_.resize(n);
-  Probe(keys, n, [&](size_t i, int32_t slot, uint64_t h) {
-    found_[i] = slot;
-    hash_[i] = h;
-  });
   seen_.Reset(n);
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kApplyAhead < n) seen_.Prefetch(hash_[i + kApplyAhead]);
-    if (!seen_.Insert(keys[i], hash_[i])) {
-      throw ValueError("admit: keys must be unique, key " + std::to_string(keys[i]) +
-                       " repeats at position " + std::to_string(i));
-    }
+  size_t repeat = n, resident = n;
+  Probe(
+      keys, n,
+      [&](size_t i, int32_t slot, uint64_t h) {
+        hash_[i] = h;
+        if (__builtin_expect(!seen_.Insert(keys[i], h), 0)) repeat = std::min(repeat, i);
+        if (__builtin_expect(slot >= 0, 0)) resident = std::min(resident, i);
+      },
+      [&](uint64_t h) { seen_.Prefetch(h); });
+  if (repeat < n) {
+    throw ValueError("admit: keys must be unique, key " + std::to_string(keys[repeat]) +
+                     " repeats at position " + std::to_string(repeat));
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (found_[i] >= 0) {
-      throw ValueError("admit: key " + std::to_string(keys[i]) + " is already resident");
-    }
+  if (resident < n) {
+    throw ValueError("admit: key " + std::to_string(keys[resident]) + " is already resident");
   }
   // Pass 2: place in input order: a free slot, else the next victim (Belady with bypass
   // under oracle), evicted and reused in place.
@@ -587,7 +609,9 @@ MetadataStats CacheMetadata::Stats() const {
   st.memory_bytes = static_cast<int64_t>(
       slots_.memory_bytes() + map_.memory_bytes() + free_.capacity() * sizeof(int32_t) +
       buckets_.memory_bytes() + pinned_.capacity() * sizeof(QueueEntry) + seen_.memory_bytes() +
-      found_.capacity() * sizeof(int32_t) + hash_.capacity() * sizeof(uint64_t));
+      found_.capacity() * sizeof(int32_t) + hash_.capacity() * sizeof(uint64_t) +
+      (hits_.capacity() + stale_.capacity()) * sizeof(int64_t) +
+      victims_.capacity() * sizeof(Victim));
   return st;
 }
 

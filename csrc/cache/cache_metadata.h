@@ -287,6 +287,8 @@ class CacheMetadata {
   KeySet seen_;
   std::vector<int32_t> found_;
   std::vector<uint64_t> hash_;
+  std::vector<int64_t> hits_;
+  std::vector<int64_t> stale_;
 };
 
 }  // namespace bagpipe::cache

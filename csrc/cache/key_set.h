@@ -1,6 +1,7 @@
 // KeySet: a scratch set of non-negative int64 keys for one call's uniqueness check. Cells
 // are bare keys (8 bytes, -1 empty); Reset clears only the cells the next call needs, so a
-// small call after a large one costs what a small call costs.
+// small call after a large one costs what a small call costs. Insert scans a window of cells
+// at once (bit masks, as SlotMap does) instead of branching per cell.
 //
 // Thread safety: none; owned by one object that serializes access.
 //
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "cache/window_masks.h"
 
 namespace bagpipe::cache {
 
@@ -32,7 +35,18 @@ class KeySet {
   // Adds key (hash h); returns false when it was already present.
   // REQUIRES: key >= 0; fewer than n keys added since Reset(n).
   bool Insert(int64_t key, uint64_t h) {
-    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+    const size_t home = h & mask_;
+    if (home + kWindowCells <= mask_ + 1) {
+      uint32_t eq, empty;
+      EqualAndNegativeMasks(&cells_[home], key, &eq, &empty);
+      if (empty != 0) {
+        const uint32_t first_empty = empty & (0u - empty);
+        if ((eq & (first_empty - 1u)) != 0) return false;
+        cells_[home + static_cast<size_t>(__builtin_ctz(empty))] = key;
+        return true;
+      }
+    }
+    for (size_t i = home;; i = (i + 1) & mask_) {
       const int64_t c = cells_[i];
       if (c == key) return false;
       if (c < 0) {
