@@ -12,10 +12,12 @@ Configurations (same model, data and cache capacity; world size 2, gloo, CPU):
 
 Each configuration runs `examples/dlrm/dlrm_main.py` in its own 2-rank process group. For
 each it prints one JSON line per metric: samples/s (measured), cache hit rate, PS rows and
-bytes per step, and the modelled step time and samples/s under a link model for each preset
-(25 GbE TCP, 100 Gb RDMA): ``step = compute + exposed network time``, where compute is the
-stock configuration's measured median step time and the network time comes from the
-run's deterministic counters (see `model_step`), all-reduce and ID-exchange traffic
+bytes per step, the runtime's time per step on the training thread (``runtime_critical_ms``,
+against the stock step) and on its workers (``runtime_worker_ms``), and the modelled step
+time and samples/s under a link model for each preset (25 GbE TCP, 100 Gb RDMA):
+``step = compute + exposed network time``, where compute is the stock configuration's
+measured median step time and the network time comes from the run's deterministic counters
+(see `model_step`), all-reduce and ID-exchange traffic
 included. ``--compute-ms`` adds the same predictions for assumed step times (e.g. an
 accelerator-class DLRM step), tagged ``compute_source: "assumed"``. Baselines are measured
 in the same run. A PNG plots samples/s and hit rate per configuration.
@@ -224,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
              None, **extra)
         emit("ps_bytes_per_step", _bytes_per_step(r, world), "bytes/rank/step", nocache_bytes,
              baseline_config="ps_nocache", **extra)
+        # Where the time goes: the runtime's time per rank and step on the training thread
+        # (baseline: the stock step, so the ratio is the fraction of a stock step) and on its
+        # worker threads.
+        if "runtime_critical_ms" in s:
+            emit("runtime_critical_ms", s["runtime_critical_ms"], "ms/step",
+                 1e3 * base["step_s"] if base else None, baseline_config="stock_step",
+                 **extra)
+            emit("runtime_worker_ms", s.get("runtime_worker_ms", 0.0), "ms/step", None, **extra)
         emit("allreduce_bytes_per_step", counters.get("allreduce_payload_bytes", 0.0) / per_step,
              "bytes/rank/step", None, **extra)
         for source, compute_s in computes:

@@ -349,6 +349,10 @@ def test_metrics_report_every_counter() -> None:
     res = simulate(BagPipeConfig(optimization_cache_capacity=1, lookahead=2), trace,
                    num_keys=100, dim=DIM)
     m = res.metrics[1]
+    # Time in the runtime: the training thread's and the worker's, per step.
+    assert m["runtime_critical_s"] > 0 and m["runtime_worker_s"] >= 0
+    assert m["runtime_critical_ms"] == pytest.approx(1e3 * m["runtime_critical_s"] / m["steps"])
+    assert m["runtime_worker_ms"] == pytest.approx(1e3 * m["runtime_worker_s"] / m["steps"])
     for key in ("hits", "demand_fetched", "prefetched", "prefetch_served", "evictions",
                 "invalidations", "resident_bytes", "skipped_dependency_waits", "commit_wait_s",
                 "gradient_payload_bytes", "prescan_startup_s", "shutdown_s", "hit_rate",

@@ -282,7 +282,22 @@ def test_metrics_summary_and_table():
     assert s["commit_wait_s_per_rank"] == pytest.approx(1.0)
     text = format_table({"steps": 10, "samples_per_s": 123.4}, s)
     assert "60.0 %" in text and "80.0 %" in text and "123.4" in text and "commit wait" in text
+    assert "runtime_critical_ms" not in s
     assert summarize([{}, {}], 3) == {}
+
+
+def test_metrics_summary_runtime_times_per_rank_and_step():
+    # Two fused tables on rank 0, one on rank 1: summed over a rank's tables, mean over ranks.
+    per_rank = [
+        {"a": {"runtime_critical_s": 0.2, "runtime_worker_s": 0.5},
+         "b": {"runtime_critical_s": 0.1, "runtime_worker_s": 0.1}},
+        {"a": {"runtime_critical_s": 0.1, "runtime_worker_s": 0.2}},
+    ]
+    s = summarize(per_rank, steps=10)
+    assert s["runtime_critical_ms"] == pytest.approx(1000 * 0.4 / 2 / 10)
+    assert s["runtime_worker_ms"] == pytest.approx(1000 * 0.8 / 2 / 10)
+    text = format_table({"steps": 10, "samples_per_s": 1.0}, s)
+    assert "20.00 ms on the training thread" in text and "40.00 ms on workers" in text
 
 
 def test_launcher_console_entry_point_runs():

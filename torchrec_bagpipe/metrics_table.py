@@ -24,6 +24,8 @@ _COUNTERS: dict[str, str] = {
     "allreduce_bytes": "allreduce_payload_bytes",
     "evictions": "evictions",
     "invalidations": "invalidations",
+    "runtime_critical_s": "runtime_critical_s",
+    "runtime_worker_s": "runtime_worker_s",
 }
 
 
@@ -68,6 +70,12 @@ def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
     if wait is not None:
         out["commit_wait_s_per_rank"] = wait / len(ranks)
         out["commit_wait_ms_per_step"] = 1000.0 * wait / len(ranks) / max(1, steps)
+    # Time inside the runtime per rank and step, summed over the rank's fused tables: on the
+    # training thread (submit, next_step, finish_step) and on its worker threads.
+    for name in ("runtime_critical", "runtime_worker"):
+        v = _pick(totals, f"{name}_s")
+        if v is not None:
+            out[f"{name}_ms"] = 1000.0 * v / len(ranks) / max(1, steps)
     for name in ("fetched_bytes", "gradient_bytes", "allreduce_bytes", "evictions",
                  "invalidations"):
         v = _pick(totals, name)
@@ -90,6 +98,11 @@ def format_table(results: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     if "commit_wait_s_per_rank" in summary:
         rows.append(("commit wait", f"{summary['commit_wait_s_per_rank']:.3f} s/rank "
                                     f"({summary['commit_wait_ms_per_step']:.2f} ms/step)"))
+    if "runtime_critical_ms" in summary:
+        rows.append(("runtime time per step", f"{summary['runtime_critical_ms']:.2f} ms on the "
+                                              f"training thread, "
+                                              f"{summary.get('runtime_worker_ms', 0.0):.2f} ms "
+                                              "on workers (per rank)"))
     if "fetched_bytes" in summary:
         rows.append(("PS bytes fetched", f"{summary['fetched_bytes']:.0f}"))
     if "gradient_bytes" in summary:

@@ -42,7 +42,7 @@ from torchrec_bagpipe.runtime.collectives import Collectives
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
 from torchrec_bagpipe.runtime.ps_port import PSPort
-from torchrec_bagpipe.runtime.worker import CommWorker
+from torchrec_bagpipe.runtime.worker import MeteredWorker
 
 __all__ = ["CollectiveAggregation"]
 
@@ -77,7 +77,7 @@ class CollectiveAggregation(Aggregation):
         port: PSPort,
         metrics: RuntimeMetrics,
         collectives: Collectives,
-        worker: CommWorker,
+        worker: MeteredWorker,
         window_end: Callable[[], int],
         rank: int,
         world_size: int,

@@ -86,7 +86,7 @@ from torchrec_bagpipe.runtime.prefetch import PrefetchScheduler
 from torchrec_bagpipe.runtime.ps_aggregation import PSAggregation
 from torchrec_bagpipe.runtime.ps_port import FetchObserver, Handle, PSClientLike, PSPort
 from torchrec_bagpipe.runtime.step_assembly import StepAssembler
-from torchrec_bagpipe.runtime.worker import acquire_worker, release_worker
+from torchrec_bagpipe.runtime.worker import MeteredWorker, acquire_worker, release_worker
 
 __all__ = ["BagPipeController", "ControllerError", "Handle", "PSClientLike", "Step"]
 
@@ -172,7 +172,7 @@ class BagPipeController:
                                 divide=divide)
         self._cache_lock = threading.RLock()
         self._port = PSPort(ps, dim=dim, timeout=self._timeout, metrics=self.metrics_)
-        self._worker = acquire_worker(collectives)
+        self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
             collective=collective, collectives=collectives, worker=self._worker,
@@ -243,13 +243,17 @@ class BagPipeController:
     def submit(self, keys: torch.Tensor | np.ndarray) -> None:
         """The next batch's fused keys (1-D int64, CPU) enter the lookahead window."""
         self._check_usable()
-        s = self._submitted
-        arr = as_key_array(keys, f"keys of step {s}")
-        self._check_range(arr, f"keys of step {s}")
-        arr = arr.copy()
-        self._plans.submit(s, arr)
-        self._local_keys.append(arr)
-        self._submitted += 1
+        t0 = time.perf_counter()
+        try:
+            s = self._submitted
+            arr = as_key_array(keys, f"keys of step {s}")
+            self._check_range(arr, f"keys of step {s}")
+            arr = arr.copy()
+            self._plans.submit(s, arr)
+            self._local_keys.append(arr)
+            self._submitted += 1
+        finally:
+            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
 
     def next_step(self) -> Step:
         """Prepares the oldest submitted batch: its rows, bitwise the PS after the last commit."""
@@ -261,11 +265,14 @@ class BagPipeController:
         t = self._next
         if t >= self._submitted:
             raise ValueError(f"next_step: batch {t} has not been submitted")
+        t0 = time.perf_counter()
         try:
             step = self._prepare(t)
         except BaseException as e:
             self._failed = e
             raise
+        finally:
+            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
         self._active = step
         return step
 
@@ -283,11 +290,14 @@ class BagPipeController:
             raise ValueError(
                 f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
             )
+        t0 = time.perf_counter()
         try:
             self._finish(step, grad.detach())
         except BaseException as e:
             self._failed = e
             raise
+        finally:
+            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
         self._active = None
         self._next += 1
         self.metrics_.add(steps=1)

@@ -41,7 +41,7 @@ from torchrec_bagpipe._native import C
 from torchrec_bagpipe.runtime.access_plans import OnlinePlanner, PrescanPlanner, StepPlan
 from torchrec_bagpipe.runtime.collectives import Collectives
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
-from torchrec_bagpipe.runtime.worker import CommWorker
+from torchrec_bagpipe.runtime.worker import MeteredWorker
 
 __all__ = ["IdExchange"]
 
@@ -65,7 +65,7 @@ class IdExchange:
         num_keys: int,
         collective: bool,
         collectives: Collectives,
-        worker: CommWorker,
+        worker: MeteredWorker,
         metrics: RuntimeMetrics,
         timeout: float,
     ) -> None:

@@ -43,6 +43,8 @@ class RuntimeMetrics:
     id_exchange_bytes: int = 0        # ids this rank sent in exchanges
     collectives_issued: int = 0
     planner_s: float = 0.0
+    runtime_critical_s: float = 0.0  # training thread inside submit / next_step / finish_step
+    runtime_worker_s: float = 0.0    # this controller's tasks on its worker threads
     prescan_startup_s: float = 0.0
     shutdown_s: float = 0.0
 
@@ -60,4 +62,7 @@ class RuntimeMetrics:
         acc = d["accesses"]
         d["hit_rate"] = d["hits"] / acc if acc else 0.0
         d["cache_served_rate"] = (d["hits"] + d["prefetch_served"]) / acc if acc else 0.0
+        steps = d["steps"]
+        d["runtime_critical_ms"] = 1e3 * d["runtime_critical_s"] / steps if steps else 0.0
+        d["runtime_worker_ms"] = 1e3 * d["runtime_worker_s"] / steps if steps else 0.0
         return d

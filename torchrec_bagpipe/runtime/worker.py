@@ -5,8 +5,12 @@ submission of collective aggregation runs on this thread, in FIFO order. Control
 share a `Collectives` object (one per fused table) share the worker, so the order of
 collectives is the program order, identical on every rank, whatever thread the caller uses.
 
+A controller submits through a `MeteredWorker`, its own handle on the shared worker, which
+adds each task's run time to the controller's `runtime_worker_s` counter.
+
 Thread safety: `acquire_worker` / `release_worker` may be called from any thread; the
-registry of workers is guarded by `_lock`. `CommWorker.submit` may be called from any thread.
+registry of workers is guarded by `_lock`. `CommWorker.submit` and `MeteredWorker.submit`
+may be called from any thread.
 
 Invariants:
   1. One worker per live `Collectives` object (keyed by identity), created on first acquire,
@@ -18,11 +22,14 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-__all__ = ["CommWorker", "acquire_worker", "release_worker"]
+from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
+
+__all__ = ["CommWorker", "MeteredWorker", "acquire_worker", "release_worker"]
 
 
 class CommWorker:
@@ -35,6 +42,25 @@ class CommWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class MeteredWorker:
+    """One controller's handle on a worker: each task's run time (on the worker thread,
+    exceptions included) is added to `metrics.runtime_worker_s`."""
+
+    def __init__(self, worker: CommWorker, metrics: RuntimeMetrics) -> None:
+        self.worker = worker
+        self._metrics = metrics
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self.worker.submit(self._timed, fn, args)
+
+    def _timed(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._metrics.add(runtime_worker_s=time.perf_counter() - t0)
 
 
 class _Registered(NamedTuple):
