@@ -112,7 +112,8 @@ def scenarios(draw):
     return cfg, make_trace(seed, world, steps, universe, max_batch, skew), universe, backend
 
 
-def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 0.0)):
+def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 0.0),
+                submit_ahead: int = 0):
     init = np.random.default_rng(5).uniform(-1, 1, (universe, DIM)).astype(np.float32)
     violations: list[str] = []
     lock = threading.Lock()
@@ -159,7 +160,8 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 
             mock.patch.object(ReferencePS, "__init__", capture_init):
         res = simulate(cfg, trace, num_keys=universe, dim=DIM, lr=LR, init=init,
                        record_reads=True, timeout=30.0, ps_apply_delay=delay,
-                       observer=observer, step_hook=step_hook, backend=factory)
+                       observer=observer, step_hook=step_hook, backend=factory,
+                       submit_ahead=submit_ahead)
     assert not violations, violations[:5]
     divide = cfg.resolved_gradient_division()
     ref = reference_run(trace, init=init, lr=LR, divide=divide, reads=res.reads)
@@ -198,6 +200,22 @@ def test_cache_decisions_are_deterministic_across_runs_and_modes(scenario) -> No
         assert ma["demand_fetched"] + ma["prefetch_served"] == (
             mb["demand_fetched"] + mb["prefetch_served"]
         )
+    assert np.array_equal(a.final.view(np.uint32), b.final.view(np.uint32))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_steps_prepared_while_the_previous_runs_make_the_same_decisions(scenario) -> None:
+    """With one more batch submitted (as TorchRec's pipeline does), step t + 1 is prepared on
+    the preparer's thread while step t runs: coherent, and every cache decision is the one
+    made when each step is prepared at its own next_step."""
+    cfg, trace, universe, backend = scenario
+    a = run_checked(cfg, trace, universe, backend, submit_ahead=1)
+    b = run_checked(cfg, trace, universe, ("reference", 0.001))
+    for ma, mb in zip(a.metrics, b.metrics):
+        for key in ("accesses", "hits", "evictions", "invalidations", "local_updates",
+                    "bypassed", "resident_rows"):
+            assert ma[key] == mb[key], key
     assert np.array_equal(a.final.view(np.uint32), b.final.view(np.uint32))
 
 

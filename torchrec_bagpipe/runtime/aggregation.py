@@ -13,16 +13,28 @@ One interface (`Aggregation`, a Protocol both strategies subclass), two strategi
 Every local row update goes through `DeviceCache.apply_gradients_`, the one place that holds
 the PS's optimizer arithmetic on the cache side.
 
-Thread safety: the controller calls every method from the training thread, in step order:
-``before_step(t)``, then (after the forward and backward) ``finish(t, plan, grad)``;
-``drain()`` between steps; ``close()`` once, last. A strategy may run work on the
-communication worker (`worker.py`); it joins or cancels that work in ``before_step`` /
-``drain`` / ``close``.
+Each strategy splits a step's aggregation in two:
+
+  * ``plan_finish(t, plan)``: the cache metadata effects of step t's aggregation (versions,
+    invalidations, pins), a function of the plan alone (no gradient needed). It runs when
+    step t is prepared (after step t's admission, before any later step is prepared: the
+    step preparer, `step_preparer.py`), under the controller's cache lock, on whichever
+    thread prepares the step; it returns what ``finish`` needs (slots, gather plans, keys).
+  * ``finish(t, plan, grad, planned)``: the tensor work once the gradient exists: local row
+    updates on the slots ``plan_finish`` chose, all-reduces and the commit.
+
+Thread safety: the controller calls ``before_step(t)``, ``finish``, ``drain`` and ``close``
+from the training thread, in step order: ``before_step(t)`` before step t reads any row,
+then (after the forward and backward) ``finish``; ``drain()`` between steps; ``close()``
+once, last. ``plan_finish`` runs under the cache lock (see above). A strategy may run work on
+the communication worker (`worker.py`); it joins or cancels that work in ``before_step`` /
+``drain`` / ``close``. Row values are written only by ``before_step`` / ``finish`` (and the
+worker tasks they start), never by ``plan_finish``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -37,10 +49,16 @@ class Aggregation(Protocol):
         and finishes the updates of earlier steps that step t's reads depend on."""
         ...
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor) -> None:
+    def plan_finish(self, t: int, plan: StepPlan) -> Any:
+        """The metadata effects of step t's aggregation (versions, invalidations, pins), with
+        the cache lock held, after step t's admission and before step t + 1 is prepared;
+        returns what `finish` needs."""
+        ...
+
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: Any) -> None:
         """Step t's row gradient (fp32 [U, dim], on the controller's device when it has a
-        cache; borrowed: copied before it is kept): updates or invalidates the resident rows
-        and submits the commit."""
+        cache; borrowed: copied before it is kept) and `plan_finish`'s result: updates the
+        resident rows it chose and submits the commit."""
         ...
 
     def drain(self) -> None:

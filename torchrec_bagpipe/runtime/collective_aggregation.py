@@ -8,18 +8,26 @@ Every rank updates all of its resident affected rows (`DeviceCache.apply_gradien
 row is invalidated; each union row's designated rank (union index mod W) commits it, so the PS
 receives every row's summed gradient exactly once.
 
-Thread safety: `before_step`, `finish`, `drain` and `close` run on the training thread; the
-S_now all-reduce and the S_later task (`_later_task`: all-reduce, local update, commit) run on
-the communication worker, FIFO, so the S_later task of step t runs after its S_now all-reduce.
-The training thread takes the controller's cache lock for the metadata (versions, pins) and
-for the S_now update; the S_later update runs without it (invariant 2).
+The metadata part (`plan_finish`: the S_now / S_later split, the resident slots of each,
+their version t, the pins, the gather plans and the designated keys) depends on the plan
+only, so it runs when step t is prepared; `finish` does the tensor work and the submissions.
+
+Thread safety: `before_step`, `finish`, `drain` and `close` run on the training thread;
+`plan_finish` runs with the controller's cache lock held (step preparer or training thread);
+the S_now all-reduce and the S_later task (`_later_task`: all-reduce, local update, commit)
+run on the communication worker, FIFO, so the S_later task of step t runs after its S_now
+all-reduce. Row values are written by the training thread (the S_now update, without the
+cache lock: only the training thread and the S_later task write values) and by the S_later
+task (invariant 2).
 
 Invariants:
   1. S_now of step t is applied before step t + 1 reads (`before_step(t + 1)` joins it first).
   2. The resident rows of S_later(t) are pinned through step t + 1 and not read at t + 1, so
      neither the training thread nor eviction touches them while the worker updates them;
-     `before_step(t + 2)` joins the update before their pins expire.
-  3. Versions are set to t under the cache lock in `finish`, before any later step queries.
+     `before_step(t + 2)` joins the update before step t + 2's rows are written or read
+     (its preparation may already have reassigned their slots: metadata only).
+  3. Versions are set to t under the cache lock in `plan_finish`, before any later step is
+     prepared.
   4. Every worker task is joined (`before_step` polls, `drain` waits) or cancelled (`close`).
 """
 
@@ -44,7 +52,7 @@ from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
 from torchrec_bagpipe.runtime.ps_port import PSPort
 from torchrec_bagpipe.runtime.worker import MeteredWorker
 
-__all__ = ["CollectiveAggregation"]
+__all__ = ["CollectiveAggregation", "CollectivePlan"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -54,6 +62,20 @@ class WorkerTask(NamedTuple):
 
     step: int
     future: Future
+
+
+class CollectivePlan(NamedTuple):
+    """What `plan_finish` decided for step t (gradient rows are rows of [grad | zero row])."""
+
+    now_src: np.ndarray      # gradient row of each S_now union row
+    later_src: np.ndarray    # gradient row of each S_later union row
+    now_slots: np.ndarray    # resident slots of S_now rows ...
+    now_rows: np.ndarray     # ... and their rows in the S_now buffer
+    later_slots: np.ndarray  # resident (pinned) slots of S_later rows ...
+    later_sel: np.ndarray    # ... and their rows in the S_later buffer
+    d_now: np.ndarray        # rows of the S_now buffer this rank commits
+    d_later: np.ndarray      # rows of the S_later buffer this rank commits
+    keys: np.ndarray         # the keys it commits (S_now's, then S_later's)
 
 
 @dataclass
@@ -110,23 +132,15 @@ class CollectiveAggregation(Aggregation):
         for s in [s for s in self._later_pins if s <= t - 2]:
             self._later_pins.pop(s).result(timeout=self._timeout)
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor) -> None:
+    def plan_finish(self, t: int, plan: StepPlan) -> CollectivePlan:
         union = plan.union_keys
         nu = union.size
         s_now = plan.s_now if self._window_end() >= t + 1 else np.ones(nu, dtype=bool)
         now_idx = np.flatnonzero(s_now)
         later_idx = np.flatnonzero(~s_now)
-        dev = grad.device
-        # Each union row's gradient row (or the zero row past the end): one gather each.
-        padded = torch.cat([grad, torch.zeros(1, self._dim, dtype=grad.dtype, device=dev)])
+        # Each union row's gradient row (or the zero row past the end, `pad`).
         src_of = np.full(nu, plan.unique_keys.size, dtype=np.int64)
         src_of[plan.union_pos] = np.arange(plan.union_pos.size)
-
-        def dense(idx: np.ndarray) -> torch.Tensor:
-            return padded.index_select(0, torch.from_numpy(src_of[idx]).to(dev))
-
-        g_now = dense(now_idx)
-        g_later = dense(later_idx)
         later_slots = later_sel = _EMPTY
         now_slots = now_rows = _EMPTY
         if self._meta is not None:
@@ -143,19 +157,35 @@ class CollectiveAggregation(Aggregation):
                     self._meta.set_version(later_slots, t)
                     self._meta.pin(later_slots, t + 1)
                 self._metrics.add(local_updates=int(now_slots.size + later_slots.size))
-        if now_idx.size:
-            fut = self._worker.submit(self._coll.all_reduce_sum_, g_now)
-            self._metrics.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
-            self._now_update = NowUpdate(fut, g_now, now_slots, now_rows)
         designated = (np.arange(nu) % self._world_size) == self._rank
         d_now = np.flatnonzero(designated[now_idx])
         d_later = np.flatnonzero(designated[later_idx])
-        keys_t = torch.from_numpy(
-            np.concatenate([union[now_idx][d_now], union[later_idx][d_later]]))
+        keys = np.concatenate([union[now_idx][d_now], union[later_idx][d_later]])
+        return CollectivePlan(src_of[now_idx], src_of[later_idx], now_slots, now_rows,
+                              later_slots, later_sel, d_now, d_later, keys)
+
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor,
+               planned: CollectivePlan) -> None:
+        p = planned
+        dev = grad.device
+        # Each union row's gradient row (or the zero row past the end): one gather each.
+        padded = torch.cat([grad, torch.zeros(1, self._dim, dtype=grad.dtype, device=dev)])
+
+        def dense(src: np.ndarray) -> torch.Tensor:
+            return padded.index_select(0, torch.from_numpy(src).to(dev))
+
+        g_now = dense(p.now_src)
+        g_later = dense(p.later_src)
+        if p.now_src.size:
+            fut = self._worker.submit(self._coll.all_reduce_sum_, g_now)
+            self._metrics.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
+            self._now_update = NowUpdate(fut, g_now, p.now_slots, p.now_rows)
+        later_slots, later_sel = p.later_slots, p.later_sel
+        d_now, d_later = p.d_now, p.d_later
 
         def later_part() -> torch.Tensor:
             # Runs on the worker after the S_now all-reduce (FIFO), so g_now is reduced.
-            if later_idx.size:
+            if p.later_src.size:
                 self._coll.all_reduce_sum_(g_later)
                 self._metrics.add(allreduce_payload_bytes=g_later.numel() * 4,
                                   collectives_issued=1)
@@ -165,7 +195,7 @@ class CollectiveAggregation(Aggregation):
                      g_later.index_select(0, torch.from_numpy(d_later).to(dev))]
             return torch.cat(parts).cpu()
 
-        fut = self._worker.submit(self._later_task, t, keys_t, later_part)
+        fut = self._worker.submit(self._later_task, t, torch.from_numpy(p.keys), later_part)
         self._tasks.append(WorkerTask(t, fut))
         if later_slots.size:
             self._later_pins[t] = fut
@@ -187,8 +217,7 @@ class CollectiveAggregation(Aggregation):
         upd.future.result(timeout=self._timeout)
         self._metrics.add(collective_wait_s=time.perf_counter() - t0)
         if upd.slots.size:
-            with self._cache_lock:
-                self._cache.apply_gradients_(upd.slots, upd.grads, upd.grad_rows)
+            self._cache.apply_gradients_(upd.slots, upd.grads, upd.grad_rows)
 
     # ---- lifetime -----------------------------------------------------------------------
     def drain(self) -> None:

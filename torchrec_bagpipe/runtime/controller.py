@@ -37,17 +37,20 @@ Thread safety: call the controller from one thread (the training thread); `metri
 also be called from another. It runs collectives (and collective aggregation's commit
 submissions) on a communication worker per `Collectives` instance (`worker.py`: shared by the
 controllers of one rank, FIFO), so that instance must not be used by anything else while
-controllers are open. Locks:
-  * `_cache_lock` (this file; reentrant) guards the cache metadata, the device cache values
-    and the prefetch scheduler: the training thread holds it around a step's preparation
-    and assembly (including the wait for the step's rows), the aggregation's metadata and
-    S_now updates, prefetch issue, `invalidate_all` and `close`; `metrics()` around the
-    metadata's stats. The worker never takes it (collective S_later: pinned rows, see
-    `collective_aggregation.py`).
-  * `IdExchange._plan_lock` guards the online planner (the worker adds steps while the
-    training thread reads plans).
-  * `PSPort._client_lock` serializes PS client calls (training thread: gets, committed step,
-    ps commits; worker: collective commits).
+controllers are open. The metadata of step t + 1 is prepared while step t runs, on the step
+preparer's thread (`step_preparer.py`, one per controller); the training thread keeps the
+tensor work: the step's gathers, the demand get and its wait, the cache writes, the
+gradient's local updates and commit. Locks:
+  * `_cache_lock` (this file; reentrant) guards the cache metadata and the prefetch
+    scheduler: a step's preparation holds it (after the ID exchange waits) on whichever
+    thread prepares it, the training thread around a step's assembly (including the wait for
+    the step's rows), `invalidate_all` and `close`; `metrics()` around the metadata's stats.
+    Row values (`DeviceCache`) are written by the training thread only (and by the worker on
+    pinned S_later rows, see `collective_aggregation.py`); the preparer never touches them.
+  * `IdExchange._plan_lock` guards the online planner (the worker adds steps while plans are
+    read).
+  * `PSPort._client_lock` serializes PS client calls (gets, committed step, ps commits;
+    worker: collective commits).
   * `RuntimeMetrics` has a lock of its own around each update.
 
 Invariants:
@@ -57,9 +60,10 @@ Invariants:
   2. At most one step is active (`_active`): next_step(t) and finish_step(t) alternate.
   3. A failed call (other than an argument error) sets `_failed`: every later call raises
      ControllerError; `close()` still releases every resource.
-  4. Step preparation (plans, window entry, metadata, fetch issue: `StepAssembler.prepare`)
-     runs no tensor op besides allocating the step's staging tensor; the step's gathers,
-     waits for rows and cache writes run in `StepAssembler.assemble`.
+  4. Step preparation (plans, window entry, metadata, prefetch issue, the aggregation's
+     metadata: `StepPreparer.prepare`) runs no tensor op besides allocating the step's
+     staging tensor; the demand get, the step's gathers, waits for rows and cache writes run
+     in `StepAssembler.assemble` on the training thread, in step order.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ from torchrec_bagpipe.runtime.prefetch import PrefetchScheduler
 from torchrec_bagpipe.runtime.ps_aggregation import PSAggregation
 from torchrec_bagpipe.runtime.ps_port import FetchObserver, Handle, PSClientLike, PSPort
 from torchrec_bagpipe.runtime.step_assembly import StepAssembler
+from torchrec_bagpipe.runtime.step_preparer import StepPreparer
 from torchrec_bagpipe.runtime.worker import MeteredWorker, acquire_worker, release_worker
 
 __all__ = ["BagPipeController", "ControllerError", "Handle", "PSClientLike", "Step"]
@@ -200,6 +205,13 @@ class BagPipeController:
             self._agg = PSAggregation(meta=self._meta, cache=self._dev,
                                       cache_lock=self._cache_lock, port=self._port,
                                       metrics=self.metrics_)
+        self._preparer = StepPreparer(
+            meta=self._meta, plans=self._plans, prefetch=self._prefetch,
+            assembler=self._assembler, aggregation=self._agg, cache_lock=self._cache_lock,
+            metrics=self.metrics_, lookahead=self._lookahead, timeout=self._timeout,
+            name=f"bagpipe-prep-r{rank}",
+        )
+        self._finish_plan: object = None  # the active step's Aggregation.plan_finish result
         self._failed: BaseException | None = None
         self._closed = False
         self._submitted = 0
@@ -252,6 +264,7 @@ class BagPipeController:
             self._plans.submit(s, arr)
             self._local_keys.append(arr)
             self._submitted += 1
+            self._launch_ahead()
         finally:
             self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
 
@@ -268,12 +281,13 @@ class BagPipeController:
         t0 = time.perf_counter()
         try:
             step = self._prepare(t)
+            self._active = step
+            self._launch_ahead()
         except BaseException as e:
             self._failed = e
             raise
         finally:
             self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
-        self._active = step
         return step
 
     def finish_step(self, step: Step, grad: torch.Tensor) -> None:
@@ -293,13 +307,14 @@ class BagPipeController:
         t0 = time.perf_counter()
         try:
             self._finish(step, grad.detach())
+            self._active = None
+            self._next += 1
+            self._launch_ahead()
         except BaseException as e:
             self._failed = e
             raise
         finally:
             self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
-        self._active = None
-        self._next += 1
         self.metrics_.add(steps=1)
 
     def flush(self) -> None:
@@ -319,6 +334,11 @@ class BagPipeController:
         if self._active is not None:
             raise ValueError(f"invalidate_all: step {self._active.step} is still running")
         self.flush()
+        try:
+            self._preparer.discard()  # its metadata is cleared: prepared again at next_step
+        except BaseException as e:
+            self._failed = e
+            raise
         with self._cache_lock:
             self._prefetch.clear(self._timeout)
             if self._meta is not None:
@@ -338,6 +358,10 @@ class BagPipeController:
             error = e
         finally:
             self._closed = True
+            try:
+                self._preparer.close()
+            except BaseException as e:
+                error = error or e
             self._port.mark_closed()
             try:
                 with self._cache_lock:
@@ -374,17 +398,14 @@ class BagPipeController:
 
     # ---- the step -----------------------------------------------------------------------
     def _prepare(self, t: int) -> Step:
+        work = self._preparer.take(t, self._submitted)
         self._agg.before_step(t)
-        upto = min(t + self._lookahead, self._submitted - 1)
-        self._plans.absorb(t, upto)
         batch = self._local_keys.popleft()
+        prepared = work.step
         with self._cache_lock:
-            if self._meta is not None:
-                self._meta.advance(t)
-            self._prefetch.enter_window(t, upto, self._plans.plan)
-            plan = self._plans.plan(t)
-            prepared = self._assembler.prepare(t, plan)
             rows = self._assembler.assemble(prepared)
+        self._finish_plan = work.finish
+        plan = prepared.plan
         inverse = torch.from_numpy(plan.inverse)
         if self.device.type != "cpu":
             inverse = inverse.to(self.device, non_blocking=True)
@@ -398,13 +419,17 @@ class BagPipeController:
             plan=plan,
         )
 
+    def _launch_ahead(self) -> None:
+        """Starts preparing the next step not yet prepared, if its window is full."""
+        s = self._next + 1 if self._active is not None else self._next
+        self._preparer.launch(s, self._submitted)
+
     def _finish(self, step: Step, grad: torch.Tensor) -> None:
         if grad.device != self.device and self._meta is not None:
             grad = grad.to(self.device)
-        self._agg.finish(step.step, step.plan, grad)
-        if self._meta is not None:
-            with self._cache_lock:
-                self._prefetch.issue_ready()
+        self._agg.finish(step.step, step.plan, grad, self._finish_plan)
+        self._finish_plan = None
+        self._preparer.issue_later()
 
     def _drain(self) -> None:
         t0 = time.perf_counter()

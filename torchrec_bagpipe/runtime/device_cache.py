@@ -21,10 +21,11 @@ Prefetched rows wait in their fetch's own buffer (`prefetch.py` moves it to the 
 until their step reads them; they enter the cache only through admission at use, so
 prefetching never displaces rows that are needed sooner.
 
-Thread safety: none of its own. The controller's cache lock serializes the calls, with one
-exception: collective aggregation updates S_later rows from the communication worker without
-it, on slots pinned so that no other call touches them until the training thread joins that
-update (`collective_aggregation.py`, invariant 2).
+Thread safety: none of its own. Only the training thread calls it (the step assembly, the
+aggregations' updates), with one exception: collective aggregation updates S_later rows from
+the communication worker, on slots pinned so that no other call touches them until the
+training thread joins that update (`collective_aggregation.py`, invariant 2). The step
+preparer's thread decides slots (metadata) but never touches values.
 """
 
 from __future__ import annotations

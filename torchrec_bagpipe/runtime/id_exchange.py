@@ -10,10 +10,12 @@ lookahead window after it. They come one of two ways:
     `OnlinePlanner`; `absorb(t, upto)` waits (bounded) until every step <= upto is planned,
     then releases the steps before t.
 
-Thread safety: `prescan`, `submit`, `absorb`, `plan` and `cancel` are called by the training
-thread; `_exchange_and_plan` runs on the communication worker; `plan_seconds` and
-`memory_bytes` may be called from any thread. `_plan_lock` guards the online planner (the
-worker adds steps while the training thread reads plans and releases steps); the prescan
+Thread safety: `prescan`, `submit` and `cancel` are called by the training thread, `absorb`
+and `plan` by whichever thread prepares a step (the step preparer's or the training thread,
+one at a time); `_exchange_and_plan` runs on the communication worker; `plan_seconds` and
+`memory_bytes` may be called from any thread. `_pending` is appended by `submit` and popped
+by `absorb` (atomic deque operations). `_plan_lock` guards the online planner (the worker
+adds steps while plans are read and steps released); the prescan
 planner is written once, by `prescan`, before any submit, and only read afterwards.
 
 Invariants:

@@ -14,11 +14,11 @@ cache only through admission at use. Candidates of step t still queued when t ru
 
 Without a cache (read_mode ps) the scheduler only tracks the window (`entered`).
 
-Thread safety: the scheduler has no lock of its own. Every method is called by the training
-thread with the controller's cache lock held, except `prepared_bytes`, which `metrics()` reads
-from any thread without it (over a copy of the fetch list: a sum that may be a step old), and
-`entered`, which only the training thread reads. It calls the PS through `PSPort` (whose
-client lock it takes after the cache lock).
+Thread safety: the scheduler has no lock of its own. Every method is called with the
+controller's cache lock held (by the training thread or the step preparer's thread), except
+`prepared_bytes`, which `metrics()` reads from any thread without it (over a copy of the
+fetch list: a sum that may be a step old). It calls the PS through `PSPort` (whose client
+lock it takes after the cache lock).
 
 Invariants:
   1. Dependency gating (ARCHITECTURE §1 inv. 4): a get is issued only for keys whose

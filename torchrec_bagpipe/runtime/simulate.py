@@ -84,9 +84,13 @@ def simulate(
     step_hook: Callable[[int, BagPipeController], None] | None = None,
     progress: bool = False,
     backend: BackendFactory | None = None,
+    submit_ahead: int = 0,
 ) -> SimResult:
     """Trains `len(trace)` steps with W rank threads against an in-process PS (default: the
-    exact `ReferencePS`; `backend` builds another one)."""
+    exact `ReferencePS`; `backend` builds another one). Before step t each rank has submitted
+    the batches up to t + lookahead + `submit_ahead` (as TorchRec's pipeline, which runs the
+    next batch's input_dist before the forward: `submit_ahead=1`, so the next step is
+    prepared while this one runs)."""
     W = world_size if world_size is not None else len(trace[0]) if trace else 1
     for t, per_rank in enumerate(trace):
         if len(per_rank) != W:
@@ -108,7 +112,7 @@ def simulate(
     done = threading.Barrier(W)
     done2 = threading.Barrier(W)
     steps = len(trace)
-    look = config.lookahead if config.read_mode == "bagpipe" else 0
+    look = (config.lookahead if config.read_mode == "bagpipe" else 0) + submit_ahead
 
     def rank_main(r: int) -> None:
         ctl = None

@@ -1,23 +1,28 @@
 """StepAssembler: the rows of one step, from the cache, prefetched fetches and demand gets.
 
-Two phases, so that preparation can later move off the training thread (issue 14):
+Two phases, so that preparation runs ahead, off the training thread (`step_preparer.py`):
 
-  * `prepare(t, plan) -> PreparedStep` — metadata and fetch issue (no tensor op besides
-    allocating the staging tensor): the cache query (hits at the version the step reads),
-    the prefetched rows that serve misses, the demand get of the rest (issued at once; on
-    the CPU it writes its rows straight into the staging tensor), the admission of the
-    misses (Belady over the window: soonest next use first, bypass when nothing resident is
-    needed later), the placement and issue of later steps' prefetches, and the index plan
-    that puts the staged rows in unique-key order;
-  * `assemble(prepared) -> rows` — tensor ops: gather [hits | prefetched | demand] into the
-    staging tensor, wait for the demand rows, one gather into unique-key order, write the
-    admitted rows into their slots; then retire the fetches the step used up.
+  * `prepare(t, plan) -> PreparedStep` — metadata only (no tensor op besides allocating the
+    staging tensor, no row value read or written): the issue of prefetches whose dependency
+    committed since (so that step t's own become prefetched rather than demand), the cache
+    query (hits at the version the step reads), the prefetched rows that serve misses, the
+    keys left for the demand get, the admission of the misses (Belady over the window:
+    soonest next use first, bypass when nothing resident is needed later), the placement and
+    issue of later steps' prefetches, and the index plan that puts the staged rows in
+    unique-key order;
+  * `assemble(prepared) -> rows` — on the training thread: issue the demand get (its
+    dependency may be the commit of the step just finished, so it cannot be issued ahead;
+    on the CPU it writes its rows straight into the staging tensor), gather
+    [hits | prefetched] into the staging tensor, wait for the demand rows, one gather into
+    unique-key order, write the admitted rows into their slots; then retire the fetches the
+    step used up.
 
 Without a cache (read_mode ps) every unique key is fetched on demand into the step's rows.
 
 Thread safety: both phases run with the controller's cache lock held (the assembler has no
-lock of its own) on the training thread. Lock order: cache lock, then the PS port's lock
-(gets), never the other way round.
+lock of its own); `prepare` on the step preparer's thread or the training thread, `assemble`
+on the training thread. Lock order: cache lock, then the PS port's lock (gets), never the
+other way round. Row values (`DeviceCache`) are read and written by `assemble` only.
 
 Invariants:
   1. Freshness: a hit is a slot at exactly the version dep(k, t); every other row comes from
@@ -27,6 +32,8 @@ Invariants:
      each staged row is written once.
   4. ps aggregation: a key another rank also touches at step t is served but not admitted
      (its update is not known here, it is invalidated right after the step).
+  5. Row values move only in `assemble`, in step order on the training thread: a slot that a
+     later step's preparation reassigned still receives the earlier steps' writes first.
 """
 
 from __future__ import annotations
@@ -61,8 +68,8 @@ class PreparedStep:
     src: torch.Tensor                 # fp32 [U, dim] on the device
     hit_slots: np.ndarray             # cache slots of the hits, in `src` order
     prefetched: list[PrefetchedPart]  # in `src` order, after the hits
-    demand: Handle | None             # the demand get of the last `num_demand` rows
-    num_demand: int
+    demand_keys: np.ndarray           # the demand get's keys (the last rows of `src`) ...
+    demand_deps: np.ndarray           # ... and their dependency steps
     order: np.ndarray | None
     admit_pos: np.ndarray             # unique-key positions admitted to the cache ...
     admit_slots: np.ndarray           # ... and their (distinct) slots
@@ -104,6 +111,8 @@ class StepAssembler:
         next_use = plan.next_use
         if self._prefetch.entered < t + self._lookahead and next_use.size:
             next_use = np.where(next_use <= self._prefetch.entered, next_use, -1)
+        # Prefetches whose dependency committed since the last issue (step t's included).
+        self._prefetch.issue_ready()
         hit_pos, hit_slots, miss_pos, stale = meta.query(U, deps, next_use)
         nh = hit_pos.size
         # Prefetches of this step still queued (dependency not committed) become demand.
@@ -113,11 +122,7 @@ class StepAssembler:
         parts = self._prefetch.prefetched_for(t, missing)
         nq = sum(p.upos.size for p in parts)
         d_pos = np.flatnonzero(missing) if nq else miss_pos
-        d_keys = U[d_pos]
-        d_deps = deps[d_pos]
-        self._record_dependency(t, d_deps)
         src = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
-        handle = self._demand(t, d_keys, d_deps, src[nh + nq:])
         # Admission, soonest next use first (none last): admitted rows are pinned for the
         # step, so the rows worth keeping claim slots before the ones worth less (Belady).
         a_pos = a_slots = _EMPTY
@@ -151,15 +156,14 @@ class StepAssembler:
                 off += k
             if d_pos.size:
                 src_order[d_pos] = np.arange(off, n)
-        return PreparedStep(t, plan, src, hit_slots, parts, handle, int(d_pos.size), src_order,
+        return PreparedStep(t, plan, src, hit_slots, parts, U[d_pos], deps[d_pos], src_order,
                             a_pos, a_slots)
 
     def _prepare_uncached(self, t: int, plan: StepPlan) -> PreparedStep:
         n = plan.unique_keys.size
-        self._record_dependency(t, plan.deps)
         rows = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
-        handle = self._demand(t, plan.unique_keys, plan.deps, rows)
-        return PreparedStep(t, plan, rows, _EMPTY, [], handle, n, None, _EMPTY, _EMPTY)
+        return PreparedStep(t, plan, rows, _EMPTY, [], plan.unique_keys, plan.deps, None,
+                            _EMPTY, _EMPTY)
 
     def _record_dependency(self, t: int, demand_deps: np.ndarray) -> None:
         if t == 0:
@@ -182,9 +186,14 @@ class StepAssembler:
 
     # ---- phase 2: tensor ops ------------------------------------------------------------
     def assemble(self, p: PreparedStep) -> torch.Tensor:
-        """The step's rows (fp32 [U, dim] on the device, in unique-key order, fresh)."""
+        """The step's rows (fp32 [U, dim] on the device, in unique-key order, fresh).
+        REQUIRES: the training thread, after every earlier step's row writes
+        (`Aggregation.before_step(t)`)."""
         n = p.plan.unique_keys.size
         src = p.src
+        num_demand = p.demand_keys.size
+        self._record_dependency(p.t, p.demand_deps)
+        handle = self._demand(p.t, p.demand_keys, p.demand_deps, src[n - num_demand:])
         nh = p.hit_slots.size
         if nh:
             self._cache.gather(p.hit_slots, out=src[:nh])
@@ -194,7 +203,7 @@ class StepAssembler:
             rows_f = self._prefetch.materialize(part.fetch)
             torch.index_select(rows_f, 0, self._cache.index(part.sel), out=src[off:off + k])
             off += k
-        self._finish_demand(p.demand, p.num_demand, src[off:])
+        self._finish_demand(handle, num_demand, src[off:])
         rows = src if p.order is None else src.index_select(0, self._cache.index(p.order))
         if p.admit_slots.size:
             self._cache.fill(p.admit_slots, rows.index_select(0, self._cache.index(p.admit_pos)))
@@ -206,8 +215,8 @@ class StepAssembler:
             accesses=n,
             hits=nh,
             prefetch_served=nq,
-            demand_fetched=p.num_demand,
-            demand_gets=int(p.num_demand > 0),
+            demand_fetched=num_demand,
+            demand_gets=int(num_demand > 0),
         )
         return rows
 
