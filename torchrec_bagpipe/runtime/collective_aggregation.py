@@ -6,7 +6,10 @@ from the exchanged ids) are all-reduced in two parts: S_now, the rows step t + 1
 S_later, the rest, on the communication worker with the commit, overlapping the next forward.
 Every rank updates all of its resident affected rows (`DeviceCache.apply_gradients_`), so no
 row is invalidated; each union row's designated rank (union index mod W) commits it, so the PS
-receives every row's summed gradient exactly once.
+receives every row's summed gradient exactly once. One buffer per step holds the union rows
+[S_now | S_later], each part grouped by designated rank (the same layout on every rank): the
+gradient is scattered into it once, the all-reduces reduce its two parts in place, the local
+updates read them, and the commit sends this rank's two runs (one copy of 1/W of the rows).
 
 The metadata part (`plan_finish`: the S_now / S_later split, the resident slots of each,
 their version t, the pins, the gather plans and the designated keys) depends on the plan
@@ -65,17 +68,19 @@ class WorkerTask(NamedTuple):
 
 
 class CollectivePlan(NamedTuple):
-    """What `plan_finish` decided for step t (gradient rows are rows of [grad | zero row])."""
+    """What `plan_finish` decided for step t. The step's gradient buffer holds the union
+    rows [S_now | S_later], each part grouped by designated rank."""
 
-    now_src: np.ndarray      # gradient row of each S_now union row
-    later_src: np.ndarray    # gradient row of each S_later union row
+    grad_dest: np.ndarray    # buffer row of each unique key's gradient row
+    size: int                # rows of the buffer (the union)
+    n_now: int               # S_now rows: the buffer's first part
+    now_run: tuple[int, int]    # buffer rows this rank commits, in the S_now part ...
+    later_run: tuple[int, int]  # ... and in the S_later part
     now_slots: np.ndarray    # resident slots of S_now rows ...
-    now_rows: np.ndarray     # ... and their rows in the S_now buffer
+    now_rows: np.ndarray     # ... and their rows in the S_now part
     later_slots: np.ndarray  # resident (pinned) slots of S_later rows ...
-    later_sel: np.ndarray    # ... and their rows in the S_later buffer
-    d_now: np.ndarray        # rows of the S_now buffer this rank commits
-    d_later: np.ndarray      # rows of the S_later buffer this rank commits
-    keys: np.ndarray         # the keys it commits (S_now's, then S_later's)
+    later_sel: np.ndarray    # ... and their rows in the S_later part
+    keys: np.ndarray         # the keys this rank commits (its S_now run, then S_later run)
 
 
 @dataclass
@@ -138,62 +143,71 @@ class CollectiveAggregation(Aggregation):
         s_now = plan.s_now if self._window_end() >= t + 1 else np.ones(nu, dtype=bool)
         now_idx = np.flatnonzero(s_now)
         later_idx = np.flatnonzero(~s_now)
-        # Each union row's gradient row (or the zero row past the end, `pad`).
-        src_of = np.full(nu, plan.unique_keys.size, dtype=np.int64)
-        src_of[plan.union_pos] = np.arange(plan.union_pos.size)
+        # The step's one gradient buffer: union rows [S_now | S_later], each part grouped by
+        # designated rank (union index mod W), the same layout on every rank. Each all-reduce
+        # reduces a contiguous part in place, and the rows this rank commits are one
+        # contiguous run in each part (no gather).
+        r = self._rank
+        owner = np.arange(nu) % self._world_size
+        now_ord = now_idx[np.argsort(owner[now_idx], kind="stable")]
+        later_ord = later_idx[np.argsort(owner[later_idx], kind="stable")]
+        n_now = now_ord.size
+        row = np.empty(nu, dtype=np.int64)  # union index -> buffer row
+        row[now_ord] = np.arange(n_now)
+        row[later_ord] = np.arange(n_now, nu)
+        a_now, b_now = np.searchsorted(owner[now_ord], [r, r + 1])
+        a_later, b_later = np.searchsorted(owner[later_ord], [r, r + 1])
+        commit_keys = union[np.r_[now_ord[a_now:b_now], later_ord[a_later:b_later]]]
+        # The metadata calls below see the keys in union order, as before the layout.
         later_slots = later_sel = _EMPTY
         now_slots = now_rows = _EMPTY
         if self._meta is not None:
             with self._cache_lock:
                 slots = self._meta.lookup(union[now_idx])
                 have = np.flatnonzero(slots >= 0)
-                now_slots, now_rows = slots[have], have
+                now_slots, now_rows = slots[have], row[now_idx[have]]
                 if now_slots.size:
                     self._meta.set_version(now_slots, t)
                 lslots = self._meta.lookup(union[later_idx])
-                later_sel = np.flatnonzero(lslots >= 0)
-                later_slots = lslots[later_sel]
+                sel = np.flatnonzero(lslots >= 0)
+                later_slots, later_sel = lslots[sel], row[later_idx[sel]] - n_now
                 if later_slots.size:
                     self._meta.set_version(later_slots, t)
                     self._meta.pin(later_slots, t + 1)
                 self._metrics.add(local_updates=int(now_slots.size + later_slots.size))
-        designated = (np.arange(nu) % self._world_size) == self._rank
-        d_now = np.flatnonzero(designated[now_idx])
-        d_later = np.flatnonzero(designated[later_idx])
-        keys = np.concatenate([union[now_idx][d_now], union[later_idx][d_later]])
-        return CollectivePlan(src_of[now_idx], src_of[later_idx], now_slots, now_rows,
-                              later_slots, later_sel, d_now, d_later, keys)
+        return CollectivePlan(row[plan.union_pos], nu, n_now, (int(a_now), int(b_now)),
+                              (n_now + int(a_later), n_now + int(b_later)), now_slots,
+                              now_rows, later_slots, later_sel, commit_keys)
 
     def finish(self, t: int, plan: StepPlan, grad: torch.Tensor,
                planned: CollectivePlan) -> None:
         p = planned
         dev = grad.device
-        # Each union row's gradient row (or the zero row past the end): one gather each.
-        padded = torch.cat([grad, torch.zeros(1, self._dim, dtype=grad.dtype, device=dev)])
-
-        def dense(src: np.ndarray) -> torch.Tensor:
-            return padded.index_select(0, torch.from_numpy(src).to(dev))
-
-        g_now = dense(p.now_src)
-        g_later = dense(p.later_src)
-        if p.now_src.size:
+        # The union rows' gradients (zero where this rank has none), scattered once into the
+        # buffer that the all-reduces reduce in place, the updates read and the commit sends.
+        buf = torch.zeros(p.size, self._dim, dtype=grad.dtype, device=dev)
+        if p.grad_dest.size:
+            buf.index_copy_(0, torch.from_numpy(p.grad_dest).to(dev), grad)
+        g_now = buf[:p.n_now]
+        g_later = buf[p.n_now:]
+        if p.n_now:
             fut = self._worker.submit(self._coll.all_reduce_sum_, g_now)
             self._metrics.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
             self._now_update = NowUpdate(fut, g_now, p.now_slots, p.now_rows)
         later_slots, later_sel = p.later_slots, p.later_sel
-        d_now, d_later = p.d_now, p.d_later
 
         def later_part() -> torch.Tensor:
             # Runs on the worker after the S_now all-reduce (FIFO), so g_now is reduced.
-            if p.later_src.size:
+            if g_later.shape[0]:
                 self._coll.all_reduce_sum_(g_later)
                 self._metrics.add(allreduce_payload_bytes=g_later.numel() * 4,
                                   collectives_issued=1)
                 # No lock: these slots are pinned through t + 1 (invariant 2).
                 self._cache.apply_gradients_(later_slots, g_later, later_sel)
-            parts = [g_now.index_select(0, torch.from_numpy(d_now).to(dev)),
-                     g_later.index_select(0, torch.from_numpy(d_later).to(dev))]
-            return torch.cat(parts).cpu()
+            runs = [buf[a:b] for a, b in (p.now_run, p.later_run) if b > a]
+            if not runs:
+                return buf[:0].cpu()
+            return (runs[0] if len(runs) == 1 else torch.cat(runs)).cpu()
 
         fut = self._worker.submit(self._later_task, t, torch.from_numpy(p.keys), later_part)
         self._tasks.append(WorkerTask(t, fut))

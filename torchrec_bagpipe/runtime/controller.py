@@ -61,9 +61,9 @@ Invariants:
   3. A failed call (other than an argument error) sets `_failed`: every later call raises
      ControllerError; `close()` still releases every resource.
   4. Step preparation (plans, window entry, metadata, prefetch issue, the aggregation's
-     metadata: `StepPreparer.prepare`) runs no tensor op besides allocating the step's
-     staging tensor; the demand get, the step's gathers, waits for rows and cache writes run
-     in `StepAssembler.assemble` on the training thread, in step order.
+     metadata: `StepPreparer.prepare`) runs no tensor op; the staging tensor, the demand get,
+     the step's gathers, waits for rows and cache writes are `StepAssembler.assemble`'s, on
+     the training thread, in step order.
 """
 
 from __future__ import annotations

@@ -2,17 +2,16 @@
 
 Two phases, so that preparation runs ahead, off the training thread (`step_preparer.py`):
 
-  * `prepare(t, plan) -> PreparedStep` — metadata only (no tensor op besides allocating the
-    staging tensor, no row value read or written): the issue of prefetches whose dependency
-    committed since (so that step t's own become prefetched rather than demand), the cache
-    query (hits at the version the step reads), the prefetched rows that serve misses, the
-    keys left for the demand get, the admission of the misses (Belady over the window:
-    soonest next use first, bypass when nothing resident is needed later), the placement and
-    issue of later steps' prefetches, and the index plan that puts the staged rows in
-    unique-key order;
+  * `prepare(t, plan) -> PreparedStep` — metadata only (no tensor op, no row value read or
+    written): the issue of prefetches whose dependency committed since (so that step t's
+    own become prefetched rather than demand), the cache query (hits at the version the
+    step reads), the prefetched rows that serve misses, the keys left for the demand get,
+    the admission of the misses (Belady over the window: soonest next use first, bypass
+    when nothing resident is needed later), the placement and issue of later steps'
+    prefetches, and the index plan that puts the staged rows in unique-key order;
   * `assemble(prepared) -> rows` — on the training thread: issue the demand get (its
     dependency may be the commit of the step just finished, so it cannot be issued ahead;
-    on the CPU it writes its rows straight into the staging tensor), gather
+    on the CPU it writes its rows straight into the step's staging tensor), gather
     [hits | prefetched] into the staging tensor, wait for the demand rows, one gather into
     unique-key order, write the admitted rows into their slots; then retire the fetches the
     step used up.
@@ -60,12 +59,12 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class PreparedStep:
     """One step after preparation: where each of its unique keys' rows comes from.
 
-    The staging tensor `src` is laid out [hits | prefetched | demand]; `order` maps unique-key
-    position -> row of `src` (None: `src` is already in unique-key order)."""
+    `assemble` stages the rows in a tensor `src` laid out [hits | prefetched | demand];
+    `order` maps unique-key position -> row of `src` (None: `src` is already in unique-key
+    order)."""
 
     t: int
     plan: StepPlan
-    src: torch.Tensor                 # fp32 [U, dim] on the device
     hit_slots: np.ndarray             # cache slots of the hits, in `src` order
     prefetched: list[PrefetchedPart]  # in `src` order, after the hits
     demand_keys: np.ndarray           # the demand get's keys (the last rows of `src`) ...
@@ -122,7 +121,6 @@ class StepAssembler:
         parts = self._prefetch.prefetched_for(t, missing)
         nq = sum(p.upos.size for p in parts)
         d_pos = np.flatnonzero(missing) if nq else miss_pos
-        src = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
         # Admission, soonest next use first (none last): admitted rows are pinned for the
         # step, so the rows worth keeping claim slots before the ones worth less (Belady).
         a_pos = a_slots = _EMPTY
@@ -156,13 +154,11 @@ class StepAssembler:
                 off += k
             if d_pos.size:
                 src_order[d_pos] = np.arange(off, n)
-        return PreparedStep(t, plan, src, hit_slots, parts, U[d_pos], deps[d_pos], src_order,
+        return PreparedStep(t, plan, hit_slots, parts, U[d_pos], deps[d_pos], src_order,
                             a_pos, a_slots)
 
     def _prepare_uncached(self, t: int, plan: StepPlan) -> PreparedStep:
-        n = plan.unique_keys.size
-        rows = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
-        return PreparedStep(t, plan, rows, _EMPTY, [], plan.unique_keys, plan.deps, None,
+        return PreparedStep(t, plan, _EMPTY, [], plan.unique_keys, plan.deps, None,
                             _EMPTY, _EMPTY)
 
     def _record_dependency(self, t: int, demand_deps: np.ndarray) -> None:
@@ -190,7 +186,8 @@ class StepAssembler:
         REQUIRES: the training thread, after every earlier step's row writes
         (`Aggregation.before_step(t)`)."""
         n = p.plan.unique_keys.size
-        src = p.src
+        # Allocated here, on the training thread (and its current stream on CUDA).
+        src = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
         num_demand = p.demand_keys.size
         self._record_dependency(p.t, p.demand_deps)
         handle = self._demand(p.t, p.demand_keys, p.demand_deps, src[n - num_demand:])
