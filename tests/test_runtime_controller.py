@@ -362,6 +362,33 @@ def test_invalidate_all_rereads_external_writes_and_close_drains() -> None:
     assert all(isinstance(v, (int, float)) for v in m.values())
 
 
+def test_invalidate_all_forgets_a_step_prepared_ahead() -> None:
+    """Step 2 is prepared ahead (its window is full) with rows 1, 2 as hits; the external
+    write and invalidate_all make it prepared again, so it reads the new values."""
+    ctl, ps = _single(BagPipeConfig(optimization_cache_capacity=1, lookahead=1, ps_timeout=5.0))
+    for _ in range(5):
+        ctl.submit(torch.tensor([1, 2]))
+    for _ in range(2):
+        step = ctl.next_step()
+        ctl.finish_step(step, torch.ones(2, DIM))
+    assert ctl._preparer._ahead is not None and ctl._preparer._ahead[0] == 2
+    ctl.flush()
+    new = np.full((2, DIM), 7.0, dtype=np.float32)
+    ps.assign(np.array([1, 2]), new)
+    ctl.invalidate_all()
+    step = ctl.next_step()
+    assert np.array_equal(step.rows.detach().numpy(), new)
+    ctl.finish_step(step, torch.ones(2, DIM))
+    for _ in range(2):
+        step = ctl.next_step()
+        ctl.finish_step(step, torch.ones(2, DIM))
+    ctl.close()
+    assert ps.committed_step() == 4
+    m = ctl.metrics()
+    assert m["hits"] + m["prefetch_served"] + m["demand_fetched"] == m["accesses"] == 10
+    assert m["demand_fetched"] >= 4  # steps 0 and 2 read from the PS
+
+
 def test_metrics_report_every_counter() -> None:
     trace = make_trace(2, 2, 6, 100, 30, 2.0)
     res = simulate(BagPipeConfig(optimization_cache_capacity=1, lookahead=2), trace,

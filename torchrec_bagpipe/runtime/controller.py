@@ -358,10 +358,14 @@ class BagPipeController:
             error = e
         finally:
             self._closed = True
+            failed = self._failed is not None or error is not None
+            if failed:
+                self._plans.cancel()  # an ahead preparation waiting for them stops at once
             try:
                 self._preparer.close()
             except BaseException as e:
-                error = error or e
+                if not failed:  # after a failure, the preparation's error is a consequence
+                    error = e
             self._port.mark_closed()
             try:
                 with self._cache_lock:
