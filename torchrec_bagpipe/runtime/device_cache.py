@@ -86,15 +86,22 @@ class DeviceCache:
         (all of `grads` when None): the PS's arithmetic (§1).  REQUIRES: slots distinct."""
         if len(slots) == 0:
             return
+        fresh = grad_rows is not None or grads.device != self.device
         if grad_rows is not None:
             index = torch.from_numpy(np.ascontiguousarray(grad_rows, dtype=np.int64))
             if grads.device.type != "cpu":
                 index = index.to(grads.device, non_blocking=True)
             grads = grads.index_select(0, index)
         g = grads.to(self.device, non_blocking=True)
-        # The same ops as the PS (u = g / W, u = u * lr, w = w - u), in one fresh buffer:
-        # `g` may be the caller's gradient and is never written.
-        if self.divisor_t is not None:
+        # The same ops as the PS (u = g / W, u = u * lr, w = w - u), in one buffer of our
+        # own: the gathered (or moved) rows in place, else a fresh one, since `g` is then the
+        # caller's gradient, never written.
+        if fresh:
+            u = g
+            if self.divisor_t is not None:
+                u.div_(self.divisor_t)
+            u.mul_(self.lr_t)
+        elif self.divisor_t is not None:
             u = g / self.divisor_t
             u.mul_(self.lr_t)
         else:
