@@ -18,8 +18,8 @@ preparation of step t reassigns still receives step t - 1's update before its ne
 
 When: step s is prepared ahead (`launch`) once next_step(s - 1) has returned and its window
 is full (batch s + lookahead submitted), so the window, and every decision, is the one
-next_step(s) would see. Otherwise (the end of the data, or batches submitted late)
-next_step(s) prepares it on the training thread (`take`), with the same code.
+next_step(s) would see. Otherwise (the end of the data, batches submitted late, or no cache:
+read_mode ps) next_step(s) prepares it on the training thread (`take`), with the same code.
 
 Thread safety: `launch`, `take`, `issue_later`, `discard` and `close` are called by the
 training thread. The preparation runs on this preparer's thread (one FIFO thread per
@@ -89,9 +89,11 @@ class StepPreparer:
 
     # ---- the rule -----------------------------------------------------------------------
     def launch(self, s: int, submitted: int) -> None:
-        """Starts preparing step s on the preparer's thread if its window is full.
+        """Starts preparing step s on the preparer's thread if its window is full (with a
+        cache: without one a step's preparation is only its plan, cheaper than the hand-off).
         REQUIRES: next_step(s - 1) returned (or s is the next step and none runs)."""
-        if self._ahead is not None or submitted - 1 < s + self._lookahead:
+        if (self._meta is None or self._ahead is not None
+                or submitted - 1 < s + self._lookahead):
             return
         self._ahead = (s, self._worker.submit(self.prepare, s, submitted))
 
