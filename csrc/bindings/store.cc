@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "bindings/buffers.h"
 #include "bindings/convert.h"
@@ -26,7 +27,45 @@ namespace {
 using store::EmbeddingStore;
 using store::InitKind;
 using store::InitSpec;
+using store::OptimizerSpec;
 using store::StoreOptions;
+
+// An optimizer spec as Python passes it: (kind, eps, beta1, beta2, weight_decay,
+// initial_accumulator_value); torchrec_bagpipe.ps.optimizers.OptimizerSpec.as_tuple().
+using OptimizerTuple = std::tuple<std::string, double, double, double, double, double>;
+
+OptimizerSpec MakeOptimizerSpec(const OptimizerTuple& t) {
+  OptimizerSpec o;
+  o.kind = store::ParseOptimizerKind(std::get<0>(t));
+  o.eps = std::get<1>(t);
+  o.beta1 = std::get<2>(t);
+  o.beta2 = std::get<3>(t);
+  o.weight_decay = std::get<4>(t);
+  o.initial_accumulator_value = std::get<5>(t);
+  store::ValidateOptimizerSpec(o);
+  return o;
+}
+
+py::dict OptimizerDict(const OptimizerSpec& o) {
+  py::dict d;
+  d["kind"] = store::OptimizerKindName(o.kind);
+  d["eps"] = o.eps;
+  d["beta1"] = o.beta1;
+  d["beta2"] = o.beta2;
+  d["weight_decay"] = o.weight_decay;
+  d["initial_accumulator_value"] = o.initial_accumulator_value;
+  return d;
+}
+
+// An optional (n, cols) float32 output / input next to the rows: nullptr for None.
+float* OptionalMutMat(const py::object& arr, const char* name, size_t n, int cols) {
+  if (arr.is_none()) return nullptr;
+  return MutMat<float>(arr.cast<py::array>(), name, static_cast<py::ssize_t>(n), cols).data;
+}
+const float* OptionalMat(const py::object& arr, const char* name, size_t n, int cols) {
+  if (arr.is_none()) return nullptr;
+  return Mat<float>(arr.cast<py::array>(), name, static_cast<py::ssize_t>(n), cols).data;
+}
 
 py::object& SpillWarningType() {
   static py::object type;
@@ -96,6 +135,7 @@ py::dict OptionsDict(const StoreOptions& o) {
   d["spill_dir"] = o.spill_dir;
   d["high_watermark"] = o.high_watermark;
   d["low_watermark"] = o.low_watermark;
+  d["optimizer"] = OptimizerDict(o.optimizer);
   return d;
 }
 
@@ -119,8 +159,9 @@ BAGPIPE_BINDING(store) {
                        std::vector<int64_t> bound_starts, std::vector<float> bound_values,
                        int64_t key_bound, uint32_t page_rows, int64_t memory_budget,
                        const std::string& spill_dir, double high_watermark,
-                       double low_watermark) {
+                       double low_watermark, const std::optional<OptimizerTuple>& optimizer) {
              StoreOptions o;
+             if (optimizer) o.optimizer = MakeOptimizerSpec(*optimizer);
              o.dim = dim;
              o.num_shards = num_shards;
              o.num_threads = num_threads;
@@ -138,31 +179,49 @@ BAGPIPE_BINDING(store) {
            py::arg("init_bound"), py::arg("init_value"), py::arg("seed"),
            py::arg("bound_starts"), py::arg("bound_values"), py::arg("key_bound"),
            py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
-           py::arg("high_watermark"), py::arg("low_watermark"))
+           py::arg("high_watermark"), py::arg("low_watermark"), py::arg("optimizer") = py::none())
       .def("options", [](StoreHandle& h) { return OptionsDict(h.store().options()); })
+      .def("state_dim", [](StoreHandle& h) { return h.store().state_dim(); })
       .def("lookup",
-           [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing) {
+           [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing,
+              const py::object& state_out) {
              auto k = Vec<int64_t>(keys, "keys");
              auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size),
                                     h.store().dim());
+             float* st = OptionalMutMat(state_out, "state_out", k.size, h.store().state_dim());
              {
                py::gil_scoped_release nogil;
-               h.store().Lookup(k.data, k.size, o.data, insert_missing);
+               h.store().Lookup(k.data, k.size, o.data, st, insert_missing);
              }
              h.FlushWarning();
            },
-           py::arg("keys"), py::arg("out"), py::arg("insert_missing"))
+           py::arg("keys"), py::arg("out"), py::arg("insert_missing"),
+           py::arg("state_out") = py::none())
       .def("assign",
-           [](StoreHandle& h, const py::array& keys, const py::array& rows) {
+           [](StoreHandle& h, const py::array& keys, const py::array& rows,
+              const py::object& state) {
              auto k = Vec<int64_t>(keys, "keys");
              auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), h.store().dim());
+             const float* st = OptionalMat(state, "state", k.size, h.store().state_dim());
              {
                py::gil_scoped_release nogil;
-               h.store().Assign(k.data, k.size, r.data);
+               h.store().Assign(k.data, k.size, r.data, st);
              }
              h.FlushWarning();
            },
-           py::arg("keys"), py::arg("rows"))
+           py::arg("keys"), py::arg("rows"), py::arg("state") = py::none())
+      .def("apply_gradients",
+           [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
+              int grad_divisor) {
+             auto k = Vec<int64_t>(keys, "keys");
+             auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
+             {
+               py::gil_scoped_release nogil;
+               h.store().ApplyGradients(k.data, k.size, g.data, lr, grad_divisor);
+             }
+             h.FlushWarning();
+           },
+           py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"))
       .def("apply_sgd",
            [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
               int grad_divisor) {
@@ -202,18 +261,21 @@ BAGPIPE_BINDING(store) {
            py::arg("n"))
       .def("size", [](StoreHandle& h) { return h.store().Size(); })
       .def("export_chunk",
-           [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows) {
+           [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows,
+              const py::object& state) {
              auto k = CheckedBuffer<int64_t>(keys, "keys", 1, true);
              auto r = MutMat<float>(rows, "rows", k.shape[0], h.store().dim());
+             float* st = OptionalMutMat(state, "state", static_cast<size_t>(k.shape[0]),
+                                        h.store().state_dim());
              size_t n;
              {
                py::gil_scoped_release nogil;
                n = h.store().Export(&cursor, static_cast<size_t>(k.shape[0]),
-                                    static_cast<int64_t*>(k.ptr), r.data);
+                                    static_cast<int64_t*>(k.ptr), r.data, st);
              }
              return py::make_tuple(n, cursor);
            },
-           py::arg("cursor"), py::arg("keys"), py::arg("rows"))
+           py::arg("cursor"), py::arg("keys"), py::arg("rows"), py::arg("state") = py::none())
       .def("save",
            [](StoreHandle& h, const std::string& path, const std::map<std::string, std::string>& meta,
               bool weights_only) {
@@ -238,6 +300,8 @@ BAGPIPE_BINDING(store) {
              d["lookups"] = s.lookups;
              d["updates"] = s.updates;
              d["memory_budget"] = s.memory_budget;
+             d["state_dim"] = s.state_dim;
+             d["slot_bytes"] = s.slot_bytes;
              return d;
            });
 
@@ -247,8 +311,9 @@ BAGPIPE_BINDING(store) {
          std::optional<int64_t> key_bound, std::optional<uint32_t> page_rows,
          std::optional<int64_t> memory_budget, std::optional<std::string> spill_dir,
          std::optional<double> high_watermark, std::optional<double> low_watermark,
-         std::optional<int> dim, bool weights_only) {
+         std::optional<int> dim, bool weights_only, const std::optional<OptimizerTuple>& optimizer) {
         store::LoadOverrides ov;
+        if (optimizer) ov.optimizer = MakeOptimizerSpec(*optimizer);
         ov.num_shards = num_shards;
         ov.num_threads = num_threads;
         ov.key_bound = key_bound;
@@ -272,7 +337,7 @@ BAGPIPE_BINDING(store) {
       py::arg("path"), py::arg("num_shards"), py::arg("num_threads"), py::arg("key_bound"),
       py::arg("page_rows"), py::arg("memory_budget"), py::arg("spill_dir"),
       py::arg("high_watermark"), py::arg("low_watermark"), py::arg("dim"),
-      py::arg("weights_only"));
+      py::arg("weights_only"), py::arg("optimizer") = py::none());
 
   m.def(
       "store_checkpoint_info",
@@ -289,7 +354,8 @@ BAGPIPE_BINDING(store) {
         d["key_bound"] = mf.key_bound;
         d["num_shards"] = mf.num_shards;
         d["page_rows"] = mf.page_rows;
-        d["optimizer"] = mf.optimizer;
+        d["optimizer"] = store::OptimizerKindName(mf.optimizer.kind);
+        d["optimizer_spec"] = OptimizerDict(mf.optimizer);
         d["state_dim"] = mf.state_dim;
         d["rows"] = mf.rows;
         d["meta"] = mf.meta;
@@ -316,4 +382,22 @@ BAGPIPE_BINDING(store) {
       },
       py::arg("keys"), py::arg("out"), py::arg("init"), py::arg("init_bound"),
       py::arg("init_value"), py::arg("seed"), py::arg("bound_starts"), py::arg("bound_values"));
+
+  m.def(
+      "store_initial_state",
+      [](const py::array& out, int dim, const OptimizerTuple& optimizer) {
+        const OptimizerSpec spec = MakeOptimizerSpec(optimizer);
+        if (dim <= 0) throw ValueError("dim must be > 0, got " + std::to_string(dim));
+        const int state_dim = store::StateDim(spec.kind, dim);
+        auto info = CheckedBuffer<float>(out, "out", 2, true);
+        if (info.shape[1] != state_dim) {
+          throw ValueError("out must have " + std::to_string(state_dim) + " columns, got " +
+                           std::to_string(info.shape[1]));
+        }
+        auto* data = static_cast<float*>(info.ptr);
+        for (py::ssize_t i = 0; i < info.shape[0]; ++i) {
+          store::InitialState(spec, dim, data + i * state_dim);
+        }
+      },
+      py::arg("out"), py::arg("dim"), py::arg("optimizer"));
 }

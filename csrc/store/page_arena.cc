@@ -22,10 +22,10 @@ void* RemapFixed(void* from, size_t bytes, void* to) {
 }
 }  // namespace
 
-PageArena::PageArena(size_t row_stride, uint32_t page_rows)
-    : row_stride_(row_stride),
+PageArena::PageArena(size_t slot_bytes, uint32_t page_rows)
+    : slot_bytes_(slot_bytes),
       page_rows_(page_rows),
-      page_bytes_(RoundUp(row_stride * page_rows, kOsPageBytes)) {}
+      page_bytes_(RoundUp(slot_bytes * page_rows, kOsPageBytes)) {}
 
 PageArena::~PageArena() {
   for (auto& p : pages_) UnmapMemory(p.addr, page_bytes_);

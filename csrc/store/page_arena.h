@@ -1,5 +1,5 @@
-// PageArena: the row memory of one EmbeddingStore, in fixed-size pages of cache-line-aligned
-// rows. A page is one mapping of page_bytes(); its address never changes while the arena
+// PageArena: the row memory of one EmbeddingStore, in fixed-size pages of row slots (the
+// store decides the layout inside a page: weight rows, then their optimizer state). A page is one mapping of page_bytes(); its address never changes while the arena
 // lives, whether its contents sit in anonymous DRAM or in a file extent (spilled): the move
 // between the two is an address-stable remap (see MoveToFile / MoveToMemory).
 //
@@ -41,13 +41,14 @@ class PageArena {
     }
   };
 
-  // REQUIRES: row_stride a multiple of 64, page_rows >= 1.
-  PageArena(size_t row_stride, uint32_t page_rows);
+  // slot_bytes: the page bytes one row slot takes (weights and state, with padding).
+  // REQUIRES: slot_bytes >= 1, page_rows >= 1.
+  PageArena(size_t slot_bytes, uint32_t page_rows);
   ~PageArena();
   PageArena(const PageArena&) = delete;
   PageArena& operator=(const PageArena&) = delete;
 
-  size_t row_stride() const { return row_stride_; }
+  size_t slot_bytes() const { return slot_bytes_; }
   uint32_t page_rows() const { return page_rows_; }
   size_t page_bytes() const { return page_bytes_; }  // mapping size, a multiple of 4 KiB
 
@@ -67,7 +68,7 @@ class PageArena {
   Page* page(size_t i) { return &pages_[i]; }
 
  private:
-  const size_t row_stride_;
+  const size_t slot_bytes_;
   const uint32_t page_rows_;
   const size_t page_bytes_;
   std::deque<Page> pages_;       // deque: element addresses are stable as it grows
