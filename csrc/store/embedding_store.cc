@@ -45,8 +45,6 @@ size_t StateStride(int state_dim) {
   return p;
 }
 
-size_t SlotBytes(int dim, int state_dim) { return RowStride(dim) + StateStride(state_dim); }
-
 // The width of the row-sum tree (optimizer_kernels.h): the smallest power of two >= dim.
 int PaddedDim(int dim) {
   int p = 1;
@@ -85,8 +83,9 @@ StoreOptions Resolve(StoreOptions o) {
   ValidateInitSpec(o.init);
   ValidateOptimizerSpec(o.optimizer);
   if (o.page_rows == 0) {
-    size_t rows = std::max<size_t>(
-        1, kTargetPageBytes / SlotBytes(o.dim, StateDim(o.optimizer.kind, o.dim)));
+    // About 2 MiB of weight rows (one huge page when the stride is a power of two), the
+    // state block after them: the weights of every optimizer get SGD's page geometry.
+    size_t rows = std::max<size_t>(1, kTargetPageBytes / RowStride(o.dim));
     o.page_rows = uint32_t{1} << Log2(rows);
   }
   if (o.memory_budget == -1) o.memory_budget = static_cast<int64_t>(DetectMemoryLimit() / 2);

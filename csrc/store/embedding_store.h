@@ -77,7 +77,8 @@ struct StoreOptions {
   InitSpec init;
   OptimizerSpec optimizer;      // REQUIRES: ValidateOptimizerSpec passes
   int64_t key_bound = -1;       // >= 0: keys must lie in [0, key_bound); < 0: any int64
-  uint32_t page_rows = 0;       // rows per arena page, a power of two; 0: about 2 MiB pages
+  uint32_t page_rows = 0;       // rows per arena page, a power of two; 0: about 2 MiB of
+                                // weight rows (plus their state) per page
   int64_t memory_budget = 0;    // arena DRAM budget in bytes; 0: unlimited; -1: automatic
   std::string spill_dir;        // where pages above the budget go; empty: memory-only
   double high_watermark = 0.8;  // fraction of the budget that starts spilling

@@ -1,8 +1,9 @@
 """Python face of the native storage engine (``csrc/store``).
 
-`EmbeddingStore` holds fp32 rows of one dimension keyed by int64. Tensors cross into native
-code zero-copy (``tensor.numpy()``); the GIL is released while the store works. Arguments are
-checked here first so that errors name the argument the caller passed.
+`EmbeddingStore` holds fp32 rows of one dimension keyed by int64, each with the state of the
+store's optimizer (`OptimizerSpec`). Tensors cross into native code zero-copy
+(``tensor.numpy()``); the GIL is released while the store works. Arguments are checked here
+first so that errors name the argument the caller passed.
 """
 
 from __future__ import annotations
@@ -19,8 +20,16 @@ import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import parse_memory_budget
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 
-__all__ = ["EmbeddingStore", "SpillWarning", "checkpoint_info", "initial_rows"]
+__all__ = [
+    "EmbeddingStore",
+    "OptimizerSpec",
+    "SpillWarning",
+    "checkpoint_info",
+    "initial_rows",
+    "initial_state",
+]
 
 SpillWarning = C.SpillWarning
 
@@ -78,6 +87,37 @@ def _rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
     if rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] != dim:
         raise ValueError(f"{name} must have shape ({n}, {dim}), got {tuple(rows.shape)}")
     return _numpy(rows)
+
+
+def _state_arg(state: Any, name: str, n: int, state_dim: int) -> Any:
+    """None, or an (n, state_dim) float32 tensor as numpy (a store without state takes (n, 0))."""
+    if state is None:
+        return None
+    return _rows_arg(state, name, n, state_dim)
+
+
+def _out_arg(out: Any, name: str, n: int, cols: int) -> torch.Tensor:
+    """A writable (n, cols) float32 output tensor; allocated when None."""
+    if out is None:
+        return torch.empty((n, cols), dtype=torch.float32)
+    o = _tensor_arg(out, name, torch.float32)
+    if o.dim() != 2 or o.shape[0] != n or o.shape[1] != cols:
+        raise ValueError(f"{name} must have shape ({n}, {cols}), got {tuple(o.shape)}")
+    if o.requires_grad:
+        raise ValueError(f"{name} must not require grad")
+    return o
+
+
+def _optimizer_arg(value: Any) -> OptimizerSpec:
+    return OptimizerSpec.of(value)
+
+
+def _step_args(lr: Any, grad_divisor: Any) -> tuple[float, int]:
+    lr = _float_arg(lr, "lr")
+    grad_divisor = _int_arg(grad_divisor, "grad_divisor", minimum=1)
+    if grad_divisor > 2**31 - 1:
+        raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")
+    return lr, grad_divisor
 
 
 def _budget_arg(value: Any) -> int:
@@ -143,9 +183,11 @@ def _f32(x: float) -> int:
 
 
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The verified manifest of a checkpoint (dim, init, rows, meta, ...), without its data."""
+    """The verified manifest of a checkpoint (dim, init, rows, meta, optimizer (its kind),
+    optimizer_spec (an OptimizerSpec), state_dim, contents, ...), without its data."""
     info = dict(C.store_checkpoint_info(_path_arg(path, "path")))
     info["meta"] = dict(info["meta"])
+    info["optimizer_spec"] = OptimizerSpec(**dict(info["optimizer_spec"]))
     return info
 
 
@@ -166,13 +208,28 @@ def initial_rows(
     return out
 
 
-class EmbeddingStore:
-    """fp32 rows of one dimension keyed by int64 (see docs/ARCHITECTURE.md §2).
+def initial_state(
+    num_rows: int, dim: int, optimizer: OptimizerSpec | str | dict[str, Any] = "sgd"
+) -> torch.Tensor:
+    """The optimizer state of `num_rows` fresh rows, (num_rows, state_dim) float32 (what a
+    store returns for unwritten keys; the same for every key)."""
+    num_rows = _int_arg(num_rows, "num_rows", minimum=0)
+    dim = _int_arg(dim, "dim", minimum=1)
+    spec = _optimizer_arg(optimizer)
+    out = torch.empty((num_rows, spec.state_dim(dim)), dtype=torch.float32)
+    C.store_initial_state(out.numpy(), dim, spec.as_tuple())
+    return out
 
-    Every row that was never written reads as its deterministic initial value. All batch
-    operations take 1-D contiguous int64 CPU key tensors and (n, dim) contiguous float32 CPU
-    row tensors; a bad argument raises TypeError / ValueError naming it, before anything is
-    written. Results are bitwise independent of ``num_threads`` and ``num_shards``.
+
+class EmbeddingStore:
+    """fp32 rows of one dimension keyed by int64, each with the state of the store's optimizer
+    (see docs/ARCHITECTURE.md §2).
+
+    Every row that was never written reads as its deterministic initial value and initial
+    state. All batch operations take 1-D contiguous int64 CPU key tensors and (n, dim)
+    contiguous float32 CPU row tensors (state: (n, state_dim)); a bad argument raises
+    TypeError / ValueError naming it, before anything is written. Results are bitwise
+    independent of ``num_threads`` and ``num_shards``.
     """
 
     def __init__(
@@ -191,8 +248,10 @@ class EmbeddingStore:
         high_watermark: float = 0.8,
         low_watermark: float = 0.6,
         page_rows: int | None = None,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
         dim = _int_arg(dim, "dim", minimum=1)
+        spec = _optimizer_arg(optimizer)
         num_shards = _int_arg(num_shards, "num_shards", minimum=1)
         num_threads = _int_arg(num_threads, "num_threads", minimum=1)
         if key_bound is not None:
@@ -222,8 +281,11 @@ class EmbeddingStore:
             "" if spill_dir is None else os.fspath(spill_dir),
             high,
             low,
+            spec.as_tuple(),
         )
         self._dim = dim
+        self._optimizer = spec
+        self._state_dim = spec.state_dim(dim)
         self.meta: dict[str, str] = {}
 
     # ---- properties ---------------------------------------------------------------------
@@ -231,9 +293,21 @@ class EmbeddingStore:
     def dim(self) -> int:
         return self._dim
 
+    @property
+    def optimizer(self) -> OptimizerSpec:
+        return self._optimizer
+
+    @property
+    def state_dim(self) -> int:
+        """Optimizer state floats per row (0 for SGD)."""
+        return self._state_dim
+
     def options(self) -> dict[str, Any]:
-        """The resolved construction options (an automatic budget shows as bytes)."""
-        return dict(self._core.options())
+        """The resolved construction options (an automatic budget shows as bytes; the
+        optimizer as an OptimizerSpec)."""
+        options = dict(self._core.options())
+        options["optimizer"] = OptimizerSpec(**dict(options["optimizer"]))
+        return options
 
     def __len__(self) -> int:
         return int(self._core.size())
@@ -242,7 +316,8 @@ class EmbeddingStore:
         o = self._core.options()
         return (
             f"EmbeddingStore(dim={self._dim}, rows={len(self)}, num_shards={o['num_shards']}, "
-            f"num_threads={o['num_threads']}, init={o['init']!r})"
+            f"num_threads={o['num_threads']}, init={o['init']!r}, "
+            f"optimizer={self._optimizer.kind!r})"
         )
 
     # ---- batch operations -----------------------------------------------------------------
@@ -255,32 +330,63 @@ class EmbeddingStore:
         are not stored.
         """
         k = _keys_arg(keys)
-        n = k.shape[0]
-        if out is None:
-            out = torch.empty((n, self._dim), dtype=torch.float32)
-        o = _tensor_arg(out, "out", torch.float32)
-        if o.dim() != 2 or o.shape[0] != n or o.shape[1] != self._dim:
-            raise ValueError(f"out must have shape ({n}, {self._dim}), got {tuple(o.shape)}")
-        if o.requires_grad:
-            raise ValueError("out must not require grad")
+        o = _out_arg(out, "out", k.shape[0], self._dim)
         self._core.lookup(k, o.numpy(), bool(insert_missing))
-        return out
+        return o
 
-    def assign(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Sets the rows of `keys`; for duplicate keys the last occurrence wins."""
+    def lookup_with_state(
+        self,
+        keys: torch.Tensor,
+        out: torch.Tensor | None = None,
+        state_out: torch.Tensor | None = None,
+        insert_missing: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lookup` that also returns each row's optimizer state, (n, state_dim) into
+        `state_out` (allocated when None). Absent rows read as their initial state."""
         k = _keys_arg(keys)
-        self._core.assign(k, _rows_arg(rows, "rows", k.shape[0], self._dim))
+        n = k.shape[0]
+        o = _out_arg(out, "out", n, self._dim)
+        so = _out_arg(state_out, "state_out", n, self._state_dim)
+        self._core.lookup(k, o.numpy(), bool(insert_missing), so.numpy())
+        return o, so
+
+    def assign(
+        self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None
+    ) -> None:
+        """Sets the rows of `keys` and, with `state` ((n, state_dim)), their optimizer state;
+        for duplicate keys the last occurrence wins. Without `state`, stored rows keep their
+        state and new rows start from the initial state."""
+        k = _keys_arg(keys)
+        n = k.shape[0]
+        r = _rows_arg(rows, "rows", n, self._dim)
+        self._core.assign(k, r, _state_arg(state, "state", n, self._state_dim))
+
+    def apply_gradients(
+        self, keys: torch.Tensor, grads: torch.Tensor, lr: float, grad_divisor: int = 1
+    ) -> None:
+        """One update per distinct key with the store's optimizer, applied to the sum of its
+        gradient rows in input order divided by `grad_divisor` (the arithmetic contract of
+        csrc/store/embedding_store.h). For Adam, `lr` is the bias-corrected step size
+        (`torchrec_bagpipe.ps.optimizers.adam_step_size`)."""
+        k = _keys_arg(keys)
+        g = _rows_arg(grads, "grads", k.shape[0], self._dim)
+        lr, grad_divisor = _step_args(lr, grad_divisor)
+        self._core.apply_gradients(k, g, lr, grad_divisor)
 
     def apply_sgd(
         self, keys: torch.Tensor, grads: torch.Tensor, lr: float, grad_divisor: int = 1
     ) -> None:
-        """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``."""
+        """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``
+        (with weight decay when the spec has it). Only for SGD stores (ValueError naming
+        `optimizer` otherwise); `apply_gradients` serves every optimizer."""
+        if self._optimizer.kind != "sgd":
+            raise ValueError(
+                f"optimizer: apply_sgd needs an SGD store, this one runs "
+                f"{self._optimizer.kind!r} (use apply_gradients)"
+            )
         k = _keys_arg(keys)
         g = _rows_arg(grads, "grads", k.shape[0], self._dim)
-        lr = _float_arg(lr, "lr")
-        grad_divisor = _int_arg(grad_divisor, "grad_divisor", minimum=1)
-        if grad_divisor > 2**31 - 1:
-            raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")
+        lr, grad_divisor = _step_args(lr, grad_divisor)
         self._core.apply_sgd(k, g, lr, grad_divisor)
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
@@ -298,23 +404,31 @@ class EmbeddingStore:
         """Prepares key-map capacity for `n` rows in total (outside the hot path)."""
         self._core.reserve(_int_arg(n, "n", minimum=0))
 
-    def export(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yields (keys, rows) chunks of every stored row, in a deterministic order.
+    def export(
+        self, chunk_rows: int = 65536, *, with_state: bool = False
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Yields (keys, rows) chunks of every stored row, in a deterministic order;
+        ``with_state=True``: (keys, rows, state) chunks.
 
         The store must not change while the iterator is consumed (ValueError otherwise).
         """
         chunk_rows = _int_arg(chunk_rows, "chunk_rows", minimum=1)
+        with_state = bool(with_state)
         cursor = 0
         while cursor != -1:
             keys = torch.empty(chunk_rows, dtype=torch.int64)
             rows = torch.empty((chunk_rows, self._dim), dtype=torch.float32)
-            n, cursor = self._core.export_chunk(cursor, keys.numpy(), rows.numpy())
+            state = torch.empty((chunk_rows, self._state_dim), dtype=torch.float32)
+            n, cursor = self._core.export_chunk(
+                cursor, keys.numpy(), rows.numpy(), state.numpy() if with_state else None
+            )
             if n:
-                yield keys[:n], rows[:n]
+                yield (keys[:n], rows[:n], state[:n]) if with_state else (keys[:n], rows[:n])
 
     def stats(self) -> dict[str, int]:
         """rows, bytes_resident, bytes_maps, bytes_spilled, pages, pages_spilled, page_bytes,
-        spill_count, swap_outs, swap_ins, lookups, updates, memory_budget."""
+        spill_count, swap_outs, swap_ins, lookups, updates, memory_budget, state_dim,
+        slot_bytes (arena bytes of one row: weights and optimizer state, with padding)."""
         return dict(self._core.stats())
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -327,7 +441,8 @@ class EmbeddingStore:
         """Crash-safe checkpoint into directory `path` (replaced atomically when it holds one).
 
         `meta` (str -> str) is stored in the manifest and returned by `load` as ``store.meta``.
-        ``weights_only=True`` writes an inference export without optimizer state.
+        The manifest records the optimizer spec; ``weights_only=True`` leaves the optimizer
+        state out (an inference export: loading it gives every row the initial state).
         """
         path = _path_arg(path, "path")
         if meta is None:
@@ -360,16 +475,21 @@ class EmbeddingStore:
         low_watermark: float | None = None,
         page_rows: int | None = None,
         weights_only: bool = False,
+        optimizer: OptimizerSpec | str | dict[str, Any] | None = None,
     ) -> EmbeddingStore:
-        """Opens a checkpoint written by `save`.
+        """Opens a checkpoint written by `save` (this or an older format version).
 
         `dim`, `init`, `init_bound`, `init_value` and `seed`, when given, are expectations: a
-        checkpoint that disagrees is refused with a ValueError naming the field. The other
-        arguments override the checkpoint's layout (shards, page rows, key bound) or set the
-        runtime options (threads, budget, spill). A torn, corrupt or unknown-version
-        checkpoint raises ValueError.
+        checkpoint that disagrees is refused with a ValueError naming the field. So is
+        `optimizer` (naming the first differing field, e.g. ``optimizer.eps``), unless the
+        load is weights-only (``weights_only=True`` or a weights-only checkpoint): then it
+        may change the optimizer and every row starts from the initial state. Unset, the
+        store runs the checkpoint's optimizer. The other arguments override the checkpoint's
+        layout (shards, page rows, key bound) or set the runtime options (threads, budget,
+        spill). A torn, corrupt or unknown-version checkpoint raises ValueError.
         """
         path = _path_arg(path, "path")
+        spec = None if optimizer is None else _optimizer_arg(optimizer)
         info = checkpoint_info(path)
         if dim is not None:
             _int_arg(dim, "dim", minimum=1)
@@ -421,10 +541,14 @@ class EmbeddingStore:
             opt_float(low_watermark, "low_watermark"),
             dim,
             bool(weights_only),
+            None if spec is None else spec.as_tuple(),
         )
         store = cls.__new__(cls)
         store._core = core
-        store._dim = int(core.options()["dim"])
+        options = core.options()
+        store._dim = int(options["dim"])
+        store._optimizer = OptimizerSpec(**dict(options["optimizer"]))
+        store._state_dim = int(core.state_dim())
         store.meta = dict(meta)
         return store
 
@@ -445,3 +569,10 @@ class EmbeddingStore:
     ) -> torch.Tensor:
         """The deterministic initial value of each key's row (see csrc/store/init.h)."""
         return initial_rows(keys, dim, init, init_bound, init_value, seed)
+
+    @staticmethod
+    def initial_state(
+        num_rows: int, dim: int, optimizer: OptimizerSpec | str | dict[str, Any] = "sgd"
+    ) -> torch.Tensor:
+        """The optimizer state of `num_rows` fresh rows, (num_rows, state_dim) float32."""
+        return initial_state(num_rows, dim, optimizer)
