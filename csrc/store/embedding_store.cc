@@ -327,7 +327,8 @@ void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b
   // Size the update scratch now, while a failure can still be rolled back: nothing in the
   // write phase allocates.
   if (sh.acc.size() < static_cast<size_t>(dim_)) sh.acc.resize(dim_);
-  const size_t scratch = KernelScratchFloats(dim_, PaddedDim(dim_));
+  // Room to align the kernels' scratch (UpdateShard) to kScratchAlign bytes.
+  const size_t scratch = KernelScratchFloats(dim_, PaddedDim(dim_)) + kScratchAlign / sizeof(float);
   if (sh.scratch.size() < scratch) sh.scratch.resize(scratch);
   const KeyMap::View v = sh.map.view();
   uint32_t* table = sh.dedupe.data();
@@ -753,7 +754,9 @@ void EmbeddingStore::Impl::UpdateShard(Shard& sh, uint32_t b, const float* grads
   const uint32_t* order = order_.data() + b;
   const uint32_t* next_item = sh.next_item.data();
   float* acc = sh.acc.data();          // sized by GroupShard
-  float* scratch = sh.scratch.data();  // sized by GroupShard
+  // Sized by GroupShard, with room for the alignment the kernels require.
+  float* scratch = reinterpret_cast<float*>(
+      RoundUp(reinterpret_cast<uintptr_t>(sh.scratch.data()), kScratchAlign));
   auto row = [&](uint32_t i) -> const float* {
     if constexpr (kRowTable) {
       return grad_rows[i];

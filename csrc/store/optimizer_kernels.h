@@ -34,9 +34,11 @@ struct StepArgs {
   int padded = 0;      // the smallest power of two >= dim (the row-sum tree's width)
 };
 
-// Scratch floats a kernel may use: the scaled gradient, then the row-sum tree.
+// A kernel's scratch: the scaled gradient (dim floats, rounded up to 16), then the row-sum
+// tree (padded floats). REQUIRES of the caller: 64-byte aligned.
+inline constexpr size_t kScratchAlign = 64;
 inline size_t KernelScratchFloats(int dim, int padded) {
-  return static_cast<size_t>(dim) + static_cast<size_t>(padded);
+  return (static_cast<size_t>(dim) + 15) / 16 * 16 + static_cast<size_t>(padded);
 }
 
 namespace kernels {
@@ -46,6 +48,62 @@ constexpr int PaddedDim() {
   int p = 1;
   while (p < kDim) p *= 2;
   return p;
+}
+
+// 16 fp32 lanes (GCC / Clang vector extensions): lane-wise + and * are the IEEE fp32
+// operations of the scalar code, so a tree level over whole vectors adds exactly the pairs
+// the scalar tree adds.
+using Vec16 = float __attribute__((vector_size(64)));
+using Vec8 = float __attribute__((vector_size(32)));
+using Vec4 = float __attribute__((vector_size(16)));
+
+inline Vec16 Load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Contract step 7 on the squares of u[0..dim): the pairwise tree over `padded` columns
+// (zero-padded). Levels of 16 columns or more add whole vectors (x[i] + x[i + h], h in
+// vectors); the last four levels halve one vector (8, 4, 2, 1 columns). x: padded / 16
+// vectors of scratch (unused when padded < 16).
+template <int kDim>
+inline float PairwiseSumOfSquares(const float* __restrict u, int dim, int padded,
+                                  Vec16* __restrict x) {
+  if (padded < 16) {  // dim <= 8: a scalar tree on a few registers
+    float y[16];
+    for (int c = 0; c < dim; ++c) y[c] = u[c] * u[c];
+    for (int c = dim; c < padded; ++c) y[c] = 0.0f;
+    for (int h = padded / 2; h >= 1; h /= 2) {
+      for (int c = 0; c < h; ++c) y[c] = y[c] + y[c + h];
+    }
+    return y[0];
+  }
+  const int vectors = padded / 16;
+  const int full = dim / 16;
+  for (int i = 0; i < full; ++i) {
+    const Vec16 t = Load16(u + 16 * i);
+    x[i] = t * t;
+  }
+  int next = full;
+  if (dim % 16 != 0) {  // the row's last columns, zero lanes after them (0 * 0 = +0)
+    float tail[16] = {};
+    std::memcpy(tail, u + 16 * full, static_cast<size_t>(dim % 16) * sizeof(float));
+    const Vec16 t = Load16(tail);
+    x[next++] = t * t;
+  }
+  for (int i = next; i < vectors; ++i) x[i] = Vec16{};
+  for (int h = vectors / 2; h >= 1; h /= 2) {
+    for (int i = 0; i < h; ++i) x[i] = x[i] + x[i + h];
+  }
+  const Vec16 v = x[0];
+  const Vec8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
+                  __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  const float a0 = v4[0] + v4[2];
+  const float a1 = v4[1] + v4[3];
+  return a0 + a1;
 }
 
 // Step 1 of the contract: u = G / float(W) (when W != 1), then u = u + w * wd (when wd != 0).
@@ -134,13 +192,12 @@ inline void RowWiseAdagradRow(float* __restrict w, float* __restrict s, const fl
   const int padded = kDim > 0 ? PaddedDim<kDim>() : a.padded;
   const float lr = a.lr, eps = a.eps, fdim = a.fdim;
   const float* __restrict u = Scaled<kDim>(scratch, g, w, a);
-  float* __restrict x = scratch + dim;
-  for (int c = 0; c < dim; ++c) x[c] = u[c] * u[c];
-  for (int c = dim; c < padded; ++c) x[c] = 0.0f;
-  for (int h = padded / 2; h >= 1; h /= 2) {
-    for (int c = 0; c < h; ++c) x[c] = x[c] + x[c + h];
-  }
-  const float r = x[0] / fdim;
+  // The tree: in registers for a fixed width, else in the scratch after the scaled gradient.
+  constexpr int kLocal = kDim > 0 && PaddedDim<kDim>() >= 16 ? PaddedDim<kDim>() / 16 : 1;
+  Vec16 local[kLocal];
+  Vec16* x = kDim > 0 ? local
+                      : reinterpret_cast<Vec16*>(scratch + (static_cast<size_t>(dim) + 15) / 16 * 16);
+  const float r = PairwiseSumOfSquares<kDim>(u, dim, padded, x) / fdim;
   const float sc = s[0] + r;
   s[0] = sc;
   const float d = std::sqrt(sc) + eps;
