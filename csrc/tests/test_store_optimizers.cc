@@ -47,7 +47,8 @@ StoreOptions Options(int dim, const OptimizerSpec& spec, int threads = 1, int sh
 }
 
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  if (a.size() != b.size()) return false;
+  return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Rows and state of keys [lo, hi), read without inserting.
