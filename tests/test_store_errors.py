@@ -49,7 +49,7 @@ INIT = {"init_bound": 0.1, "seed": 1}
         ({"high_watermark": 0.5, "low_watermark": 0.7}, ValueError, "watermark"),
         ({"high_watermark": 1.5}, ValueError, "watermark"),
         ({"low_watermark": 0.0}, ValueError, "watermark"),
-        ({"page_rows": 3}, ValueError, "page_rows"),
+        ({"page_rows": 2**24 + 1}, ValueError, "page_rows"),
         ({"page_rows": 0}, ValueError, "page_rows"),
         ({"optimizer": "lamb"}, ValueError, r"optimizer\.kind must be one of"),
         ({"optimizer": "momentum_sgd"}, ValueError, "'sgd', 'adagrad', 'rowwise_adagrad', 'adam'"),

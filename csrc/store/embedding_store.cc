@@ -56,6 +56,8 @@ bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
 int Log2(uint64_t v) { return 63 - __builtin_clzll(v); }
 
+size_t SlotBytes(int dim, int state_dim) { return RowStride(dim) + StateStride(state_dim); }
+
 StoreOptions Resolve(StoreOptions o) {
   if (o.dim <= 0 || o.dim > (1 << 20)) {
     throw ValueError("dim must be in [1, 1048576], got " + std::to_string(o.dim));
@@ -67,8 +69,8 @@ StoreOptions Resolve(StoreOptions o) {
   if (o.num_threads < 1 || o.num_threads > 1024) {
     throw ValueError("num_threads must be in [1, 1024], got " + std::to_string(o.num_threads));
   }
-  if (o.page_rows != 0 && (!IsPowerOfTwo(o.page_rows) || o.page_rows > (1u << 24))) {
-    throw ValueError("page_rows must be a power of two in [1, 16777216], got " +
+  if (o.page_rows > (1u << 24)) {
+    throw ValueError("page_rows must be in [1, 16777216] (0: automatic), got " +
                      std::to_string(o.page_rows));
   }
   if (o.memory_budget < -1) {
@@ -83,10 +85,17 @@ StoreOptions Resolve(StoreOptions o) {
   ValidateInitSpec(o.init);
   ValidateOptimizerSpec(o.optimizer);
   if (o.page_rows == 0) {
-    // About 2 MiB of weight rows (one huge page when the stride is a power of two), the
-    // state block after them: the weights of every optimizer get SGD's page geometry.
-    size_t rows = std::max<size_t>(1, kTargetPageBytes / RowStride(o.dim));
-    o.page_rows = uint32_t{1} << Log2(rows);
+    const int state_dim = StateDim(o.optimizer.kind, o.dim);
+    if (state_dim == 0) {
+      // About 2 MiB of rows, a power of two (one huge page when the stride is one too).
+      const size_t rows = std::max<size_t>(1, kTargetPageBytes / RowStride(o.dim));
+      o.page_rows = uint32_t{1} << Log2(rows);
+    } else {
+      // As many rows as fit, weights and state, in 2 MiB: one huge page holds both (a
+      // power of two would leave the state block of a row-wise store on 4 KiB pages).
+      const size_t rows = kTargetPageBytes / SlotBytes(o.dim, state_dim);
+      o.page_rows = static_cast<uint32_t>(std::max<size_t>(1, rows));
+    }
   }
   if (o.memory_budget == -1) o.memory_budget = static_cast<int64_t>(DetectMemoryLimit() / 2);
   return o;
@@ -142,8 +151,7 @@ class EmbeddingStore::Impl {
         state_stride_(StateStride(state_dim_)),
         state_offset_(stride_ * opt_.page_rows),
         initial_state_(ConstantsOf(opt_.optimizer).initial_state),
-        page_shift_(Log2(opt_.page_rows)),
-        page_mask_(opt_.page_rows - 1),
+        index_(opt_.page_rows),
         num_shards_(static_cast<uint32_t>(opt_.num_shards)),
         arena_(stride_ + state_stride_, opt_.page_rows),
         spill_(&arena_, SpillTier::Options{opt_.memory_budget, opt_.spill_dir,
@@ -181,15 +189,17 @@ class EmbeddingStore::Impl {
     return static_cast<uint32_t>(((hash >> 32) * num_shards_) >> 32);
   }
   char* Row(uint32_t slot) const {
-    return page_addr_[slot >> page_shift_] + static_cast<size_t>(slot & page_mask_) * stride_;
+    const uint32_t page = index_.Page(slot);
+    return page_addr_[page] + static_cast<size_t>(index_.RowIn(slot, page)) * stride_;
   }
   // The optimizer state of a slot (REQUIRES: state_dim_ > 0).
   char* State(uint32_t slot) const {
-    return page_addr_[slot >> page_shift_] + state_offset_ +
-           static_cast<size_t>(slot & page_mask_) * state_stride_;
+    const uint32_t page = index_.Page(slot);
+    return page_addr_[page] + state_offset_ +
+           static_cast<size_t>(index_.RowIn(slot, page)) * state_stride_;
   }
   void FillInitialState(float* state) const { std::fill(state, state + state_dim_, initial_state_); }
-  void Touch(uint32_t slot, uint32_t epoch) const { pages_[slot >> page_shift_]->Touch(epoch); }
+  void Touch(uint32_t slot, uint32_t epoch) const { pages_[index_.Page(slot)]->Touch(epoch); }
   void CheckKeys(const int64_t* keys, size_t n) const;
   void Route(const int64_t* keys, size_t n);
   void RunShards(const std::function<void(Shard&, uint32_t begin, uint32_t end)>& fn);
@@ -219,14 +229,13 @@ class EmbeddingStore::Impl {
   const size_t state_stride_;  // bytes between states in a page's state block (0: none)
   const size_t state_offset_;  // the state block's offset in a page
   const float initial_state_;  // every float of a fresh row's state
-  const int page_shift_;
-  const uint32_t page_mask_;
+  const PageIndex index_;      // slot -> page, row in the page
   const uint32_t num_shards_;
 
   std::mutex mu_;  // serializes batch ops; guards every field below
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<KeyMap::View> views_;  // map snapshots for read loops, refreshed per read op
-  // Slots are global to the store: slot -> page slot >> page_shift_, row slot & page_mask_.
+  // Slots are global to the store: slot -> page index_.Page(slot), row index_.RowIn(...).
   std::vector<char*> page_addr_;             // page -> first row address
   std::vector<PageArena::Page*> pages_;      // page -> arena page (for Touch)
   uint32_t next_slot_ = 0;                   // slots [0, next_slot_) have been handed out
@@ -433,7 +442,7 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
             taken < reused ? free_slots_[free_before - 1 - taken++] : next_slot_++;
       }
     }
-    const size_t want = (static_cast<size_t>(next_slot_) + page_mask_) >> page_shift_;
+    const size_t want = index_.PagesFor(next_slot_);
     if (want > page_addr_.size()) {
       spill_.MakeRoom(want - page_addr_.size());
       page_addr_.reserve(want);
@@ -518,8 +527,7 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
   Stage stages[4];
   const KeyMap::View* views = views_.data();
   char* const* page_addr = page_addr_.data();
-  const int page_shift = page_shift_;
-  const uint32_t page_mask = page_mask_;
+  const PageIndex index = index_;
   constexpr size_t kStride = RoundUp(kRowBytes, kRowAlign);
   const size_t stride = kRowBytes > 0 ? kStride : stride_;
   const size_t row_bytes = row_bytes_;
@@ -534,7 +542,8 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
   out += begin * dim;
   if constexpr (kState) state_out += begin * state_dim;
   auto locate = [&](Stage& st, size_t j, uint32_t slot) {
-    const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
+    const uint32_t page = index.Page(slot);
+    const char* r = page_addr[page] + static_cast<size_t>(index.RowIn(slot, page)) * stride;
     __builtin_prefetch(r);
     if (kStride > 64 || (kRowBytes == 0 && lines > 1)) {
       for (size_t l = 1; l < lines; ++l) __builtin_prefetch(r + 64 * l);
@@ -545,7 +554,7 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
       __builtin_prefetch(sp);
       st.state[j] = sp;
     }
-    if constexpr (kTrack) pages_[slot >> page_shift]->Touch(epoch);
+    if constexpr (kTrack) pages_[page]->Touch(epoch);
   };
   auto hash_stage = [&](size_t g) {
     if (g >= groups) return;
@@ -955,7 +964,7 @@ void EmbeddingStore::Impl::Reserve(size_t total_rows) {
   // Keys spread binomially over shards: leave four standard deviations of headroom.
   const double per = static_cast<double>(total_rows) / num_shards_;
   const size_t want = static_cast<size_t>(per + 4.0 * std::sqrt(per) + 16.0);
-  const size_t want_pages = (total_rows + page_mask_) >> page_shift_;
+  const size_t want_pages = index_.PagesFor(total_rows);
   page_addr_.reserve(want_pages);
   pages_.reserve(want_pages);
   pool_.Run(num_shards_, [&](size_t s) { shards_[s]->map.Reserve(want); });

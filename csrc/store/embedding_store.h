@@ -5,8 +5,8 @@
 // plus a page table into one PageArena. A page holds page_rows cache-line-aligned weight
 // rows, then the same rows' optimizer state (StateDim floats each; a state of 4..32 bytes is
 // packed at a power-of-two stride, a larger one is cache-line aligned), so a row's state
-// spills, comes back and is counted with its page. SGD keeps no state: its pages are weight
-// rows only. A SpillTier keeps the arena under a DRAM budget (spilling cold pages to disk,
+// spills, comes back and is counted with its page, and by default weights and state share
+// one 2 MiB huge page. SGD keeps no state: its pages are weight rows only, as before. A SpillTier keeps the arena under a DRAM budget (spilling cold pages to disk,
 // or refusing in memory-only mode).
 //
 // Thread safety:
@@ -77,8 +77,9 @@ struct StoreOptions {
   InitSpec init;
   OptimizerSpec optimizer;      // REQUIRES: ValidateOptimizerSpec passes
   int64_t key_bound = -1;       // >= 0: keys must lie in [0, key_bound); < 0: any int64
-  uint32_t page_rows = 0;       // rows per arena page, a power of two; 0: about 2 MiB of
-                                // weight rows (plus their state) per page
+  uint32_t page_rows = 0;       // rows per arena page, in [1, 2^24]; 0: automatic (SGD: a power
+                                // of two, about 2 MiB of rows; with optimizer state: as many
+                                // rows as fit, weights and state, in 2 MiB)
   int64_t memory_budget = 0;    // arena DRAM budget in bytes; 0: unlimited; -1: automatic
   std::string spill_dir;        // where pages above the budget go; empty: memory-only
   double high_watermark = 0.8;  // fraction of the budget that starts spilling

@@ -22,6 +22,30 @@
 
 namespace bagpipe::store {
 
+// slot -> (page, row in the page) for pages of `rows` rows, any count >= 1: a shift for a
+// power of two, else an exact multiply-high division (Lemire, Kaser and Kurz, "Faster
+// remainder by direct computation", 2019: with M = floor((2^64 - 1) / d) + 1 and d >= 2,
+// n / d == (n * M) >> 64 for every 32-bit n).
+class PageIndex {
+ public:
+  explicit PageIndex(uint32_t rows);  // REQUIRES: rows >= 1
+  uint32_t rows() const { return rows_; }
+  uint32_t Page(uint32_t slot) const {
+    if (pow2_) return slot >> shift_;
+    return static_cast<uint32_t>((static_cast<unsigned __int128>(magic_) * slot) >> 64);
+  }
+  // REQUIRES: page == Page(slot).
+  uint32_t RowIn(uint32_t slot, uint32_t page) const { return slot - page * rows_; }
+  // Pages that hold slots [0, slots).
+  size_t PagesFor(size_t slots) const { return (slots + rows_ - 1) / rows_; }
+
+ private:
+  uint32_t rows_;
+  bool pow2_;
+  int shift_;
+  uint64_t magic_;
+};
+
 class PageArena {
  public:
   struct Page {

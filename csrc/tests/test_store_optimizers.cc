@@ -128,6 +128,31 @@ TEST_CASE(store_optimizers_bitwise_independent_of_threads_and_shards) {
   }
 }
 
+TEST_CASE(store_optimizers_any_page_rows_give_the_same_rows) {
+  // Automatic page rows of a stateful store are not a power of two (2 MiB / slot bytes);
+  // every page geometry, spilled or not, holds the same rows and state.
+  for (OptimizerKind kind : {OptimizerKind::kRowWiseAdagrad, OptimizerKind::kAdam}) {
+    StoreOptions o = Options(5, Spec(kind), 2);
+    o.page_rows = 0;
+    EmbeddingStore automatic(o);
+    CHECK(automatic.options().page_rows == 2u * 1024 * 1024 / automatic.Stats().slot_bytes);
+    CHECK(automatic.Stats().page_bytes == 2 * 1024 * 1024);
+    Workload(automatic, 11);
+    const auto want = Read(automatic, 0, 600);
+    TempDir dir;
+    for (uint32_t rows : {1u, 3u, 13u, 16u, 100u}) {
+      o.page_rows = rows;
+      o.memory_budget = 64 * 4096;
+      o.spill_dir = dir.path + "/spill-" + std::to_string(rows);
+      EmbeddingStore s(o);
+      Workload(s, 11);
+      const auto got = Read(s, 0, 600);
+      CHECK(SameBits(got.first, want.first));
+      CHECK(SameBits(got.second, want.second));
+    }
+  }
+}
+
 TEST_CASE(store_optimizers_segments_equal_concatenated_call) {
   std::mt19937_64 rng(7);
   for (OptimizerKind kind : kAllKinds) {
