@@ -22,7 +22,7 @@ in-place ops), index_copy_ back -- with torch.set_num_threads equal to the store
 count. ratio = store / baseline (bytes/row: baseline / store).
 
 Prints one JSON line per result; medians over repeats. --quick: fewer batches and repeats
-(same table sizes), a few minutes on 2 cores.
+(same table sizes), about a minute on 2 cores.
 """
 
 from __future__ import annotations
