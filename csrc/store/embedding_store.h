@@ -6,8 +6,9 @@
 // rows, then the same rows' optimizer state (StateDim floats each; a state of 4..32 bytes is
 // packed at a power-of-two stride, a larger one is cache-line aligned), so a row's state
 // spills, comes back and is counted with its page, and by default weights and state share
-// one 2 MiB huge page. SGD keeps no state: its pages are weight rows only, as before. A SpillTier keeps the arena under a DRAM budget (spilling cold pages to disk,
-// or refusing in memory-only mode).
+// one 2 MiB huge page. SGD keeps no state: its pages are weight rows only, as before. A
+// SpillTier keeps the arena under a DRAM budget (spilling cold pages to disk, or refusing in
+// memory-only mode).
 //
 // Thread safety:
 //   Every public method may be called from any thread. Batch operations are serialized by

@@ -195,8 +195,8 @@ inline void RowWiseAdagradRow(float* __restrict w, float* __restrict s, const fl
   // The tree: in registers for a fixed width, else in the scratch after the scaled gradient.
   constexpr int kLocal = kDim > 0 && PaddedDim<kDim>() >= 16 ? PaddedDim<kDim>() / 16 : 1;
   Vec16 local[kLocal];
-  Vec16* x = kDim > 0 ? local
-                      : reinterpret_cast<Vec16*>(scratch + (static_cast<size_t>(dim) + 15) / 16 * 16);
+  float* tree = scratch + (static_cast<size_t>(dim) + 15) / 16 * 16;  // 64-byte aligned
+  Vec16* x = kDim > 0 ? local : reinterpret_cast<Vec16*>(tree);
   const float r = PairwiseSumOfSquares<kDim>(u, dim, padded, x) / fdim;
   const float sc = s[0] + r;
   s[0] = sc;

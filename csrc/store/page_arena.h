@@ -1,7 +1,8 @@
 // PageArena: the row memory of one EmbeddingStore, in fixed-size pages of row slots (the
-// store decides the layout inside a page: weight rows, then their optimizer state). A page is one mapping of page_bytes(); its address never changes while the arena
-// lives, whether its contents sit in anonymous DRAM or in a file extent (spilled): the move
-// between the two is an address-stable remap (see MoveToFile / MoveToMemory).
+// store decides the layout inside a page: weight rows, then their optimizer state). A page
+// is one mapping of page_bytes(); its address never changes while the arena lives, whether
+// its contents sit in anonymous DRAM or in a file extent (spilled): the move between the two
+// is an address-stable remap (see MoveToFile / MoveToMemory).
 //
 // Thread safety: Allocate, MoveToFile and MoveToMemory require exclusive access to the
 // arena (the store's op mutex). Reading or writing rows through page addresses and
