@@ -6,6 +6,7 @@ from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
+    "OptimizerSpec": "torchrec_bagpipe.ps.optimizers",
     "PSClient": "torchrec_bagpipe.ps.client",
     "PSHandle": "torchrec_bagpipe.ps.client",
     "PSClientOptions": "torchrec_bagpipe.ps.options",

@@ -23,6 +23,7 @@ __all__ = [
     "keys_arg",
     "numpy_view",
     "optional_path",
+    "out_arg",
     "path_arg",
     "rows_arg",
     "tensor_arg",
@@ -78,6 +79,18 @@ def rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
     if rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] != dim:
         raise ValueError(f"{name} must have shape ({n}, {dim}), got {tuple(rows.shape)}")
     return numpy_view(rows)
+
+
+def out_arg(out: Any, name: str, n: int, cols: int) -> torch.Tensor:
+    """A writable (n, cols) float32 CPU output tensor; allocated when None."""
+    if out is None:
+        return torch.empty((n, cols), dtype=torch.float32)
+    o = tensor_arg(out, name, torch.float32)
+    if o.dim() != 2 or o.shape[0] != n or o.shape[1] != cols:
+        raise ValueError(f"{name} must have shape ({n}, {cols}), got {tuple(o.shape)}")
+    if o.requires_grad:
+        raise ValueError(f"{name} must not require grad")
+    return o
 
 
 def budget_arg(value: Any) -> int:

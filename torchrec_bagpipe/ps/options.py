@@ -1,7 +1,8 @@
 """Typed options of the native PS components, and the one place a `BagPipeConfig` becomes them.
 
 Every native component takes its settings as one options struct, the component's own C++
-struct bound field by field (`torchrec_bagpipe._C`): `InitSpec`, `StoreOptions` (an
+struct bound field by field (`torchrec_bagpipe._C`): `InitSpec`, `OptimizerSpec`,
+`StoreOptions` (an
 `EmbeddingStore`, or every table of a PS shard), `LoadOverrides`, `TableSchema`,
 `ShardOptions`, `ClientOptions` + `ConnectOptions` (a `PSClient` and how it reaches remote
 shards), `TcpServerOptions`, `UcxServerOptions`. The builders below check every value (errors
@@ -25,6 +26,7 @@ from typing import Any
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, optional_path
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.ps.partitioner import KINDS as PARTITIONERS
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "default_session_id",
     "init_spec",
     "load_overrides",
+    "optimizer_spec",
     "ps_client_options",
     "ps_shard_options",
     "shard_options",
@@ -133,6 +136,20 @@ def init_spec(
     return spec
 
 
+def optimizer_spec(optimizer: Any = "sgd") -> Any:
+    """A store's optimizer (a ``C.OptimizerSpec``) from a `ps.optimizers.OptimizerSpec`, a
+    kind name or a dict of its fields (checked there: errors name ``optimizer.<field>``)."""
+    spec = OptimizerSpec.of(optimizer)
+    o = C.OptimizerSpec()
+    o.kind = spec.kind
+    o.eps = spec.eps
+    o.beta1 = spec.beta1
+    o.beta2 = spec.beta2
+    o.weight_decay = spec.weight_decay
+    o.initial_accumulator_value = spec.initial_accumulator_value
+    return o
+
+
 def _key_bound(key_bound: Any) -> int | None:
     return None if key_bound is None else int_arg(key_bound, "key_bound", minimum=1)
 
@@ -172,15 +189,18 @@ def store_options(
     high_watermark: float = 0.8,
     low_watermark: float = 0.6,
     page_rows: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> Any:
     """An `EmbeddingStore`'s options (a ``C.StoreOptions``); arguments as EmbeddingStore."""
     dim = int_arg(dim, "dim", minimum=1)
+    optimizer = optimizer_spec(optimizer)
     key_bound = _key_bound(key_bound)
     spec = init_spec(init, init_bound, init_value, seed, key_bound)
     o = _table_store(num_shards, num_threads, memory_budget, spill_dir, high_watermark,
                      low_watermark, page_rows)
     o.dim = dim
     o.init = spec
+    o.optimizer = optimizer
     o.key_bound = -1 if key_bound is None else key_bound
     return o
 
@@ -197,8 +217,10 @@ def load_overrides(
     low_watermark: float | None = None,
     page_rows: int | None = None,
     weights_only: bool = False,
+    optimizer: OptimizerSpec | str | dict[str, Any] | None = None,
 ) -> Any:
-    """Options of `EmbeddingStore.load` (a ``C.LoadOverrides``); None: from the checkpoint."""
+    """Options of `EmbeddingStore.load` (a ``C.LoadOverrides``); None: from the checkpoint
+    (`optimizer`: an expectation of a full load, the new optimizer of a weights-only one)."""
 
     def opt_int(value: Any, name: str, minimum: int) -> int | None:
         return None if value is None else int_arg(value, name, minimum=minimum)
@@ -209,6 +231,7 @@ def load_overrides(
     if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
         raise TypeError(f"spill_dir must be a path, got {type(spill_dir).__name__}")
     o = C.LoadOverrides()
+    o.optimizer = None if optimizer is None else optimizer_spec(optimizer)
     o.dim = opt_int(dim, "dim", 1)
     o.num_shards = opt_int(num_shards, "num_shards", 1)
     o.num_threads = opt_int(num_threads, "num_threads", 1)
