@@ -104,7 +104,8 @@ def test_key_bound_is_checked_before_anything_is_sent() -> None:
 def test_session_open_mismatches_are_refused_naming_the_field() -> None:
     shard = PSShard()
     with client([shard], world_size=2):
-        for kw, field in [({"lr": 0.5}, "lr"), ({"world_size": 3, "rank": 1}, "world_size"),
+        for kw, field in [({"optimizer": "adagrad"}, "optimizer.kind"),
+                          ({"world_size": 3, "rank": 1}, "world_size"),
                           ({"gradient_division": False}, "gradient_division"),
                           ({"seed": 12}, "seed"), ({"session_id": 99}, "session")]:
             args = {"world_size": 2, "rank": 1, **kw}

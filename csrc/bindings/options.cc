@@ -92,11 +92,13 @@ BAGPIPE_BINDING(options) {
 
   using commit::TableSchema;
   py::class_<TableSchema>(m, "TableSchema",
-                          "A PS table: row width, init of never-written rows, key bound.")
+                          "A PS table: row width, init of never-written rows, key bound, "
+                          "optimizer.")
       .def(py::init<>())
       .def_readwrite("dim", &TableSchema::dim)
       .def_readwrite("init", &TableSchema::init)
-      .def_readwrite("key_bound", &TableSchema::key_bound);
+      .def_readwrite("key_bound", &TableSchema::key_bound)
+      .def_readwrite("optimizer", &TableSchema::optimizer);
 
   using commit::ShardOptions;
   py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/commit/ps_shard.h).")
@@ -121,6 +123,7 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("grad_division", &ClientOptions::grad_division)
       .def_readwrite("init", &ClientOptions::init)
       .def_readwrite("key_bound", &ClientOptions::key_bound)
+      .def_readwrite("optimizer", &ClientOptions::optimizer)
       .def_property(
           "partition",
           [](const ClientOptions& o) {

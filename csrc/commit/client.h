@@ -43,6 +43,7 @@
 #include "protocol/partitioner.h"
 #include "protocol/wire.h"
 #include "store/init.h"
+#include "store/optimizer.h"
 #include "transport/channel.h"
 #include "transport/connect.h"
 
@@ -56,10 +57,11 @@ struct ClientOptions {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   uint32_t dim = 0;
-  float lr = 0.0f;
+  float lr = 0.0f;               // the learning rate of a commit that names none
   bool grad_division = true;
   store::InitSpec init;          // how the shards initialise never-written rows
   int64_t key_bound = -1;        // >= 0: keys must lie in [0, key_bound)
+  store::OptimizerSpec optimizer;  // the table's optimizer (its rows' state layout)
   protocol::PartitionKind partition = protocol::PartitionKind::kModulo;
   uint32_t max_packet_rows = 4096;
   uint32_t inflight_packets = 8; // slots per shard channel (the in-flight window)
@@ -105,7 +107,9 @@ class ClientOp {
   size_t n_ = 0;
   const float* rows_ = nullptr;  // commit grads / assign rows
   std::function<void()> ready_;   // runs on the worker before the inputs are read
-  float* out_ = nullptr;         // get output (n x dim)
+  float* out_ = nullptr;         // get output (n x width)
+  float lr_ = 0.0f;              // commit: the step's learning rate
+  uint32_t state_dim_ = 0;       // get / assign: 0, or the table's state floats per row
   Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
   int outstanding_ = 0;           // replies not yet received
@@ -142,20 +146,29 @@ class PSClient {
   PSClient& operator=(const PSClient&) = delete;
 
   const ClientOptions& options() const { return options_; }
+  // Optimizer state floats per row of the table (StateDim of options().optimizer).
+  uint32_t state_dim() const { return state_dim_; }
   uint32_t num_shards() const { return static_cast<uint32_t>(channels_.size()); }
   const protocol::Partitioner& partitioner() const { return partitioner_; }
 
-  // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0).
+  // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0) with the
+  // step's learning rate `lr` (options().lr when unset; every rank must send the same).
   // `ready`, if set, runs on the worker thread before it reads keys/grads (e.g. waiting for
   // the CUDA event of the stream that produced them); if it throws, the commit fails.
-  // REQUIRES: step >= 0, keys within key_bound (ValueError naming the position otherwise).
+  // REQUIRES: step >= 0, lr finite and >= 0, keys within key_bound (ValueError naming the
+  // argument otherwise).
   std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
                                         const float* grads,
-                                        std::function<void()> ready = nullptr);
-  // Reads n rows into out (n x dim) once every shard committed at_step (-1: now).
-  std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out);
-  // Writes rows (n x dim) for keys on their shards (bulk load; last duplicate wins).
-  std::shared_ptr<ClientOp> AssignAsync(const int64_t* keys, size_t n, const float* rows);
+                                        std::function<void()> ready = nullptr,
+                                        std::optional<float> lr = std::nullopt);
+  // Reads n rows into out once every shard committed at_step (-1: now): n x dim, or with
+  // their optimizer state n x (dim + state_dim()) when with_state (wire.h invariant 5).
+  std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out,
+                                     bool with_state = false);
+  // Writes rows for keys on their shards (bulk load; last duplicate wins): n x dim (stored
+  // rows keep their optimizer state), or n x (dim + state_dim()) with their state.
+  std::shared_ptr<ClientOp> AssignAsync(const int64_t* keys, size_t n, const float* rows,
+                                        bool with_state = false);
   // Checkpoints this table on every shard at its committed step.
   std::shared_ptr<ClientOp> CheckpointAsync();
 
@@ -215,6 +228,7 @@ class PSClient {
   void WriteHeader(uint8_t* frame, wire::MsgType type, size_t frame_len) const;
 
   const ClientOptions options_;
+  const uint32_t state_dim_;
   const protocol::Partitioner partitioner_;
   std::vector<std::unique_ptr<transport::Channel>> channels_;
 

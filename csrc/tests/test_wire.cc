@@ -80,6 +80,8 @@ TEST_CASE(wire_commit_parse_validates_every_field) {
   bad([](wire::CommitBody& c) { c.dim = 0; }, "dim");
   bad([](wire::CommitBody& c) { c.nrows = 0xFFFFFFFFu; }, "nrows");
   bad([](wire::CommitBody& c) { c.lr = std::numeric_limits<float>::quiet_NaN(); }, "lr");
+  bad([](wire::CommitBody& c) { c.lr = -0.5f; }, "lr");
+  bad([](wire::CommitBody& c) { c.lr = std::numeric_limits<float>::infinity(); }, "lr");
 }
 
 TEST_CASE(wire_table_names_and_digest) {

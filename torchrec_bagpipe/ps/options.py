@@ -39,6 +39,7 @@ __all__ = [
     "default_session_id",
     "init_spec",
     "load_overrides",
+    "lr_arg",
     "optimizer_spec",
     "ps_client_options",
     "ps_shard_options",
@@ -253,14 +254,17 @@ def table_schema(
     init_value: float = 0.0,
     seed: int = 0,
     key_bound: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> Any:
-    """A PS table (a ``C.TableSchema``): row width, init of never-written rows, key bound."""
+    """A PS table (a ``C.TableSchema``): row width, init of never-written rows, key bound,
+    the optimizer its rows' state belongs to."""
     dim = int_arg(dim, "dim", minimum=1)
     key_bound = _key_bound(key_bound)
     schema = C.TableSchema()
     schema.dim = dim
     schema.init = init_spec(init, init_bound, init_value, seed, key_bound)
     schema.key_bound = -1 if key_bound is None else key_bound
+    schema.optimizer = optimizer_spec(optimizer)
     return schema
 
 
@@ -356,6 +360,14 @@ def ucx_server_options(
 
 
 # ---- clients -----------------------------------------------------------------------------------
+def lr_arg(lr: Any, name: str = "lr") -> float:
+    """A learning rate: a finite float >= 0 (0: a warm-up may start there)."""
+    lr = float_arg(lr, name)
+    if lr < 0.0:
+        raise ValueError(f"{name} must be >= 0, got {lr}")
+    return lr
+
+
 def ps_client_options(
     *,
     table: str,
@@ -376,6 +388,7 @@ def ps_client_options(
     init_value: float = 0.0,
     seed: int = 0,
     key_bound: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> PSClientOptions:
     """A `PSClient`'s options; arguments as `PSClient` (`partitioner`: its kind)."""
     if not isinstance(table, str):
@@ -383,7 +396,8 @@ def ps_client_options(
     c = C.ClientOptions()
     c.table = table
     c.dim = int_arg(dim, "dim", minimum=1)
-    c.lr = float_arg(lr, "lr")
+    c.lr = lr_arg(lr)
+    c.optimizer = optimizer_spec(optimizer)
     world_size = int_arg(world_size, "world_size", minimum=1)
     rank = int_arg(rank, "rank", minimum=0)
     if rank >= world_size:
@@ -431,10 +445,12 @@ def client_options(
     init_bound: float | Sequence[tuple[int, float]] | None = None,
     init_value: float = 0.0,
     key_bound: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> PSClientOptions:
     """The options of one rank's client of table `table` under `config`: its gradient
     division, partitioner, packet rows, window, timeouts, job token (unless `job_token`, the
-    job's agreed one, is given) and init seed; the table's own facts are arguments."""
+    job's agreed one, is given) and init seed; the table's own facts (dim, lr, init, key
+    bound, optimizer) are arguments."""
     return ps_client_options(
         table=table,
         dim=dim,
@@ -454,6 +470,7 @@ def client_options(
         init_value=init_value,
         seed=config.init_seed,
         key_bound=key_bound,
+        optimizer=optimizer,
     )
 
 

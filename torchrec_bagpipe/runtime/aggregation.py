@@ -11,10 +11,11 @@ One interface (`Aggregation`, a Protocol both strategies subclass), two strategi
     affected rows, and each union row's designated rank commits it.
 
 Every local row update goes through `DeviceCache.apply_gradients_`, the one place that holds
-the PS's optimizer arithmetic on the cache side.
+the PS's optimizer arithmetic on the cache side, at the learning rate the step's commit
+carries.
 
 Thread safety: the controller calls every method from the training thread, in step order:
-``before_step(t)``, then (after the forward and backward) ``finish(t, plan, grad)``;
+``before_step(t)``, then (after the forward and backward) ``finish(t, plan, grad, lr)``;
 ``drain()`` between steps; ``close()`` once, last. A strategy may run work on the
 communication worker (`worker.py`); it joins or cancels that work in ``before_step`` /
 ``drain`` / ``close``.
@@ -37,10 +38,10 @@ class Aggregation(Protocol):
         and finishes the updates of earlier steps that step t's reads depend on."""
         ...
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor) -> None:
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, lr: float) -> None:
         """Step t's row gradient (fp32 [U, dim], on the controller's device when it has a
-        cache; borrowed: copied before it is kept): updates or invalidates the resident rows
-        and submits the commit."""
+        cache; borrowed: copied before it is kept) and learning rate: updates or invalidates
+        the resident rows and submits the commit, which carries `lr`."""
         ...
 
     def drain(self) -> None:

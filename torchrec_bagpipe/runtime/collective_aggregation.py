@@ -4,8 +4,8 @@ After step t the gradients over the global union of the step's keys (every rank 
 from the exchanged ids) are all-reduced in two parts: S_now, the rows step t + 1 reads, first
 (applied to the resident rows at the start of step t + 1, before anything reads them), then
 S_later, the rest, on the communication worker with the commit, overlapping the next forward.
-Every rank updates all of its resident affected rows (`DeviceCache.apply_gradients_`), so no
-row is invalidated; each union row's designated rank (union index mod W) commits it, so the PS
+Every rank updates all of its resident affected rows, weights and optimizer state, at the
+step's learning rate (`DeviceCache.apply_gradients_`), so no row is invalidated; each union row's designated rank (union index mod W) commits it, so the PS
 receives every row's summed gradient exactly once.
 
 Thread safety: `before_step`, `finish`, `drain` and `close` run on the training thread; the
@@ -65,6 +65,7 @@ class NowUpdate:
     grads: torch.Tensor      # reduced in place by the worker
     slots: np.ndarray        # resident slots of S_now rows
     grad_rows: np.ndarray    # their rows in `grads`
+    lr: float                # the step's learning rate
 
 
 class CollectiveAggregation(Aggregation):
@@ -110,7 +111,7 @@ class CollectiveAggregation(Aggregation):
         for s in [s for s in self._later_pins if s <= t - 2]:
             self._later_pins.pop(s).result(timeout=self._timeout)
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor) -> None:
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, lr: float) -> None:
         union = plan.union_keys
         nu = union.size
         s_now = plan.s_now if self._window_end() >= t + 1 else np.ones(nu, dtype=bool)
@@ -146,7 +147,7 @@ class CollectiveAggregation(Aggregation):
         if now_idx.size:
             fut = self._worker.submit(self._coll.all_reduce_sum_, g_now)
             self._metrics.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
-            self._now_update = NowUpdate(fut, g_now, now_slots, now_rows)
+            self._now_update = NowUpdate(fut, g_now, now_slots, now_rows, lr)
         designated = (np.arange(nu) % self._world_size) == self._rank
         d_now = np.flatnonzero(designated[now_idx])
         d_later = np.flatnonzero(designated[later_idx])
@@ -160,21 +161,21 @@ class CollectiveAggregation(Aggregation):
                 self._metrics.add(allreduce_payload_bytes=g_later.numel() * 4,
                                   collectives_issued=1)
                 # No lock: these slots are pinned through t + 1 (invariant 2).
-                self._cache.apply_gradients_(later_slots, g_later, later_sel)
+                self._cache.apply_gradients_(later_slots, g_later, later_sel, lr=lr)
             parts = [g_now.index_select(0, torch.from_numpy(d_now).to(dev)),
                      g_later.index_select(0, torch.from_numpy(d_later).to(dev))]
             return torch.cat(parts).cpu()
 
-        fut = self._worker.submit(self._later_task, t, keys_t, later_part)
+        fut = self._worker.submit(self._later_task, t, keys_t, later_part, lr)
         self._tasks.append(WorkerTask(t, fut))
         if later_slots.size:
             self._later_pins[t] = fut
 
     def _later_task(self, t: int, keys: torch.Tensor,
-                    produce: Callable[[], torch.Tensor]) -> None:
-        """Runs on the worker: the S_later reduce and update, then commit t."""
+                    produce: Callable[[], torch.Tensor], lr: float) -> None:
+        """Runs on the worker: the S_later reduce and update, then commit t at `lr`."""
         grads = produce()
-        self._port.commit(t, keys, grads)
+        self._port.commit(t, keys, grads, lr)
 
     def _apply_now_update(self) -> None:
         """Waits for the last step's S_now all-reduce and applies it to the resident rows
@@ -188,7 +189,7 @@ class CollectiveAggregation(Aggregation):
         self._metrics.add(collective_wait_s=time.perf_counter() - t0)
         if upd.slots.size:
             with self._cache_lock:
-                self._cache.apply_gradients_(upd.slots, upd.grads, upd.grad_rows)
+                self._cache.apply_gradients_(upd.slots, upd.grads, upd.grad_rows, lr=upd.lr)
 
     # ---- lifetime -----------------------------------------------------------------------
     def drain(self) -> None:

@@ -5,7 +5,8 @@ The TorchRec layer drives it (ARCHITECTURE §4)::
     ctl.prescan(local_trace)     # optional, before training (a collective)
     ctl.submit(keys)             # each batch entering the lookahead window (online: a collective)
     step = ctl.next_step()       # oldest submitted batch: unique keys, inverse, rows (|U| x dim)
-    ctl.finish_step(step, grad)  # |U| x dim row gradient: commit + keep the cache coherent
+    ctl.finish_step(step, grad, lr=lr)  # |U| x dim row gradient at the step's learning rate:
+                                        # commit + keep the cache coherent
     ctl.flush(); ctl.metrics(); ctl.invalidate_all(); ctl.close()
 
 Step order: steps run strictly one after another (next_step(t), finish_step(t),
@@ -13,6 +14,12 @@ next_step(t + 1), ...); batch t must have been submitted before next_step(t). Ev
 makes the same sequence of calls (the same number of submits before each next_step): the
 window a step sees, and hence every cache decision, is a function of that sequence, so the
 cache contents are deterministic. Only *when* a fetch is issued depends on commit timing.
+
+Optimizers: the PS applies the table's optimizer (`ps.optimizers.OptimizerSpec`: SGD, Adagrad,
+row-wise Adagrad, Adam) once per row per step at the learning rate the step's commit carries
+(`finish_step(..., lr=)`; for Adam the bias-corrected step size, so the runtime is
+step-agnostic). The cache keeps each resident row's optimizer state next to its weights,
+fetched with the row, so the local updates below are the PS's arithmetic on both.
 
 Coherence (PS-owned BagPipe; invariants in docs/ARCHITECTURE.md §1). A resident row carries a
 version: the step whose commit its values reflect (-1: initial). Step t reads row k at version
@@ -69,12 +76,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.runtime.access_plans import StepPlan, as_key_array
 from torchrec_bagpipe.runtime.aggregation import Aggregation
 from torchrec_bagpipe.runtime.collective_aggregation import CollectiveAggregation
@@ -89,6 +98,16 @@ from torchrec_bagpipe.runtime.step_assembly import StepAssembler
 from torchrec_bagpipe.runtime.worker import acquire_worker, release_worker
 
 __all__ = ["BagPipeController", "ControllerError", "Handle", "PSClientLike", "Step"]
+
+
+def _check_lr(lr: Any, what: str) -> float:
+    """A learning rate: a finite real >= 0 (a warm-up may start at 0)."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{what} must be a float, got {type(lr).__name__}")
+    lr = float(lr)
+    if not (np.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"{what} must be finite and >= 0, got {lr}")
+    return lr
 
 
 class ControllerError(RuntimeError):
@@ -122,6 +141,7 @@ class BagPipeController:
         ps: PSClientLike,
         collectives: Collectives,
         device: torch.device | str | None = None,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
         if not isinstance(config, BagPipeConfig):
             raise TypeError(f"config must be a BagPipeConfig, got {type(config).__name__}")
@@ -134,8 +154,8 @@ class BagPipeController:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if num_keys < 1:
             raise ValueError(f"num_keys must be >= 1, got {num_keys}")
-        if not (isinstance(lr, (int, float)) and np.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number, got {lr!r}")
+        lr = _check_lr(lr, "lr")
+        spec = OptimizerSpec.of(optimizer)
         if getattr(collectives, "rank", rank) != rank or getattr(
             collectives, "world_size", world_size
         ) != world_size:
@@ -146,12 +166,18 @@ class BagPipeController:
         ps_dim = getattr(ps, "dim", dim)
         if ps_dim != dim:
             raise ValueError(f"the PS client has dim {ps_dim}, the controller dim {dim}")
+        ps_spec = getattr(ps, "optimizer", spec)
+        if ps_spec != spec:
+            raise ValueError(
+                f"the PS client's table runs optimizer {ps_spec}, the controller {spec}"
+            )
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.dim = dim
         self.num_keys = num_keys
-        self.lr = float(lr)
+        self.lr = lr
+        self.optimizer = spec
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._coll = collectives
         self._timeout = float(config.ps_timeout)
@@ -168,10 +194,11 @@ class BagPipeController:
         else:
             self._meta = None
             capacity = 0
-        self._dev = DeviceCache(capacity, dim, self.device, lr=self.lr, world_size=world_size,
-                                divide=divide)
+        self._dev = DeviceCache(capacity, dim, self.device, world_size=world_size, divide=divide,
+                                optimizer=spec)
         self._cache_lock = threading.RLock()
-        self._port = PSPort(ps, dim=dim, timeout=self._timeout, metrics=self.metrics_)
+        self._port = PSPort(ps, dim=dim, state_dim=spec.state_dim(dim), timeout=self._timeout,
+                            metrics=self.metrics_)
         self._worker = acquire_worker(collectives)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
@@ -182,6 +209,7 @@ class BagPipeController:
             meta=self._meta, port=self._port, metrics=self.metrics_, device=self.device,
             distance=min(config.prepared_batches, self._lookahead),
             prepared_batches=config.prepared_batches,
+            with_state=cached and self._dev.state_dim > 0,
         )
         self._assembler = StepAssembler(
             meta=self._meta, cache=self._dev, prefetch=self._prefetch, port=self._port,
@@ -269,8 +297,10 @@ class BagPipeController:
         self._active = step
         return step
 
-    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
-        """Commits the step's row gradient (|U| x dim fp32) and keeps the cache coherent."""
+    def finish_step(self, step: Step, grad: torch.Tensor, lr: float | None = None) -> None:
+        """Commits the step's row gradient (|U| x dim fp32) at learning rate `lr` (the one in
+        force for this step: finite, >= 0; None: the constructor's; Adam: the bias-corrected
+        step size) and keeps the cache coherent. Every rank must give a step the same lr."""
         self._check_usable()
         if self._active is None or step is not self._active:
             raise ValueError("finish_step: `step` is not the step returned by next_step")
@@ -283,8 +313,9 @@ class BagPipeController:
             raise ValueError(
                 f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
             )
+        step_lr = self.lr if lr is None else _check_lr(lr, "finish_step: lr")
         try:
-            self._finish(step, grad.detach())
+            self._finish(step, grad.detach(), step_lr)
         except BaseException as e:
             self._failed = e
             raise
@@ -343,6 +374,24 @@ class BagPipeController:
         if error is not None:
             raise error
 
+    def cached_rows(self) -> tuple[np.ndarray, torch.Tensor]:
+        """The resident rows: their fused keys and a copy of their cached values, weights
+        then optimizer state ([n, dim + state_dim] on the device). For tests and
+        inspection, between steps."""
+        self._check_usable()
+        if self._active is not None:
+            raise ValueError(f"cached_rows: step {self._active.step} is still running")
+        if self._meta is None:
+            return np.zeros(0, dtype=np.int64), self._dev.gather(np.zeros(0, dtype=np.int64))
+        with self._cache_lock:
+            keys, slots = [], []
+            for i in range(self._meta.capacity_rows):
+                key, state, *_ = self._meta.slot(i)
+                if state == "ready":
+                    keys.append(key)
+                    slots.append(i)
+            return np.array(keys, dtype=np.int64), self._dev.gather(np.array(slots, np.int64))
+
     def metrics(self) -> dict[str, float]:
         """The counters (ARCHITECTURE §4.1) as a plain dict; any thread."""
         d = self.metrics_.snapshot()
@@ -388,10 +437,10 @@ class BagPipeController:
             plan=plan,
         )
 
-    def _finish(self, step: Step, grad: torch.Tensor) -> None:
+    def _finish(self, step: Step, grad: torch.Tensor, lr: float) -> None:
         if grad.device != self.device and self._meta is not None:
             grad = grad.to(self.device)
-        self._agg.finish(step.step, step.plan, grad)
+        self._agg.finish(step.step, step.plan, grad, lr)
         if self._meta is not None:
             with self._cache_lock:
                 self._prefetch.issue_ready()

@@ -1,8 +1,9 @@
 """PSAggregation: every rank commits its own step gradients; the PS sums them (``ps``).
 
-After step t a rank updates the resident rows only it touched with its own gradient
-(`DeviceCache.apply_gradients_`: bitwise the PS's result, since the PS applies the same
-arithmetic to the same sum) and sets their version to t; resident rows another rank touched
+After step t a rank updates the resident rows only it touched, weights and optimizer state,
+with its own gradient at the step's learning rate (`DeviceCache.apply_gradients_`: bitwise
+the PS's result, since the PS applies the same arithmetic to the same sum) and sets their
+version to t; resident rows another rank touched
 are invalidated (it knows them from the exchanged ids: `StepPlan.others`). Then it commits
 its unique-row gradients to the PS.
 
@@ -52,7 +53,7 @@ class PSAggregation(Aggregation):
     def before_step(self, t: int) -> None:
         self._port.poll_commits()
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor) -> None:
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, lr: float) -> None:
         U = plan.unique_keys
         if self._meta is not None:
             with self._cache_lock:
@@ -63,7 +64,7 @@ class PSAggregation(Aggregation):
                     if not have.all():
                         local, slots = local[have], slots[have]
                     if slots.size:
-                        self._cache.apply_gradients_(slots, grad, local)
+                        self._cache.apply_gradients_(slots, grad, local, lr=lr)
                         self._meta.set_version(slots, t)
                     self._metrics.add(local_updates=int(slots.size))
                 if plan.others.size:
@@ -71,7 +72,7 @@ class PSAggregation(Aggregation):
                     self._metrics.add(invalidations=int(freed.size))
         # A private copy: the caller may reuse its gradient buffer before the commit runs.
         grads_cpu = grad.detach().to("cpu", copy=True)
-        self._port.commit(t, torch.from_numpy(U), grads_cpu)
+        self._port.commit(t, torch.from_numpy(U), grads_cpu, lr)
 
     def drain(self) -> None:
         self._port.drain_commits()
