@@ -1,7 +1,11 @@
 """Models, data and training loops shared by the multi-process TorchRec tests.
 
 Every scenario trains a DMP with BagPipe on W ranks and the same model unsharded in one
-process on the concatenated global batch (mean loss), then compares every weight.
+process on the concatenated global batch (mean loss), then compares every weight (and the
+tables' optimizer state). The tables train with SGD, Adagrad, row-wise Adagrad or lazy Adam
+(`Case.optimizer`), optionally under a learning-rate schedule (`Case.schedule`); the
+single-process reference uses torch's optimizers (Adagrad, torchrec's RowWiseAdagrad,
+SparseAdam on the rows each global batch reads).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
@@ -37,6 +43,27 @@ from torchrec_bagpipe.distributed import (
 DENSE_IN = 4
 EMB_LR = 0.5
 DENSE_LR = 0.1
+
+# How each optimizer reaches BagPipe (both of TorchRec's ways), its base learning rate, and
+# the single-process reference: (fused_params | None, (class, kwargs) | None, base lr).
+OPTIMIZERS: dict[str, tuple[dict[str, Any] | None, tuple[type, dict[str, Any]] | None,
+                            float]] = {
+    "sgd": ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": EMB_LR}, None, EMB_LR),
+    "adagrad": ({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.2, "eps": 1e-8},
+                None, 0.2),
+    "rowwise_adagrad": (None, (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-8}), 0.2),
+    "adam": (None, (torch.optim.Adam, {"lr": 0.02, "betas": (0.9, 0.99), "eps": 1e-6}), 0.02),
+}
+
+
+def emb_lr(case: Case, t: int) -> float:
+    """The tables' learning rate in force at step t: the optimizer's base rate, or with
+    `case.schedule` a warm-up from 0 and a decay that change it every 3 steps."""
+    base = OPTIMIZERS[case.optimizer][2]
+    if not case.schedule:
+        return base
+    phase = t // 3
+    return base * (0.0 if phase == 0 else 1.0 if phase == 1 else 0.6 ** (phase - 1))
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -209,6 +236,8 @@ class Case:
     seed: int = 0
     planner: str = "planner"  # planner | hand
     meta: bool = False
+    optimizer: str = "sgd"  # a key of OPTIMIZERS
+    schedule: bool = False  # the tables' lr changes every few steps (emb_lr)
 
     @property
     def shuffle_keys(self) -> bool:
@@ -216,15 +245,19 @@ class Case:
         return self.kind != "mixed"
 
     def label(self) -> str:
-        return f"{self.kind}/{self.loop}/{self.config}"
+        sched = "+schedule" if self.schedule else ""
+        return f"{self.kind}/{self.loop}/{self.optimizer}{sched}/{self.config}"
 
 
 def make_dmp(case: Case, model: nn.Module, world: int) -> tuple[DistributedModelParallel, Any]:
     config = BagPipeConfig(**case.config)
     initial = None if case.meta else {k: v.clone() for k, v in model.state_dict().items()}
-    sharder = BagPipeEmbeddingBagCollectionSharder(
-        config, fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": EMB_LR}
-    )
+    fused_params, in_backward, _ = OPTIMIZERS[case.optimizer]
+    if in_backward is not None:
+        ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+        apply_optimizer_in_backward(in_backward[0], [p for e in ebcs for p in e.parameters()],
+                                    dict(in_backward[1]))
+    sharder = BagPipeEmbeddingBagCollectionSharder(config, fused_params=fused_params)
     constraints = None
     if case.kind == "mixed":
         constraints = {"local": ParameterConstraints(sharding_types=["table_wise"],
@@ -256,10 +289,17 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
     batches = batches_for(case.kind, samples, rank, case.seed, case.shuffle_keys)
     prescan = bool(case.config.get("optimization_prescan"))
     losses: list[float] = []
+    fused_groups = [g for g in opt.param_groups if "fused_table" in g]
+
+    def set_lr(t: int) -> None:  # the schedule, as an LR scheduler writes it
+        for g in fused_groups:
+            g["lr"] = emb_lr(case, t)
+
     if case.loop == "plain":
         if prescan:
             prescan_model(dmp, batches)
-        for b in batches:
+        for t, b in enumerate(batches):
+            set_lr(t)
             opt.zero_grad()
             loss, _ = dmp(b)
             loss.backward()
@@ -269,15 +309,30 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
         pipe = BagPipeTrainPipeline(dmp, opt, torch.device("cpu"),
                                     prescan_batches=batches if prescan else None)
         it = iter(batches)
+        t = 0
         while True:
+            set_lr(t)  # progress(it) runs the backward of step t
             try:
                 output = pipe.progress(it)
             except StopIteration:
                 break
             losses.append(float(output[0]))
+            t += 1
     state = full_state(dmp, rank)
+    state.update(fused_state(opt))
     close_model(dmp)
     return state, losses
+
+
+def fused_state(opt: Any) -> dict[str, torch.Tensor]:
+    """The tables' optimizer state from the fused optimizer's state_dict, as
+    ``"opt:<table>.<entry>"`` tensors (TorchRec's layout: momentum1, exp_avg_sq, step)."""
+    out = {}
+    for _param_key, entries in opt.state_dict()["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                out[f"opt:{name}"] = value.detach().clone()
+    return out
 
 
 def full_state(dmp: nn.Module, rank: int) -> dict[str, torch.Tensor]:
@@ -304,18 +359,60 @@ def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None
                                **{k: v for k, v in init.items() if "embedding_bags" in k}})
     samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
     batches = batches_for(case.kind, samples, None, case.seed, case.shuffle_keys)
-    emb = [p for n, p in model.named_parameters() if "embedding_bags" in n]
+    tables = {n.split(".")[-2]: p for n, p in model.named_parameters() if "embedding_bags" in n}
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
     # Without TorchRec's gradient division the PS sums the ranks' gradients: W times the
     # gradient of the global mean loss.
-    emb_lr = EMB_LR * (world if case.config.get("gradient_division") is False else 1)
-    opt = torch.optim.SGD([{"params": emb, "lr": emb_lr}, {"params": dense, "lr": DENSE_LR}])
-    for b in batches:
-        opt.zero_grad()
+    scale = world if case.config.get("gradient_division") is False else 1
+    dense_opt = torch.optim.SGD(dense, lr=DENSE_LR)
+    emb_opt = _reference_optimizer(case.optimizer, list(tables.values()))
+    features = {c.name: list(c.feature_names)
+                for m in model.modules() if isinstance(m, EmbeddingBagCollection)
+                for c in m.embedding_bag_configs()}
+    for t, b in enumerate(batches):
+        for g in emb_opt.param_groups:
+            g["lr"] = emb_lr(case, t) * scale
+        dense_opt.zero_grad()
+        emb_opt.zero_grad()
         loss, _ = model(b)
         loss.backward()
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if isinstance(emb_opt, torch.optim.SparseAdam):
+            # Lazy Adam: only the rows the global batch reads take a step.
+            for name, p in tables.items():
+                rows = torch.unique(torch.cat([b.sparse_features[f].values()
+                                               for f in features[name]]))
+                p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), p.grad[rows], p.shape)
+        dense_opt.step()
+        emb_opt.step()
+    out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out.update(_reference_state(case.optimizer, emb_opt, tables))
+    return out
+
+
+def _reference_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=EMB_LR)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.2, eps=1e-8)
+    if name == "rowwise_adagrad":
+        return RowWiseAdagrad(params, lr=0.2, eps=1e-8)
+    return torch.optim.SparseAdam(params, lr=0.02, betas=(0.9, 0.99), eps=1e-6)
+
+
+def _reference_state(name: str, opt: torch.optim.Optimizer,
+                     tables: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference optimizer's state in `fused_state`'s naming."""
+    out: dict[str, torch.Tensor] = {}
+    for table, p in tables.items():
+        st = opt.state.get(p, {})
+        if name in ("adagrad", "rowwise_adagrad"):
+            out[f"opt:{table}.momentum1"] = st["sum"].detach().clone().reshape(
+                p.shape[0], -1).squeeze(1) if name == "rowwise_adagrad" else st["sum"].clone()
+        elif name == "adam":
+            out[f"opt:{table}.momentum1"] = st["exp_avg"].to_dense().clone()
+            out[f"opt:{table}.exp_avg_sq"] = st["exp_avg_sq"].to_dense().clone()
+            out[f"opt:{table}.step"] = torch.tensor(int(st["step"]), dtype=torch.int64)
+    return out
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str,

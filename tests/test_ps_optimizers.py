@@ -144,7 +144,7 @@ def test_reopening_a_table_with_another_optimizer_is_refused(tmp_path) -> None:
         c.checkpoint()
     for other, field in [("sgd", "optimizer.kind"), ({"kind": "adagrad", "eps": 0.5},
                                                       "optimizer.eps")]:
-        with pytest.raises(ValueError, match=f"table 'emb'.*{field}"):
+        with pytest.raises(ValueError, match=rf"table 'emb'.*{field}"):
             client([shard], optimizer=other)
     want = shard.lookup("emb", torch.arange(4), with_state=True)
     shard.close()
@@ -152,7 +152,7 @@ def test_reopening_a_table_with_another_optimizer_is_refused(tmp_path) -> None:
     # with another optimizer is refused, one with the same continues exactly.
     restored = PSShard(checkpoint_dir=tmp_path, restore=True)
     assert restored.table_optimizer("emb") == spec_of("adagrad")
-    with pytest.raises(ValueError, match="table 'emb'.*optimizer.kind 'rowwise_adagrad'"):
+    with pytest.raises(ValueError, match=r"table 'emb'.*optimizer\.kind 'rowwise_adagrad'"):
         client([restored], optimizer="rowwise_adagrad")
     with client([restored], optimizer=spec_of("adagrad")) as c:
         assert c.committed_step() == 0

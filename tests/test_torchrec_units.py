@@ -31,7 +31,7 @@ from torchrec_bagpipe.distributed import (
     UnsupportedOptimizerError,
     bagpipe_plan,
 )
-from torchrec_bagpipe.distributed.fused_optimizer import sgd_lr_from
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.distributed.sharding_planner import BagPipeParameterSharding
 from torchrec_bagpipe.launch import parse_args, rewrite_ps_type
 from torchrec_bagpipe.metrics_table import format_table, summarize
@@ -143,26 +143,103 @@ def _param_with(cls, **kwargs) -> torch.nn.Parameter:
     return p
 
 
-def test_learning_rate_sources_and_unsupported_optimizers():
-    assert sgd_lr_from(None, {"learning_rate": 0.25}, "x") == 0.25
-    assert sgd_lr_from(_param_with(torch.optim.SGD, lr=0.5), {"learning_rate": 0.25}, "x") == 0.5
+def test_optimizer_sources_and_unsupported_optimizers():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim import SGD as TrecSGD
+
+    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+    def of(param, fused=None):
+        return table_optimizer(param, fused, "table t0")
+
+    # fused_params, with fbgemm's defaults.
+    assert of(None, {"learning_rate": 0.25}) == TableOptimizer(OptimizerSpec(), 0.25)
+    exact = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 2.0}
+    assert of(None, exact) == TableOptimizer(OptimizerSpec(), 2.0)
+    for emb, kind in ((EmbOptimType.EXACT_ADAGRAD, "adagrad"), ("adagrad", "adagrad"),
+                      ("exact_row_wise_adagrad", "rowwise_adagrad"),
+                      (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "rowwise_adagrad"),
+                      (EmbOptimType.ROWWISE_ADAGRAD, "rowwise_adagrad"),
+                      (EmbOptimType.ADAM, "adam")):
+        assert of(None, {"optimizer": emb, "learning_rate": 0.1}).spec.kind == kind
+    adam = of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "eps": 1e-6,
+                     "beta1": 0.8, "beta2": 0.95})
+    assert adam.spec == OptimizerSpec(kind="adam", eps=1e-6, beta1=0.8, beta2=0.95)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    wd = of(None, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1,
+                   "weight_decay": 0.01, "weight_decay_mode": WeightDecayMode.L2})
+    assert wd.spec.weight_decay == 0.01
+    # apply_optimizer_in_backward wins over fused_params, with the class's own defaults.
+    assert of(_param_with(torch.optim.SGD, lr=0.5), {"learning_rate": 0.25}).lr == 0.5
+    assert of(_param_with(torch.optim.Adagrad, lr=0.1)) == TableOptimizer(
+        OptimizerSpec(kind="adagrad", eps=1e-10), 0.1)
+    assert of(_param_with(RowWiseAdagrad, lr=0.1, eps=1e-3, initial_accumulator_value=0.5)) == (
+        TableOptimizer(OptimizerSpec(kind="rowwise_adagrad", eps=1e-3,
+                                     initial_accumulator_value=0.5), 0.1))
+    assert of(_param_with(torch.optim.Adam, lr=0.01, betas=(0.5, 0.9), weight_decay=0.1)) == (
+        TableOptimizer(OptimizerSpec(kind="adam", beta1=0.5, beta2=0.9, weight_decay=0.1), 0.01))
+    assert of(_param_with(torch.optim.SparseAdam, lr=0.01)).spec.kind == "adam"
+    assert of(_param_with(TrecSGD, lr=0.3)).spec.kind == "sgd"
+    assert of(None, {"learning_rate": 0.0}).lr == 0.0  # a warm-up may start at 0
+    # Unsupported: a clear error naming what is supported.
+    for param, fused, needle in [
+        (_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "momentum"),
+        (_param_with(torch.optim.Adagrad, lr=0.1, lr_decay=0.1), None, "lr_decay"),
+        (_param_with(torch.optim.Adam, lr=0.1, amsgrad=True), None, "amsgrad"),
+        (_param_with(torch.optim.AdamW, lr=0.1), None, "AdamW"),
+        (_param_with(torch.optim.RMSprop, lr=0.1), None, "RMSprop"),
+        (None, {"optimizer": EmbOptimType.LAMB, "learning_rate": 1}, "LAMB"),
+        (None, {"optimizer": EmbOptimType.LARS_SGD, "learning_rate": 1}, "LARS_SGD"),
+        (None, {"optimizer": EmbOptimType.PARTIAL_ROWWISE_ADAM, "learning_rate": 1},
+         "PARTIAL_ROWWISE_ADAM"),
+        (None, {"learning_rate": 1.0, "momentum": 0.9}, "momentum"),
+        (None, {"learning_rate": 1.0, "weight_decay": 0.1}, "WeightDecayMode.L2"),
+        (None, {"learning_rate": 1.0, "weight_decay_mode": WeightDecayMode.DECOUPLE},
+         "weight_decay_mode"),
+        (None, {"learning_rate": 1.0, "max_gradient": 1.0}, "max_gradient"),
+    ]:
+        with pytest.raises(UnsupportedOptimizerError, match=needle) as info:
+            of(param, fused)
+        assert "table t0" in str(info.value)
+        if needle not in ("WeightDecayMode.L2", "weight_decay_mode", "max_gradient"):
+            assert "supported: " in str(info.value) and "RowWiseAdagrad" in str(info.value)
+    with pytest.raises(ValueError, match="no learning rate"):
+        of(None, None)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        of(None, {"learning_rate": -0.1})
+    with pytest.raises(ValueError, match=r"table t0: optimizer\.beta1"):
+        of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "beta1": 1.5})
+
+
+def test_state_layout_round_trips():
+    from torchrec_bagpipe.distributed.table_optimizer import state_columns, state_tensors
+    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+    for kind, keys, shape in (("adagrad", ["momentum1"], (5, 3)),
+                              ("rowwise_adagrad", ["momentum1"], (5,)),
+                              ("adam", ["momentum1", "exp_avg_sq"], (5, 3)),
+                              ("sgd", [], None)):
+        spec = OptimizerSpec(kind=kind)
+        cols = torch.randn(5, spec.state_dim(3))
+        tensors = state_tensors(spec, 3, cols)
+        assert list(tensors) == keys and all(t.shape == shape for t in tensors.values())
+        assert torch.equal(state_columns(spec, 3, tensors, 5, "t"), cols)
+
+
+def test_storage_estimate_counts_the_optimizer_state():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    exact = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 2.0}
-    assert sgd_lr_from(None, exact, "x") == 2.0
-    with pytest.raises(UnsupportedOptimizerError, match="Adagrad"):
-        sgd_lr_from(_param_with(torch.optim.Adagrad, lr=0.1), None, "table t0")
-    with pytest.raises(UnsupportedOptimizerError, match="momentum"):
-        sgd_lr_from(_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "t")
-    with pytest.raises(UnsupportedOptimizerError, match="EXACT_ROWWISE_ADAGRAD"):
-        sgd_lr_from(None, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 1},
-                    "t")
-    with pytest.raises(UnsupportedOptimizerError, match="eps"):
-        sgd_lr_from(None, {"learning_rate": 1.0, "eps": 1e-8}, "t")
-    with pytest.raises(ValueError, match="no learning rate"):
-        sgd_lr_from(None, None, "t")
-    with pytest.raises(ValueError, match="> 0"):
-        sgd_lr_from(None, {"learning_rate": 0.0}, "t")
+    ebc = _ebc(device="cpu", sizes=(1000,), dims=(8,))
+    weight = ebc.embedding_bags["t0"].weight
+    usage = {}
+    for name, fused in (("sgd", {"learning_rate": 0.1}),
+                        ("adam", {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1})):
+        sharder = BagPipeEmbeddingBagCollectionSharder(fused_params=fused)
+        usage[name] = sum(sharder.storage_usage(weight, "cpu", BAGPIPE_KERNEL).values())
+    rows = BagPipeConfig().cache_rows(1000)
+    assert usage["adam"] - usage["sgd"] == rows * 16 * 4  # Adam: two moments per column
 
 
 # ---- datasets ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ Data flow of one training batch (ARCHITECTURE §5):
 * `compute` takes the oldest step from each fused table (`next_step`): the batch's unique
   rows as a |U| x dim leaf tensor and the inverse map; it pools them, so autograd yields
   exactly the |U| x dim row gradient. A hook on the leaf hands that gradient to the fused
-  SGD optimizer, which calls `finish_step`.
+  optimizer (fused_optimizer.py), which calls `finish_step` with the step's learning rate.
 * `output_dist` returns the `KeyedTensor` in the unsharded EBC's key order.
 
 Eval (module not training) forwards read the rows straight from the PS after draining
@@ -29,8 +29,9 @@ Invariants:
    gets belongs to its batch (same fused keys) and refuses anything else.
 2. At most one step per fused table is in flight between `compute` and its gradient; a new
    `compute` first finishes a step that received no gradient with a zero gradient.
-3. The PS is the only owner of row values; `state_dict` reads them back after a flush and
-   `load_state_dict` writes them, then invalidates every rank's cache (table_io.py).
+3. The PS is the only owner of row values and their optimizer state; `state_dict` (and the
+   fused optimizer's) reads them back after a flush and `load_state_dict` writes them, then
+   invalidates every rank's cache (table_io.py).
 """
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, sgd_lr_from
+from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, FusedGroup
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
 from torchrec_bagpipe.distributed.job import job_for
 from torchrec_bagpipe.distributed.layout import FusedLayout, check_plan, table_specs
 from torchrec_bagpipe.distributed.lookup import BatchRows, Pooler, eval_rows, train_step
 from torchrec_bagpipe.distributed.table_io import TableIO
+from torchrec_bagpipe.distributed.table_optimizer import table_optimizer
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL, BagPipeEBCContext
 
 if TYPE_CHECKING:
@@ -147,14 +149,14 @@ class ShardedBagPipeEmbeddingBagCollection(
         # ---- layout: tables, slots and fused tables --------------------------------------
         configs = module.embedding_bag_configs()
         check_plan(configs, table_name_to_parameter_sharding, where)
-        lr = {
-            cfg.name: sgd_lr_from(module.embedding_bags[cfg.name].weight, fused_params,
-                                  f"{where}, table {cfg.name!r}")
+        optimizers = {
+            cfg.name: table_optimizer(module.embedding_bags[cfg.name].weight, fused_params,
+                                      f"{where}, table {cfg.name!r}")
             for cfg in configs
         }
         self._job = job_for(self._config, env, self._device)
         self._layout = FusedLayout(
-            table_specs(configs, lr), get_embedding_names_by_table(configs),
+            table_specs(configs, optimizers), get_embedding_names_by_table(configs),
             session=self._job.next_session_id(), module_fqn=self._module_fqn,
             weighted=self._is_weighted,
         )
@@ -192,12 +194,13 @@ class ShardedBagPipeEmbeddingBagCollection(
         self._optim = BagPipeFusedOptimizer(
             params,
             [
-                (spec.name, spec.lr,
-                 [self.embedding_bags[t.name].weight for t in spec.tables])
+                FusedGroup(spec.name, spec.lr, spec.optimizer, [t.name for t in spec.tables],
+                           [self.embedding_bags[t.name].weight for t in spec.tables])
                 for spec in fused
             ],
             finish_fn=self._finish,
             pending_fn=self._finish_pending,
+            state_io=self,
         )
 
         # ---- step bookkeeping ------------------------------------------------------------
@@ -340,7 +343,7 @@ class ShardedBagPipeEmbeddingBagCollection(
         if self._closed:
             return
         try:
-            self._finish_pending(check_lr=False)
+            self._finish_pending()
             for rt in self._runtimes:
                 rt.flush()
         finally:
@@ -366,6 +369,23 @@ class ShardedBagPipeEmbeddingBagCollection(
         self._io.load_table(table, value)
 
     def _after_load(self) -> None:
+        self._io.finish_load()
+
+    # ---- optimizer state (the fused optimizer's OptimizerStateIO) -------------------------------
+    def read_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
+        """The table's optimizer state in TorchRec's layout, read from the PS after draining
+        pending commits."""
+        self._check_open()
+        self._finish_pending()
+        return self._io.optimizer_state(table)
+
+    def load_optimizer_state(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Writes tables' optimizer states into the PS (rank 0 writes; every rank calls it
+        with the same values), then every rank drops its cached rows."""
+        self._check_open()
+        self._finish_pending()
+        for table, tensors in states.items():
+            self._io.load_optimizer_state(table, tensors)
         self._io.finish_load()
 
     # ---- step lifecycle -----------------------------------------------------------------------
@@ -417,22 +437,19 @@ class ShardedBagPipeEmbeddingBagCollection(
             )
         self._optim.finish(g, step, grad.detach())
 
-    def _finish(self, g: int, step: Step, grad: torch.Tensor) -> None:
+    def _finish(self, g: int, step: Step, grad: torch.Tensor, lr: float) -> None:
         pending = self._pending[g]
         assert pending and pending[0] is step
         pending.popleft()
-        self._runtimes[g].finish_step(step, grad)
+        self._runtimes[g].finish_step(step, grad, lr)
 
-    def _finish_pending(self, check_lr: bool = True) -> None:
+    def _finish_pending(self) -> None:
         """Finishes, with a zero gradient, every step that received none."""
         for g, pending in enumerate(self._pending):
             while pending:
                 step = pending[0]
                 zeros = torch.zeros_like(step.rows.detach(), memory_format=torch.contiguous_format)
-                if check_lr:
-                    self._optim.finish(g, step, zeros)
-                else:
-                    self._finish(g, step, zeros)
+                self._optim.finish(g, step, zeros)
 
 
 @dataclass

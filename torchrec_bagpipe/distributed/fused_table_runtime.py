@@ -72,9 +72,10 @@ class FusedTableRuntime:
         inverse map. REQUIRES: the previous step finished."""
         return self._controller.next_step()
 
-    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
-        """Commits `step`'s row gradient (|U| x dim fp32). REQUIRES: `step` is the running step."""
-        self._controller.finish_step(step, grad)
+    def finish_step(self, step: Step, grad: torch.Tensor, lr: float) -> None:
+        """Commits `step`'s row gradient (|U| x dim fp32) at learning rate `lr` (the step's;
+        Adam: its bias-corrected step size). REQUIRES: `step` is the running step."""
+        self._controller.finish_step(step, grad, lr=lr)
 
     def flush(self) -> None:
         """Waits until every commit submitted so far is applied (bounded by ps_timeout).
@@ -98,27 +99,38 @@ class FusedTableRuntime:
         unique, inverse = torch.unique(keys, return_inverse=True)
         return self._client.lookup(unique), inverse
 
-    def read_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Fused rows [start, stop) as [stop - start, dim] fp32 CPU, read from the PS after
-        every pending commit (one request: keep the range bounded). REQUIRES: no step running."""
+    @property
+    def state_dim(self) -> int:
+        """Optimizer state floats per row (0 for SGD)."""
+        return self._spec.optimizer.state_dim(self._spec.dim)
+
+    def read_rows(self, start: int, stop: int, *, with_state: bool = False) -> torch.Tensor:
+        """Fused rows [start, stop) as [stop - start, dim] fp32 CPU (with their optimizer
+        state after the weights: [.., dim + state_dim], when `with_state`), read from the PS
+        after every pending commit (one request: keep the range bounded). REQUIRES: no step
+        running."""
         self._check_range(start, stop)
         self._controller.flush()
-        return self._client.lookup(torch.arange(start, stop, dtype=torch.int64))
+        return self._client.lookup(torch.arange(start, stop, dtype=torch.int64),
+                                   with_state=with_state)
 
-    def write_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Writes `rows` ([n, dim]) as fused rows [start, start + n), after every pending
-        commit (one request: keep n bounded). Caches stay stale until `invalidate`.
-        REQUIRES: no step running."""
-        if rows.dim() != 2 or rows.shape[1] != self._spec.dim:
+    def write_rows(self, start: int, rows: torch.Tensor, *, with_state: bool = False) -> None:
+        """Writes `rows` ([n, dim]: stored rows keep their optimizer state; with `with_state`
+        [n, dim + state_dim]: weights and state) as fused rows [start, start + n), after
+        every pending commit (one request: keep n bounded). Caches stay stale until
+        `invalidate`. REQUIRES: no step running."""
+        width = self._spec.dim + (self.state_dim if with_state else 0)
+        if rows.dim() != 2 or rows.shape[1] != width:
             raise ValueError(
                 f"BagPipe fused table {self.name!r}: rows of shape {tuple(rows.shape)} do not "
-                f"fit its dim {self._spec.dim}"
+                f"fit its width {width}"
             )
         stop = start + int(rows.shape[0])
         self._check_range(start, stop)
         self._controller.flush()
         keys = torch.arange(start, stop, dtype=torch.int64)
-        self._client.assign(keys, rows.detach().to("cpu", torch.float32).contiguous())
+        self._client.assign(keys, rows.detach().to("cpu", torch.float32).contiguous(),
+                            with_state=with_state)
 
     def close(self) -> None:
         """Drains pending commits and closes the controller and the PS session (idempotent)."""
@@ -159,6 +171,7 @@ def build_fused_table(
         init="uniform",
         init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
         key_bound=spec.num_keys,
+        optimizer=spec.optimizer,
     ))
     try:
         controller = BagPipeController(
@@ -171,6 +184,7 @@ def build_fused_table(
             ps=client,
             collectives=job.collectives,
             device=job.device,
+            optimizer=spec.optimizer,
         )
     except BaseException:
         client.close()

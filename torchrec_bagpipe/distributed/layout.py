@@ -4,7 +4,7 @@ Built once per sharded module from its tables' configs (types.py names the piece
 
 * tables (`TableSpec`), in the module's order; slots (`SlotSpec`): (table, feature) pairs in
   output order, keyed as TorchRec keys them;
-* fused tables (`FusedTableSpec`): the tables of one (dim, lr) share one key space,
+* fused tables (`FusedTableSpec`): the tables of one (dim, optimizer, lr) share one key space,
   `fused key = table offset + id`, under a PS table name unique per job;
 * for each input KJT: its permutation into each fused table's slot order (cached per key
   order), and the batch's fused keys, with every id checked against its table's range;
@@ -28,12 +28,14 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
 from torchrec_bagpipe.distributed.types import (
     BAGPIPE_KERNEL,
     FusedTableSpec,
@@ -78,8 +80,9 @@ def check_plan(configs: Sequence[BaseEmbeddingConfig],
 
 
 def table_specs(configs: Sequence[BaseEmbeddingConfig],
-                lr: Mapping[str, float]) -> list[TableSpec]:
-    """The tables of `configs` in order, with their SGD learning rates `lr` (by table)."""
+                optimizers: Mapping[str, TableOptimizer]) -> list[TableSpec]:
+    """The tables of `configs` in order, with their optimizers and learning rates (by table:
+    `table_optimizer.table_optimizer`)."""
     return [
         TableSpec(
             name=cfg.name,
@@ -87,8 +90,9 @@ def table_specs(configs: Sequence[BaseEmbeddingConfig],
             dim=int(cfg.embedding_dim),
             feature_names=tuple(cfg.feature_names),
             pooling="mean" if getattr(cfg, "pooling", None) == PoolingType.MEAN else "sum",
-            lr=lr[cfg.name],
+            lr=optimizers[cfg.name].lr,
             init_max=float(cfg.get_weight_init_max()),
+            optimizer=optimizers[cfg.name].spec,
         )
         for cfg in configs
     ]
@@ -129,11 +133,12 @@ class FusedLayout:
             for feature, key in zip(t.feature_names, names):
                 self.slots.append(SlotSpec(len(self.slots), t.name, feature, key, t.dim))
 
-        by_group: dict[tuple[int, float], list[TableSpec]] = {}
+        # Tables of one dim, optimizer and learning rate share a key space (one param group).
+        by_group: dict[tuple[int, Any, float], list[TableSpec]] = {}
         for t in self.tables:
-            by_group.setdefault((t.dim, t.lr), []).append(t)
+            by_group.setdefault((t.dim, t.optimizer, t.lr), []).append(t)
         self.fused: list[FusedTableSpec] = []
-        for i, ((dim, lr), members) in enumerate(by_group.items()):
+        for i, ((dim, optimizer, lr), members) in enumerate(by_group.items()):
             offsets: dict[str, int] = {}
             total = 0
             for t in members:
@@ -143,7 +148,7 @@ class FusedLayout:
             self.fused.append(FusedTableSpec(
                 name=session_table_name(session, module_fqn, i, dim),
                 dim=dim, lr=lr, tables=members, offsets=offsets, num_keys=total,
-                slots=[s for s in self.slots if s.table in names],
+                slots=[s for s in self.slots if s.table in names], optimizer=optimizer,
             ))
         self._group_of_table = {
             t.name: g for g, spec in enumerate(self.fused) for t in spec.tables

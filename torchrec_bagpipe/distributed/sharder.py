@@ -34,6 +34,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed.embeddingbag import ShardedBagPipeEmbeddingBagCollection
+from torchrec_bagpipe.distributed.table_optimizer import state_floats
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 
 __all__ = ["BagPipeEmbeddingBagCollectionSharder"]
@@ -45,9 +46,10 @@ class BagPipeEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColl
     Args:
         config: every BagPipe knob; `None` means `BagPipeConfig()` (zero-config: PS shards
             inside the trainer processes, online planning, `ps` aggregation).
-        fused_params: TorchRec-style fused parameters; the embedding learning rate comes
-            from `learning_rate` here unless `apply_optimizer_in_backward(SGD, ...)` set it
-            on the table parameters. Only constant-learning-rate SGD is supported.
+        fused_params: TorchRec-style fused parameters: the tables' optimizer
+            (``"optimizer": EmbOptimType...``, ``"learning_rate"``, ``"eps"``, ``"beta1"``,
+            ``"beta2"``, ``"weight_decay"``) unless `apply_optimizer_in_backward(...)` set one
+            on a table's parameter (table_optimizer.py lists what is supported).
         qcomm_codecs_registry: passed to the stock sharder for stock-sharded modules.
     """
 
@@ -100,9 +102,11 @@ class BagPipeEmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagColl
     ) -> dict[str, int]:
         if compute_kernel != BAGPIPE_KERNEL:
             return super().storage_usage(tensor, compute_device_type, compute_kernel)
-        # Rows live in the PS; the device holds a bounded cache of them plus metadata.
+        # Rows live in the PS; the device holds a bounded cache of them (weights and optimizer
+        # state) plus metadata.
         rows = min(int(tensor.shape[0]), self._config.cache_rows(int(tensor.shape[0])))
-        row_bytes = int(tensor.shape[1]) * 4
+        dim = int(tensor.shape[1])
+        row_bytes = (dim + state_floats(tensor, self.fused_params, dim, "BagPipe table")) * 4
         cache = rows * (row_bytes + _METADATA_BYTES_PER_ROW)
         kind = ParameterStorage.HBM if compute_device_type == "cuda" else ParameterStorage.DDR
         return {kind.value: cache}

@@ -47,6 +47,7 @@ from torchrec_bagpipe.distributed.sharder import (
     _METADATA_BYTES_PER_ROW,
     BagPipeEmbeddingBagCollectionSharder,
 )
+from torchrec_bagpipe.distributed.table_optimizer import state_floats
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 
 __all__ = [
@@ -143,7 +144,7 @@ class _SplitEstimator(ShardEstimator):
         self._stock = self._STOCK(topology, constraints)
 
     @abc.abstractmethod
-    def _estimate(self, so: ShardingOption) -> None:
+    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
         """Fills `so`'s shards' estimate (storage or perf) for a BagPipe table."""
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:  # type: ignore[override]
@@ -152,7 +153,7 @@ class _SplitEstimator(ShardEstimator):
             self._stock.estimate(rest, sharder_data_map=sharder_data_map)
         for so in sharding_options:
             if so.compute_kernel == BAGPIPE_KERNEL:
-                self._estimate(so)
+                self._estimate(so, sharder_data_map)
 
 
 def _fused_rows(so: ShardingOption) -> int:
@@ -184,9 +185,15 @@ class BagPipeStorageEstimator(_SplitEstimator):
 
     _STOCK = EmbeddingStorageEstimator
 
-    def _estimate(self, so: ShardingOption) -> None:
+    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
         dim = int(so.tensor.shape[1])
-        cache = _cache_rows(so, self._config) * (dim * _FP32_BYTES + _METADATA_BYTES_PER_ROW)
+        # A cached row holds its optimizer state too (the sharder's fused_params or the
+        # table's in-backward optimizer say which).
+        sharder_data = (sharder_data_map or {}).get(so.module_type_key)
+        fused_params = getattr(sharder_data, "fused_params", None)
+        state = state_floats(so.tensor, fused_params, dim, f"BagPipe table {so.name!r}")
+        cache = _cache_rows(so, self._config) * ((dim + state) * _FP32_BYTES
+                                                 + _METADATA_BYTES_PER_ROW)
         lookups = _lookups(so)
         # Ids in, the gathered unique rows (at most one per id) and the pooled output.
         batch = lookups * (_ID_BYTES + dim * _FP32_BYTES) + so.batch_size * dim * _FP32_BYTES
@@ -203,7 +210,7 @@ class BagPipePerfEstimator(_SplitEstimator):
 
     _STOCK = EmbeddingPerfEstimator
 
-    def _estimate(self, so: ShardingOption) -> None:
+    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
         dim = int(so.tensor.shape[1])
         lookups = _lookups(so)
         bw = (

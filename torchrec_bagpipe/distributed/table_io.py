@@ -5,9 +5,15 @@ to the PS in requests of at most `chunk_rows` rows, through each fused table's
 `FusedTableRuntime` (the one path to the PS):
 
 * `read_rows(table, start, stop)` / `write_rows(table, start, rows)`: one range, after every
-  pending commit (fused_table_runtime.py invariant 1);
-* `load_table` / `finish_load`: a state-dict load; rank 0 writes the values every rank was
-  given, then every rank meets in a barrier and drops its cached rows;
+  pending commit (fused_table_runtime.py invariant 1), weights only or with each row's
+  optimizer state (`with_state`);
+* `optimizer_state(table)`: the table's optimizer state in TorchRec's layout
+  (`table_optimizer.state_tensors`), read in bounded chunks (issue 12 turns this into live,
+  PS-backed state-dict tensors);
+* `load_table` / `load_optimizer_state` / `finish_load`: a state-dict load (weights, or
+  optimizer state: each row's weights are read back and written with the new state); rank 0
+  writes the values every rank was given, then every rank meets in a barrier and drops its
+  cached rows;
 * `write_initial_weights`: the unsharded module's weights into the PS at sharding (rank 0
   writes), except fused tables whose every table is on `meta` with TorchRec's default init:
   the PS initialises those itself, lazily and deterministically.
@@ -33,6 +39,7 @@ import torch
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime
 from torchrec_bagpipe.distributed.job import BagPipeJob
 from torchrec_bagpipe.distributed.layout import FusedLayout
+from torchrec_bagpipe.distributed.table_optimizer import state_columns, state_tensors
 from torchrec_bagpipe.distributed.types import TableSpec
 
 __all__ = ["TABLE_CHUNK_ROWS", "TableIO", "default_uniform"]
@@ -71,29 +78,63 @@ class TableIO:
         return (t.num_embeddings, t.dim)
 
     # ---- ranges -----------------------------------------------------------------------------
-    def read_rows(self, table: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of `table` ([stop - start, dim] fp32, CPU), after every pending
-        commit. REQUIRES: no step running."""
+    def read_rows(self, table: str, start: int, stop: int, *,
+                  with_state: bool = False) -> torch.Tensor:
+        """Rows [start, stop) of `table` ([stop - start, dim] fp32, CPU; with `with_state`
+        [.., dim + state_dim]: each row's optimizer state after its weights), after every
+        pending commit. REQUIRES: no step running."""
         t = self._check(table, start, stop)
         rt = self._runtimes[self._layout.group_of(table)]
         base = self._layout.fused_start(table)
         parts = [
-            rt.read_rows(base + lo, base + min(stop, lo + self._chunk))
+            rt.read_rows(base + lo, base + min(stop, lo + self._chunk), with_state=with_state)
             for lo in range(start, stop, self._chunk)
         ]
-        return torch.cat(parts) if parts else torch.empty(0, t.dim)
+        width = t.dim + (rt.state_dim if with_state else 0)
+        return torch.cat(parts) if parts else torch.empty(0, width)
 
-    def write_rows(self, table: str, start: int, rows: torch.Tensor) -> None:
-        """Writes `rows` ([n, dim]) as rows [start, start + n) of `table`, from this rank.
-        Caches stay stale until every rank invalidates (`finish_load`). REQUIRES: no step
-        running."""
+    def write_rows(self, table: str, start: int, rows: torch.Tensor, *,
+                   with_state: bool = False) -> None:
+        """Writes `rows` ([n, dim]: stored rows keep their optimizer state; with `with_state`
+        [n, dim + state_dim]) as rows [start, start + n) of `table`, from this rank. Caches
+        stay stale until every rank invalidates (`finish_load`). REQUIRES: no step running."""
         self._check(table, start, start + int(rows.shape[0]))
         rt = self._runtimes[self._layout.group_of(table)]
         base = self._layout.fused_start(table)
         n = int(rows.shape[0])
         for lo in range(0, n, self._chunk):
             hi = min(n, lo + self._chunk)
-            rt.write_rows(base + start + lo, rows[lo:hi])
+            rt.write_rows(base + start + lo, rows[lo:hi], with_state=with_state)
+
+    # ---- optimizer state ------------------------------------------------------------------------
+    def optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
+        """The table's optimizer state in TorchRec's layout ({} for SGD), read in chunks of at
+        most `chunk_rows` rows after every pending commit. REQUIRES: no step running."""
+        t = self._layout.table(table)
+        rt = self._runtimes[self._layout.group_of(table)]
+        if rt.state_dim == 0:
+            return {}
+        rows = self.read_rows(table, 0, t.num_embeddings, with_state=True)
+        return state_tensors(t.optimizer, t.dim, rows[:, t.dim:])
+
+    def load_optimizer_state(self, table: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """One table's optimizer state of a state-dict load (every rank, same values; TorchRec's
+        layout): rank 0 writes it, keeping the rows' weights; the load ends with
+        `finish_load`. REQUIRES: no step running."""
+        t = self._layout.table(table)
+        rt = self._runtimes[self._layout.group_of(table)]
+        where = f"BagPipe table {table!r}"
+        columns = state_columns(t.optimizer, t.dim, tensors, t.num_embeddings, where)
+        if rt.state_dim == 0:
+            return
+        rt.flush()
+        if self._job.rank == 0:
+            for lo in range(0, t.num_embeddings, self._chunk):
+                hi = min(t.num_embeddings, lo + self._chunk)
+                rows = self.read_rows(table, lo, hi, with_state=True)
+                rows[:, t.dim:] = columns[lo:hi]
+                self.write_rows(table, lo, rows, with_state=True)
+        self._loaded = True
 
     # ---- state-dict loads ---------------------------------------------------------------------
     def load_table(self, table: str, value: torch.Tensor) -> None:
@@ -105,8 +146,9 @@ class TableIO:
         self._loaded = True
 
     def finish_load(self) -> None:
-        """After the tables of a load: every rank waits until rank 0's writes are in, then
-        drops its cached rows (a no-op when nothing was loaded since the last call)."""
+        """After the tables (or optimizer states) of a load: every rank waits until rank 0's
+        writes are in, then drops its cached rows (a no-op when nothing was loaded since the
+        last call)."""
         if not self._loaded:
             return
         self._loaded = False

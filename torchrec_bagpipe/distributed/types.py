@@ -3,7 +3,7 @@
 A *slot* is one (table, feature) pair of the module, in the module's own order (tables in
 order, each table's features in order); slots define the output keys (`feature`, or
 `feature@table` when several tables read the feature, as TorchRec names them). Tables with
-the same embedding dim and learning rate are *fused* into one key space
+the same embedding dim, optimizer and learning rate are *fused* into one key space
 (`fused key = table offset + id`), one PS session and one runtime controller each
 (layout.py builds them; fused_table_runtime.py runs them).
 
@@ -22,6 +22,8 @@ import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import Multistreamable
 
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
 __all__ = [
     "BAGPIPE_KERNEL",
     "BagPipeEBCContext",
@@ -29,6 +31,8 @@ __all__ = [
     "SlotSpec",
     "TableSpec",
 ]
+
+_SGD = OptimizerSpec()
 
 # The compute kernel a sharding plan names for a BagPipe table.
 BAGPIPE_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
@@ -41,8 +45,9 @@ class TableSpec:
     dim: int
     feature_names: tuple[str, ...]
     pooling: str  # "sum" | "mean" (how lookup.py pools a bag of this table's rows)
-    lr: float
+    lr: float  # the initial learning rate (an LR scheduler may change it every step)
     init_max: float  # TorchRec's default init bound: uniform in [-init_max, init_max]
+    optimizer: OptimizerSpec = _SGD  # what the PS applies to its rows
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class SlotSpec:
 
 @dataclass
 class FusedTableSpec:
-    """One fused key space: the tables of one (dim, lr), one PS session, one controller."""
+    """One fused key space: the tables of one (dim, optimizer, lr), one PS session, one
+    controller, one param group of the fused optimizer."""
 
     name: str  # PS session table name, unique per job
     dim: int
@@ -65,6 +71,7 @@ class FusedTableSpec:
     offsets: dict[str, int]  # table name -> its first fused key
     num_keys: int
     slots: list[SlotSpec] = field(default_factory=list)
+    optimizer: OptimizerSpec = _SGD
 
 
 @dataclass

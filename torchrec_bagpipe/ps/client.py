@@ -222,7 +222,8 @@ class PSClient:
         spec = o.optimizer
         self.optimizer = OptimizerSpec(
             kind=spec.kind, eps=spec.eps, beta1=spec.beta1, beta2=spec.beta2,
-            weight_decay=spec.weight_decay, initial_accumulator_value=spec.initial_accumulator_value,
+            weight_decay=spec.weight_decay,
+            initial_accumulator_value=spec.initial_accumulator_value,
         )
         self.state_dim = self.optimizer.state_dim(self.dim)
         self._core = C.PSClientCore(eps, o, options.connect)
@@ -298,7 +299,8 @@ class PSClient:
         source = C.DeviceSource()
         source.src = g.data_ptr()
         source.bytes = g.numel() * 4
-        source.device = g.device.index if g.device.index is not None else torch.cuda.current_device()
+        source.device = (g.device.index if g.device.index is not None
+                         else torch.cuda.current_device())
         source.event = event.cuda_event
         op = C.commit_async_device(self._live(), step, k, self._stager, source, lr)
         return self._track(PSHandle(op, "commit", None, (keys, grads, k, g, event), self))

@@ -5,8 +5,9 @@ from the exchanged ids) are all-reduced in two parts: S_now, the rows step t + 1
 (applied to the resident rows at the start of step t + 1, before anything reads them), then
 S_later, the rest, on the communication worker with the commit, overlapping the next forward.
 Every rank updates all of its resident affected rows, weights and optimizer state, at the
-step's learning rate (`DeviceCache.apply_gradients_`), so no row is invalidated; each union row's designated rank (union index mod W) commits it, so the PS
-receives every row's summed gradient exactly once.
+step's learning rate (`DeviceCache.apply_gradients_`), so no row is invalidated; each union
+row's designated rank (union index mod W) commits it, so the PS receives every row's summed
+gradient exactly once.
 
 Thread safety: `before_step`, `finish`, `drain` and `close` run on the training thread; the
 S_now all-reduce and the S_later task (`_later_task`: all-reduce, local update, commit) run on
