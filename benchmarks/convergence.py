@@ -16,11 +16,16 @@ Datasets:
 It prints one JSON line per result: per-step loss differences (max, mean, last; the loss of a
 step is the mean of both ranks' batch losses), the final training loss, and the validation
 and test AUROC of both runs (`baseline` = stock TorchRec), and plots both loss curves and
-their difference in a PNG. ``--optimizer`` picks the embedding optimizer: ``sgd`` (what
-BagPipe trains today), ``adagrad`` (dlrm_main's ``--adagrad``) or ``rowwise_adagrad``
-(`torchrec.optim.RowWiseAdagrad` on the tables, Adagrad for the dense part); BagPipe refuses
-the last two until the PS applies them (issue 11), which the script reports as the run's
-error while still measuring stock TorchRec.
+their difference in a PNG. ``--optimizer`` picks the embedding optimizer: ``sgd``,
+``adagrad`` (dlrm_main's ``--adagrad``) or ``rowwise_adagrad``
+(`torchrec.optim.RowWiseAdagrad` on the tables, Adagrad for the dense part).
+
+With ``--reference`` (default on) the same model is also trained in one process on the
+global batch with torch's own optimizers (`examples/dlrm/single_process.py`): the definition
+both distributed runs should reproduce. ``ref_*`` lines give each run's loss differences from
+it (``run``: ``bagpipe`` or ``stock``), so for Adagrad and row-wise Adagrad they say which of
+BagPipe's PS and stock TorchRec's fused CPU kernels matches the optimizer's definition, and
+by how much the other differs.
 """
 
 from __future__ import annotations
@@ -179,6 +184,16 @@ def compare(dataset: str, argv: list[str], args: argparse.Namespace,
         # the scale of differences that fp32 rounding alone produces on this trajectory.
         _emit_diffs("control_", _diffs(curves["control"], curves["stock"]), curves["stock"],
                     **tags)
+    if args.reference:
+        sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
+        import single_process
+
+        ref = single_process.reference_losses([*argv, *extra], init, emb_opt,
+                                              world=args.world_size)
+        curves["reference"] = ref
+        for key in ("stock", "bagpipe"):
+            if key in curves:
+                _emit_diffs("ref_", _diffs(curves[key], ref), ref, run=key, **tags)
     if ours is None:
         return curves
     a, b = curves["bagpipe"], curves["stock"]
@@ -265,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                    help="also train stock TorchRec from initial weights one ulp away: the "
                         "drift fp32 rounding alone causes (default on)")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the single-process model on the global batch and report "
+                        "each run's distance from it (default on)")
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     started = time.perf_counter()
