@@ -53,6 +53,10 @@ OPTIMIZERS: dict[str, tuple[dict[str, Any] | None, tuple[type, dict[str, Any]] |
                 None, 0.2),
     "rowwise_adagrad": (None, (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-8}), 0.2),
     "adam": (None, (torch.optim.Adam, {"lr": 0.02, "betas": (0.9, 0.99), "eps": 1e-6}), 0.02),
+    # Two optimizers in one model (two fused tables of one dim): t0 row-wise Adagrad (in
+    # backward), the other tables Adagrad (the sharder's fused_params).
+    "mixed": ({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.2, "eps": 1e-8},
+              (RowWiseAdagrad, {"lr": 0.2, "eps": 1e-8}), 0.2),
 }
 
 
@@ -255,8 +259,9 @@ def make_dmp(case: Case, model: nn.Module, world: int) -> tuple[DistributedModel
     fused_params, in_backward, _ = OPTIMIZERS[case.optimizer]
     if in_backward is not None:
         ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
-        apply_optimizer_in_backward(in_backward[0], [p for e in ebcs for p in e.parameters()],
-                                    dict(in_backward[1]))
+        params = [p for e in ebcs for n, p in e.named_parameters()
+                  if case.optimizer != "mixed" or n.startswith("embedding_bags.t0.")]
+        apply_optimizer_in_backward(in_backward[0], params, dict(in_backward[1]))
     sharder = BagPipeEmbeddingBagCollectionSharder(config, fused_params=fused_params)
     constraints = None
     if case.kind == "mixed":
@@ -365,15 +370,25 @@ def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None
     # gradient of the global mean loss.
     scale = world if case.config.get("gradient_division") is False else 1
     dense_opt = torch.optim.SGD(dense, lr=DENSE_LR)
-    emb_opt = _reference_optimizer(case.optimizer, list(tables.values()))
+    if case.optimizer == "mixed":
+        emb_opt = torch.optim.Adagrad(
+            [p for n, p in tables.items() if n != "t0"], lr=0.2, eps=1e-8)
+        row_opt: torch.optim.Optimizer | None = RowWiseAdagrad([tables["t0"]], lr=0.2,
+                                                               eps=1e-8)
+    else:
+        emb_opt = _reference_optimizer(case.optimizer, list(tables.values()))
+        row_opt = None
+    emb_opts = [emb_opt] + ([row_opt] if row_opt is not None else [])
     features = {c.name: list(c.feature_names)
                 for m in model.modules() if isinstance(m, EmbeddingBagCollection)
                 for c in m.embedding_bag_configs()}
     for t, b in enumerate(batches):
-        for g in emb_opt.param_groups:
-            g["lr"] = emb_lr(case, t) * scale
+        for o in emb_opts:
+            for g in o.param_groups:
+                g["lr"] = emb_lr(case, t) * scale
         dense_opt.zero_grad()
-        emb_opt.zero_grad()
+        for o in emb_opts:
+            o.zero_grad()
         loss, _ = model(b)
         loss.backward()
         if isinstance(emb_opt, torch.optim.SparseAdam):
@@ -383,9 +398,15 @@ def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None
                                                for f in features[name]]))
                 p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), p.grad[rows], p.shape)
         dense_opt.step()
-        emb_opt.step()
+        for o in emb_opts:
+            o.step()
     out = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out.update(_reference_state(case.optimizer, emb_opt, tables))
+    if row_opt is not None:
+        out.update(_reference_state("adagrad", emb_opt,
+                                    {n: p for n, p in tables.items() if n != "t0"}))
+        out.update(_reference_state("rowwise_adagrad", row_opt, {"t0": tables["t0"]}))
+    else:
+        out.update(_reference_state(case.optimizer, emb_opt, tables))
     return out
 
 

@@ -85,6 +85,7 @@ OPTIMIZER_CASES = [
     ("adam", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),
     ("sgd", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
     ("sgd", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),
+    ("mixed", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
 ]
 
 

@@ -370,3 +370,40 @@ def test_launcher_console_entry_point_runs():
     assert out.returncode == 0 and "--ps-servers" in out.stdout
 
 
+
+
+def test_tables_with_other_optimizers_are_other_fused_tables():
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+
+    from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
+    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10,
+                                  feature_names=[f"f{i}"]) for i in range(5)]
+    rowwise = OptimizerSpec(kind="rowwise_adagrad")
+    opts = {"t0": TableOptimizer(rowwise, 0.1), "t1": TableOptimizer(rowwise, 0.1),
+            "t2": TableOptimizer(OptimizerSpec(kind="rowwise_adagrad", eps=1e-3), 0.1),
+            "t3": TableOptimizer(rowwise, 0.2), "t4": TableOptimizer(OptimizerSpec(), 0.1)}
+    layout = FusedLayout(table_specs(configs, opts), get_embedding_names_by_table(configs),
+                         session=0, module_fqn="m", weighted=False)
+    groups = [([t.name for t in f.tables], f.optimizer, f.lr) for f in layout.fused]
+    assert groups == [(["t0", "t1"], rowwise, 0.1), (["t2"], opts["t2"].spec, 0.1),
+                      (["t3"], rowwise, 0.2), (["t4"], OptimizerSpec(), 0.1)]
+    assert len({f.name for f in layout.fused}) == 4
+
+
+def test_optimizer_kernels_benchmark_measures_every_implementation(capsys):
+    """benchmarks/optimizer_kernels.py, briefly: BagPipe's store, fbgemm's CPU kernel and
+    torch's optimizers each apply (row-wise) Adagrad within a few ulps of its definition."""
+    import json
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import optimizer_kernels
+
+    assert optimizer_kernels.main(["--rows", "64", "--dim", "8", "--steps", "3"]) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    worst = {(d["optimizer"], d["impl"]): d["value"] for d in lines
+             if d["metric"] == "max_ulp_error"}
+    assert set(worst) == {(o, i) for o in ("adagrad", "rowwise_adagrad")
+                          for i in ("bagpipe_store", "fbgemm_cpu", "torch")}
+    assert all(v < 16 for v in worst.values()), worst
