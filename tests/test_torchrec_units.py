@@ -31,8 +31,8 @@ from torchrec_bagpipe.distributed import (
     UnsupportedOptimizerError,
     bagpipe_plan,
 )
-from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.distributed.sharding_planner import BagPipeParameterSharding
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.launch import parse_args, rewrite_ps_type
 from torchrec_bagpipe.metrics_table import format_table, summarize
 
@@ -145,8 +145,8 @@ def _param_with(cls, **kwargs) -> torch.nn.Parameter:
 
 def test_optimizer_sources_and_unsupported_optimizers():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.optim import RowWiseAdagrad
     from torchrec.optim import SGD as TrecSGD
+    from torchrec.optim import RowWiseAdagrad
 
     from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 
