@@ -88,16 +88,19 @@ def preprocess(tsv_dir: str, npy_dir: str) -> None:
                                  "--dataset_name", "criteo_1tb"])
 
 
-def embedding_optimizer(name: str, lr: float) -> tuple[list[str], Any]:
-    """(extra dlrm_main flags, `embedding_optimizer` argument of `main`) for `name`."""
+def embedding_optimizer(name: str, lr: float, eps: float | None) -> tuple[list[str], Any]:
+    """(extra dlrm_main flags, `embedding_optimizer` argument of `main`) for `name`; `eps`:
+    Adagrad's epsilon (None: the optimizer's own default: torchrec's RowWiseAdagrad 1e-10,
+    which stock TorchRec replaces by fbgemm's 1e-8 when it fuses the optimizer)."""
     if name == "sgd":
         return [], None
+    flags = ["--adagrad"] + (["--eps", str(eps)] if eps is not None else [])
     if name == "adagrad":
-        return ["--adagrad"], None
+        return flags, None
     if name == "rowwise_adagrad":
         from torchrec.optim import RowWiseAdagrad
 
-        return ["--adagrad"], (RowWiseAdagrad, {"lr": lr})
+        return flags, (RowWiseAdagrad, {"lr": lr, **({"eps": eps} if eps is not None else {})})
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -158,7 +161,7 @@ def compare(dataset: str, argv: list[str], args: argparse.Namespace,
     init = initial_state(argv + extra, args.seed)
     tags = {"dataset": dataset, "optimizer": args.optimizer, "steps": args.steps,
             "world": args.world_size, "batch_size": args.batch_size,
-            "learning_rate": args.learning_rate}
+            "learning_rate": args.learning_rate, "eps": args.eps}
     plan = [("stock", "torchrec", init), ("bagpipe", "bagpipe", init)]
     if args.control:
         plan.append(("control", "torchrec", _one_ulp_up(init)))
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=16, help="embedding dim")
     p.add_argument("--learning-rate", type=float, default=1.0)
     p.add_argument("--optimizer", choices=["sgd", "adagrad", "rowwise_adagrad"], default="sgd")
+    p.add_argument("--eps", type=float, default=None,
+                   help="Adagrad's epsilon (default: dlrm_main's 1e-8 for adagrad, "
+                        "RowWiseAdagrad's own 1e-10 for rowwise_adagrad)")
     p.add_argument("--datasets", default="synthetic,criteo")
     p.add_argument("--eval-batches", type=int, default=16, help="val and test batches per rank")
     p.add_argument("--world-size", type=int, default=2)
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     started = time.perf_counter()
-    extra, emb_opt = embedding_optimizer(args.optimizer, args.learning_rate)
+    extra, emb_opt = embedding_optimizer(args.optimizer, args.learning_rate, args.eps)
     common = [
         "--batch_size", str(args.batch_size), "--limit_train_batches", str(args.steps),
         "--limit_val_batches", str(args.eval_batches),
