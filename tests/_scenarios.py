@@ -2,6 +2,11 @@
 
 Every scenario trains a DMP with BagPipe on W ranks and the same model unsharded in one
 process on the concatenated global batch (mean loss), then compares every weight.
+
+Kinds: `dlrm`, `weighted`, `mean` (every table on BagPipe); `mixed` (a second EBC on a stock
+kernel); `mixed_ebc` / `mixed_weighted` (one EBC mixing BagPipe, data-parallel, table-wise
+and row-wise tables, features shared across both sides); `ec` / `ec_mixed` (an
+EmbeddingCollection: BagPipe only, or mixed likewise) under a sequence model.
 """
 
 from __future__ import annotations
@@ -17,19 +22,20 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.sharding_plan import data_parallel, row_wise, table_wise
 from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed import (
-    BagPipeEmbeddingBagCollectionSharder,
     BagPipeShardingPlanner,
     BagPipeTrainPipeline,
     bagpipe_plan,
+    bagpipe_sharders,
     close_model,
     prescan_model,
 )
@@ -37,6 +43,34 @@ from torchrec_bagpipe.distributed import (
 DENSE_IN = 4
 EMB_LR = 0.5
 DENSE_LR = 0.1
+SEQ_LEN = 3  # the longest bag make_samples draws (multi_hot)
+
+# Stock placements of the mixed kinds (by hand: TorchRec's planner offers no row-wise
+# sharding on CPU). Data-parallel stock tables train with the dense optimizer, as in TorchRec.
+STOCK = {
+    "mixed_ebc": {"b": data_parallel(), "c": table_wise(rank=1, compute_kernel="fused"),
+                  "d": row_wise(compute_kernel="fused")},
+    "mixed_weighted": {"b": data_parallel(), "c": table_wise(rank=0, compute_kernel="fused"),
+                       "d": row_wise(compute_kernel="fused")},
+    # TorchRec 1.9.2's own ShardedEmbeddingCollection fails when it mixes data-parallel with
+    # other sharding types on CPU (a stock-only model too: its data-parallel lookup returns
+    # one row per sample); the sequence tests mix table-wise and row-wise stock tables.
+    "ec_mixed": {"b": table_wise(rank=0, compute_kernel="fused"),
+                 "c": table_wise(rank=1, compute_kernel="fused"),
+                 "d": row_wise(compute_kernel="fused")},
+}
+# The same kinds through the planner: constraints force these tables stock (the others go to
+# BagPipe by size, placement_min_rows=0).
+_DP = ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["dense"])
+STOCK_CONSTRAINTS = {
+    "mixed_ebc": {"b": _DP, "c": ParameterConstraints(sharding_types=["table_wise"],
+                                                      compute_kernels=["fused"])},
+    "ec_mixed": {"b": ParameterConstraints(sharding_types=["table_wise"],
+                                           compute_kernels=["fused"]),
+                 "c": ParameterConstraints(sharding_types=["row_wise"],
+                                           compute_kernels=["fused"])},
+}
+STOCK_CONSTRAINTS["mixed_weighted"] = STOCK_CONSTRAINTS["mixed_ebc"]
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -63,6 +97,35 @@ def tables_for(kind: str) -> tuple[list[EmbeddingBagConfig], bool]:
             EmbeddingBagConfig(name="local", embedding_dim=4, num_embeddings=30,
                                feature_names=["f2"]),
         ], False
+    if kind in ("mixed_ebc", "mixed_weighted"):
+        weighted = kind == "mixed_weighted"
+        pooling = PoolingType.SUM if weighted else PoolingType.MEAN
+        return [
+            # a, e: BagPipe; b: data-parallel; c: table-wise; d: row-wise (STOCK). f0 feeds a
+            # BagPipe and a row-wise table, f1 a BagPipe and a data-parallel one, f2 a
+            # table-wise and a BagPipe one.
+            EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
+                               feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=20,
+                               feature_names=["f1"]),
+            EmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=30,
+                               feature_names=["f2"], pooling=pooling),
+            EmbeddingBagConfig(name="d", embedding_dim=8, num_embeddings=40,
+                               feature_names=["f3", "f0"]),
+            EmbeddingBagConfig(name="e", embedding_dim=8, num_embeddings=25,
+                               feature_names=["f2"], pooling=pooling),
+        ], weighted
+    if kind in ("ec", "ec_mixed"):
+        tables = [
+            EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=50,
+                            feature_names=["f0", "f1"]),
+            EmbeddingConfig(name="b", embedding_dim=4, num_embeddings=20, feature_names=["f1"]),
+            EmbeddingConfig(name="c", embedding_dim=4, num_embeddings=35, feature_names=["f2"]),
+        ]
+        if kind == "ec_mixed":
+            tables.append(EmbeddingConfig(name="d", embedding_dim=4, num_embeddings=40,
+                                          feature_names=["f3", "f0"]))
+        return tables, False  # type: ignore[return-value]
     if kind == "mean":
         return [
             EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=50,
@@ -98,10 +161,41 @@ class TwoTower(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
+class SequenceTower(nn.Module):
+    """An EmbeddingCollection's sequences, weighted by a learned weight per position and
+    summed, next to a dense tower (loss: mean BCE): every id's embedding gets its own
+    gradient, as sequence models give it."""
+
+    def __init__(self, ec: EmbeddingCollection) -> None:
+        super().__init__()
+        self.ec = ec
+        self.names = [n for names in ec.embedding_names_by_table() for n in names]
+        self.position = nn.Parameter(torch.linspace(1.0, 0.4, SEQ_LEN))
+        self.dense = nn.Linear(DENSE_IN, 4)
+        self.over = nn.Linear(len(self.names) * ec.embedding_dim() + 4, 1)
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        sequences = self.ec(batch.sparse_features)
+        parts = [
+            (sequences[n].to_padded_dense(desired_length=SEQ_LEN)
+             * self.position.view(1, SEQ_LEN, 1)).sum(dim=1)
+            for n in self.names
+        ]
+        x = torch.cat([*parts, torch.relu(self.dense(batch.dense_features))], dim=1)
+        logits = self.over(x).squeeze(-1)
+        loss = self.loss_fn(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
 def build_model(kind: str, seed: int, meta: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     tables, weighted = tables_for(kind)
     device = torch.device("meta") if meta else None
+    if kind.startswith("ec"):
+        ec = EmbeddingCollection(tables=tables, device=device)  # type: ignore[arg-type]
+        torch.manual_seed(seed + 1)
+        return SequenceTower(ec)
     if kind == "mixed":
         first = EmbeddingBagCollection(tables=tables[:1], is_weighted=weighted, device=device)
         second = EmbeddingBagCollection(tables=tables[1:], is_weighted=weighted, device=device)
@@ -212,34 +306,47 @@ class Case:
 
     @property
     def shuffle_keys(self) -> bool:
-        # TorchRec's stock sharded EBC (in the mixed model) needs one fixed key order.
+        # TorchRec's stock sharded EBC (the mixed model's second EBC) needs one fixed key
+        # order; the stock part of a BagPipe-sharded module is fed one order whatever comes.
         return self.kind != "mixed"
+
+    @property
+    def stock(self) -> dict[str, Any]:
+        """Hand-planned stock tables (the planner's are STOCK_CONSTRAINTS)."""
+        return STOCK.get(self.kind, {}) if self.planner == "hand" else {}
+
+    def dense_tables(self) -> set[str]:
+        """Stock data-parallel tables: the dense optimizer trains them."""
+        return {"b"} if self.kind in ("mixed_ebc", "mixed_weighted") else set()
 
     def label(self) -> str:
         return f"{self.kind}/{self.loop}/{self.config}"
 
 
 def make_dmp(case: Case, model: nn.Module, world: int) -> tuple[DistributedModelParallel, Any]:
-    config = BagPipeConfig(**case.config)
+    # Small test tables go to BagPipe unless a case places them otherwise.
+    config = BagPipeConfig(**{"placement_min_rows": 0, **case.config})
     initial = None if case.meta else {k: v.clone() for k, v in model.state_dict().items()}
-    sharder = BagPipeEmbeddingBagCollectionSharder(
+    sharders = bagpipe_sharders(
         config, fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": EMB_LR}
     )
     constraints = None
     if case.kind == "mixed":
         constraints = {"local": ParameterConstraints(sharding_types=["table_wise"],
                                                      compute_kernels=["fused"])}
-    if case.planner == "hand" and constraints is None:
-        plan = bagpipe_plan(model, world)
+    elif case.kind in STOCK:
+        constraints = dict(STOCK_CONSTRAINTS[case.kind])
+    if case.planner == "hand":
+        plan = bagpipe_plan(model, world, stock=case.stock)
     else:
         planner = BagPipeShardingPlanner(
             topology=Topology(world_size=world, compute_device="cpu"), batch_size=case.batch,
             constraints=constraints,
         )
-        plan = planner.collective_plan(model, [sharder])
+        plan = planner.collective_plan(model, sharders)  # type: ignore[arg-type]
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
-                                   sharders=[sharder])
-    if case.kind == "mixed":
+                                   sharders=sharders)  # type: ignore[arg-type]
+    if initial is not None and (case.kind == "mixed" or case.kind in STOCK):
         # TorchRec's stock kernels do not keep the module's weights; BagPipe tables do.
         dmp.load_state_dict(initial)
     dense = KeyedOptimizerWrapper(
@@ -301,11 +408,13 @@ def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None
     if init is not None:
         # The dense layers start from the same seed; the tables from `init`.
         model.load_state_dict({**model.state_dict(),
-                               **{k: v for k, v in init.items() if "embedding_bags" in k}})
+                               **{k: v for k, v in init.items() if _is_table(k)}})
     samples = make_samples(case.kind, case.steps, world, case.batch, case.seed)
     batches = batches_for(case.kind, samples, None, case.seed, case.shuffle_keys)
-    emb = [p for n, p in model.named_parameters() if "embedding_bags" in n]
-    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+    dp = {f"{c}.{t}.weight" for t in case.dense_tables()
+          for c in ("embedding_bags", "embeddings")}
+    emb = [p for n, p in model.named_parameters() if _is_table(n) and not _in(n, dp)]
+    dense = [p for n, p in model.named_parameters() if not _is_table(n) or _in(n, dp)]
     # Without TorchRec's gradient division the PS sums the ranks' gradients: W times the
     # gradient of the global mean loss.
     emb_lr = EMB_LR * (world if case.config.get("gradient_division") is False else 1)
@@ -316,6 +425,14 @@ def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None
         loss.backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _is_table(name: str) -> bool:
+    return "embedding_bags." in name or "embeddings." in name
+
+
+def _in(name: str, suffixes: set[str]) -> bool:
+    return any(name.endswith(s) for s in suffixes)
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str,

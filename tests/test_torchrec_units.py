@@ -68,7 +68,9 @@ def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stoc
         constraints={"s0": ParameterConstraints(sharding_types=["table_wise"],
                                                 compute_kernels=["fused"])},
     )
-    sharder = BagPipeEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    # placement_min_rows=0: every table goes to BagPipe unless constrained.
+    sharder = BagPipeEmbeddingBagCollectionSharder(BagPipeConfig(placement_min_rows=0),
+                                                   fused_params={"learning_rate": 0.1})
     plan = planner.plan(_Two(), [sharder])
     for name in ("t0", "t1", "t2"):
         ps = plan.plan["big"][name]
@@ -81,7 +83,7 @@ def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stoc
 
 
 def test_planner_charges_only_cache_and_metadata():
-    config = BagPipeConfig(optimization_cache_capacity=2)
+    config = BagPipeConfig(optimization_cache_capacity=2, placement_min_rows=0)
     topo = Topology(world_size=2, compute_device="cpu")
     planner = BagPipeShardingPlanner(topology=topo, batch_size=16)
     module = _ebc(sizes=(1_000_000, 500_000, 50))
@@ -109,7 +111,7 @@ def test_bagpipe_plan_by_hand():
             assert ps.compute_kernel == BAGPIPE_KERNEL and ps.ranks == [0, 1, 2]
     # The plan of a bare EBC is keyed by the root path, as DMP expects.
     assert set(bagpipe_plan(_ebc(), 2).plan) == {""}
-    with pytest.raises(ValueError, match="no EmbeddingBagCollection"):
+    with pytest.raises(ValueError, match="no EmbeddingBagCollection or EmbeddingCollection"):
         bagpipe_plan(torch.nn.Linear(2, 2), 2)
     # A plan naming the BagPipe kernel refuses TorchRec's stock sharder with a clear error.
     with pytest.raises(ValueError, match="BagPipeEmbeddingBagCollectionSharder"):
