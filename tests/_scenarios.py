@@ -19,6 +19,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.datasets.utils import Batch
+from torchrec.distributed import TrainPipelineSparseDist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.types import ParameterConstraints
@@ -34,6 +35,7 @@ from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed import (
     BagPipeShardingPlanner,
     BagPipeTrainPipeline,
+    bagpipe_modules,
     bagpipe_plan,
     bagpipe_sharders,
     close_model,
@@ -297,7 +299,7 @@ def batches_for(kind: str, samples: list[list[list[Sample]]], rank: int | None,
 class Case:
     kind: str = "dlrm"
     config: dict[str, Any] = field(default_factory=dict)
-    loop: str = "plain"  # plain | pipeline
+    loop: str = "plain"  # plain | pipeline (BagPipe's) | torchrec (TrainPipelineSparseDist)
     steps: int = 20
     batch: int = 8
     seed: int = 0
@@ -373,8 +375,13 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
             opt.step()
             losses.append(float(loss.detach()))
     else:
-        pipe = BagPipeTrainPipeline(dmp, opt, torch.device("cpu"),
-                                    prescan_batches=batches if prescan else None)
+        if case.loop == "pipeline":
+            pipe = BagPipeTrainPipeline(dmp, opt, torch.device("cpu"),
+                                        prescan_batches=batches if prescan else None)
+        else:  # "torchrec": TorchRec's own pipeline, input dist a batch early
+            if prescan:
+                prescan_model(dmp, batches)
+            pipe = TrainPipelineSparseDist(dmp, opt, torch.device("cpu"))
         it = iter(batches)
         while True:
             try:
@@ -382,6 +389,9 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
             except StopIteration:
                 break
             losses.append(float(output[0]))
+        # The pipeline really ran every BagPipe-sharded module's input dist ahead.
+        pipelined = pipe._pipelined_modules
+        assert all(any(m is p for p in pipelined) for _, m in bagpipe_modules(dmp)), pipelined
     state = full_state(dmp, rank)
     close_model(dmp)
     return state, losses

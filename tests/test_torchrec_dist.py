@@ -119,12 +119,11 @@ def _stock_script(rank: int, world: int, use_bagpipe: bool, batches: list[Any]) 
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+    from torchrec_bagpipe.config import BagPipeConfig
     from torchrec_bagpipe.distributed import (
         BagPipeEmbeddingBagCollectionSharder,
         BagPipeShardingPlanner,
     )
-
-    from torchrec_bagpipe.config import BagPipeConfig
 
     planner_cls = BagPipeShardingPlanner if use_bagpipe else EmbeddingShardingPlanner
     # (placement_min_rows=0: these small tables go to BagPipe, not by size to stock kernels)

@@ -1,8 +1,9 @@
 """Multi-process proof of per-table placement (gloo, world size 2): one EmbeddingBagCollection
 mixing BagPipe, data-parallel, table-wise and row-wise tables, and EmbeddingCollections
 (BagPipe only, and mixed), against the single-process model on the global batch, with the
-plain loop and the pipelines, in both aggregation modes; the mixed module's state dict and
-fused optimizer; and the clear errors of bad placements and inputs.
+plain loop, `BagPipeTrainPipeline` and TorchRec's `TrainPipelineSparseDist`, in both
+aggregation modes, online and prescan, with one-unit and large caches; the mixed module's
+state dict and fused optimizer; and the clear errors of bad placements and inputs.
 
 Each test spawns one process group and runs many configurations inside it.
 """
@@ -36,7 +37,7 @@ def _equivalence(rank: int, world: int, kinds: list[str]) -> list[str]:
     for kind in kinds:
         for i, config in enumerate(CONFIGS):
             losses = {}
-            for loop in ("plain", "pipeline"):
+            for loop in ("plain", "pipeline", "torchrec"):
                 # Hand plans (row-wise stock tables) and the planner (constraints) in turn.
                 case = S.Case(kind=kind, config=dict(config), loop=loop, steps=12, seed=40 + i,
                               planner="hand" if i % 2 == 0 else "planner")
@@ -44,8 +45,9 @@ def _equivalence(rank: int, world: int, kinds: list[str]) -> list[str]:
                 if rank == 0:
                     problems.extend(S.compare(state, S.train_reference(case, world),
                                               case.label()))
-            if losses["plain"] != pytest.approx(losses["pipeline"], rel=1e-6, abs=1e-7):
-                problems.append(f"{kind} {config}: pipeline losses differ from the plain loop")
+            for loop in ("pipeline", "torchrec"):
+                if losses["plain"] != pytest.approx(losses[loop], rel=1e-6, abs=1e-7):
+                    problems.append(f"{kind} {config}: {loop} losses differ from the plain loop")
     return problems
 
 

@@ -28,6 +28,7 @@ while that thread waits in backward).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL, BagPipeContext
 
 __all__ = ["BAGPIPE_KERNEL", "ShardedBagPipeEmbeddingBagCollection"]
 
-# Stock key orders whose output column gathers a module remembers.
+# Stock key orders whose output column runs a module remembers.
 _MAX_CACHED_KEY_ORDERS = 16
 
 
@@ -85,7 +86,7 @@ class ShardedBagPipeEmbeddingBagCollection(BagPipeShardedModule):
             for spec in layout.fused
         ]
         self._bagpipe_keys = [(s.key, s.dim) for s in layout.grouped_slots]
-        self._gathers: dict[tuple[str, ...], torch.Tensor | None] = {}
+        self._runs: dict[tuple[str, ...], list[_Run] | None] = {}
 
     @property
     def unsharded_module_type(self) -> type[nn.Module]:
@@ -117,23 +118,24 @@ class ShardedBagPipeEmbeddingBagCollection(BagPipeShardedModule):
 
     def _keyed(self, bagpipe: torch.Tensor, stock: KeyedTensor | None) -> KeyedTensor:
         """Both parts' columns as one KeyedTensor in the unsharded module's key order."""
-        sources = list(self._bagpipe_keys)
-        values = bagpipe
+        sources = [self._bagpipe_keys]
+        tensors = [bagpipe]
         if stock is not None:
             rename = self._stock_part.rename  # type: ignore[union-attr]
-            sources += [(rename[k], d) for k, d in zip(stock.keys(), stock.length_per_key())]
-            values = torch.cat([bagpipe, stock.values()], dim=1)
-        order = tuple(k for k, _ in sources)
-        if order in self._gathers:
-            gather = self._gathers[order]
+            sources.append([(rename[k], d) for k, d in zip(stock.keys(), stock.length_per_key())])
+            tensors.append(stock.values())
+        order = tuple(k for source in sources for k, _ in source)
+        if order in self._runs:
+            runs = self._runs[order]
         else:
-            gather = _column_gather(sources, self._embedding_names)
-            if gather is not None:
-                gather = gather.to(values.device)
-            if len(self._gathers) < _MAX_CACHED_KEY_ORDERS:
-                self._gathers[order] = gather
-        if gather is not None:
-            values = values.index_select(1, gather)
+            runs = _column_runs(sources, self._embedding_names)
+            if len(self._runs) < _MAX_CACHED_KEY_ORDERS:
+                self._runs[order] = runs
+        if runs is None:
+            values = tensors[0]
+        else:
+            values = _MergeColumns.apply(runs, [int(t.shape[1]) for t in tensors],
+                                         sum(self._embedding_dims), *tensors)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._embedding_dims,
                            values=values, key_dim=1)
 
@@ -152,15 +154,59 @@ class _MixedKeyedTensor(LazyGetItemMixin[str, torch.Tensor], LazyAwaitable[Keyed
         return self._keyed(self._bagpipe_values, self._stock.wait())
 
 
-def _column_gather(sources: Sequence[tuple[str, int]], target: Sequence[str]
-                   ) -> torch.Tensor | None:
-    """The column gather from the concatenation of `sources` (key, width) to the keys of
-    `target` in order, or None when that concatenation already is `target`."""
-    if [k for k, _ in sources] == list(target):
+@dataclass(frozen=True)
+class _Run:
+    """Columns [src, src + width) of source `source` land at [dst, dst + width)."""
+
+    source: int
+    src: int
+    dst: int
+    width: int
+
+
+def _column_runs(sources: Sequence[Sequence[tuple[str, int]]], target: Sequence[str]
+                 ) -> list[_Run] | None:
+    """The contiguous column runs that put the keys of `sources` (each a list of (key,
+    width) in its column order) into `target`'s order, or None when the first source alone
+    already is `target`."""
+    where: dict[str, tuple[int, int, int]] = {}
+    for i, source in enumerate(sources):
+        col = 0
+        for key, width in source:
+            where[key] = (i, col, width)
+            col += width
+    if len(sources) == 1 and [k for k, _ in sources[0]] == list(target):
         return None
-    start: dict[str, tuple[int, int]] = {}
-    col = 0
-    for key, width in sources:
-        start[key] = (col, width)
-        col += width
-    return torch.cat([torch.arange(start[k][0], start[k][0] + start[k][1]) for k in target])
+    runs: list[_Run] = []
+    dst = 0
+    for key in target:
+        i, src, width = where[key]
+        last = runs[-1] if runs else None
+        if last is not None and last.source == i and last.src + last.width == src:
+            runs[-1] = _Run(i, last.src, last.dst, last.width + width)
+        else:
+            runs.append(_Run(i, src, dst, width))
+        dst += width
+    return runs
+
+
+class _MergeColumns(torch.autograd.Function):
+    """Sources' column runs copied into one [batch, total] tensor; the backward copies the
+    gradient's runs back (one pass each way: no zero-filled intermediates)."""
+
+    @staticmethod
+    def forward(ctx: Any, runs: list[_Run], widths: list[int], total: int,
+                *sources: torch.Tensor) -> torch.Tensor:
+        out = sources[0].new_empty(sources[0].shape[0], total)
+        for r in runs:
+            out[:, r.dst:r.dst + r.width].copy_(sources[r.source][:, r.src:r.src + r.width])
+        ctx.runs = runs
+        ctx.widths = widths
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = [grad.new_empty(grad.shape[0], w) for w in ctx.widths]
+        for r in ctx.runs:
+            grads[r.source][:, r.src:r.src + r.width].copy_(grad[:, r.dst:r.dst + r.width])
+        return (None, None, None, *grads)

@@ -76,7 +76,8 @@ class StockPart:
         self._indices: dict[tuple[str, ...], list[int]] = {}
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The stock tables' features of `features`, in `self.features` order."""
+        """The stock tables' features of `features`, in `self.features` order (a copy of
+        their ids, as TorchRec's own input dist makes; none when already so)."""
         keys = tuple(features.keys())
         indices = self._indices.get(keys)
         if indices is None:
@@ -93,7 +94,7 @@ class StockPart:
         kjt = features if indices == list(range(len(keys))) else features.permute(indices)
         if not self._weighted and kjt.weights_or_none() is not None:
             kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
-                                    offsets=kjt.offsets(), stride=kjt.stride())
+                                    offsets=kjt.offsets_or_none(), stride=kjt.stride())
         return kjt
 
 
