@@ -18,6 +18,7 @@ torch.distributed is initialised.
 
 from __future__ import annotations
 
+import abc
 import copy
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
@@ -79,9 +80,9 @@ class _BagPipeSharder(BaseEmbeddingSharder[M], Generic[M]):
     def config(self) -> BagPipeConfig:
         return self._config
 
+    @abc.abstractmethod
     def _stock(self) -> BaseEmbeddingSharder[M]:
         """TorchRec's own sharder for this module type, with the same fused params."""
-        raise NotImplementedError
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         # Those of TorchRec's own sharder (the BagPipe kernel is data-parallel), so a plan
