@@ -168,7 +168,10 @@ def compare(dataset: str, argv: list[str], args: argparse.Namespace,
     runs: dict[str, Any] = {}
     for key, sharder, state in plan:
         try:
-            runs[key] = run_dlrm([*argv, *extra, "--sharder", sharder], args.world_size,
+            # Every table on BagPipe (by size, these small tables would stay stock).
+            placement = ["--placement-min-rows", "0"] if sharder == "bagpipe" else []
+            runs[key] = run_dlrm([*argv, *extra, "--sharder", sharder, *placement],
+                                 args.world_size,
                                  args.timeout, initial_state=state,
                                  embedding_optimizer=emb_opt)
         except RankError as e:

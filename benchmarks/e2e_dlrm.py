@@ -8,7 +8,17 @@ Configurations (same model, data and cache capacity; world size 2, gloo, CPU):
 * ``lru``: a bounded LRU cache without lookahead (``--eviction-policy lru --lookahead 0``);
 * ``bagpipe_prescan`` / ``bagpipe_online``: the oracle cache with lookahead prefetch;
 * ``bagpipe_collective``: ``bagpipe_online`` with collective aggregation (ranks all-reduce
-  the active rows' gradients, one designated rank commits each row to the PS).
+  the active rows' gradients, one designated rank commits each row to the PS);
+* ``bagpipe_mixed``: per-table placement, ``bagpipe_online`` for the 3 largest tables only
+  (``--placement-min-rows``), the other 23 on TorchRec's stock sharding in the same
+  EmbeddingBagCollection.
+
+Tables (``--table-sizes``): ``criteo`` (default) has Criteo 1TB's 26 categorical
+cardinalities scaled so the largest has ``--num-embeddings`` rows (skewed sizes, as real
+models have: the 3 largest hold 78 % of the rows); ``uniform`` gives every table
+``--num-embeddings`` rows. Every configuration but ``bagpipe_mixed`` puts all 26 tables on
+BagPipe (``--placement-min-rows 0``); the cache is ``--cache-fraction`` of the BagPipe
+tables' rows.
 
 Each configuration runs `examples/dlrm/dlrm_main.py` in its own 2-rank process group. For
 each it prints one JSON line per metric: samples/s (measured), cache hit rate, PS rows and
@@ -36,6 +46,25 @@ from typing import Any
 from dlrm_ranks import REPO, run_dlrm
 
 BENCH = "e2e_dlrm"
+
+# Criteo 1TB's categorical cardinalities (cat_0 .. cat_25), before TorchRec's example caps
+# them at 40M: the shape of the `criteo` table sizes.
+CRITEO_1TB_ROWS = [
+    227_605_432, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 130_229_467,
+    3_067_956, 405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 292_775_614, 40_790_948,
+    187_188_510, 590_152, 12_973, 108, 36,
+]
+# Tables bagpipe_mixed puts on BagPipe: the largest ones.
+MIXED_BAGPIPE_TABLES = 3
+
+
+def table_sizes(shape: str, rows: int) -> list[int]:
+    """Rows of the 26 tables: Criteo 1TB's shape scaled so the largest has `rows`, or
+    `rows` each."""
+    if shape == "uniform":
+        return [rows] * len(CRITEO_1TB_ROWS)
+    top = max(CRITEO_1TB_ROWS)
+    return [max(1, round(n * rows / top)) for n in CRITEO_1TB_ROWS]
 
 
 @dataclass(frozen=True)
@@ -122,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short run (< 3 min)")
     p.add_argument("--steps", type=int, default=None, help="training batches per rank")
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--num-embeddings", type=int, default=None, help="rows per table (26)")
+    p.add_argument("--num-embeddings", type=int, default=None,
+                   help="rows of the largest table (criteo) or of each table (uniform)")
+    p.add_argument("--table-sizes", choices=["criteo", "uniform"], default="criteo",
+                   help="criteo: Criteo 1TB's 26 cardinalities scaled to --num-embeddings; "
+                        "uniform: --num-embeddings rows each")
     p.add_argument("--dim", type=int, default=64, help="embedding dim (TorchRec's default)")
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--cache-fraction", type=float, default=0.05,
@@ -131,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--configs", default="stock,ps_nocache,lru,bagpipe_prescan,bagpipe_online,"
-                                        "bagpipe_collective")
+                                        "bagpipe_collective,bagpipe_mixed")
     p.add_argument("--png", default=None, help="plot path (default: benchmarks/e2e_dlrm.png)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--compute-ms", type=str, default=None,
@@ -151,25 +184,37 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.num_embeddings or (20_000 if args.quick else 200_000)
     repeats = args.repeats or (1 if args.quick else 3)
     world = args.world_size
-    cache_units = max(1, int(26 * rows * args.cache_fraction) // 64)
+    sizes = table_sizes(args.table_sizes, rows)
+    largest = sorted(sizes, reverse=True)[:MIXED_BAGPIPE_TABLES]
+    if args.table_sizes == "uniform" and "bagpipe_mixed" in args.configs.split(","):
+        p.error("bagpipe_mixed places the largest tables on BagPipe: use --table-sizes criteo")
+
+    def units(table_rows: int) -> int:
+        return max(1, int(table_rows * args.cache_fraction) // 64)
+
+    def cache(table_rows: int) -> list[str]:
+        return ["--optimization-cache-capacity", str(units(table_rows))]
     common = [
         "--batch_size", str(batch), "--limit_train_batches", str(steps),
         "--limit_val_batches", "2", "--limit_test_batches", "2",
-        "--num_embeddings", str(rows), "--embedding_dim", str(args.dim),
+        "--num_embeddings_per_feature", ",".join(map(str, sizes)),
+        "--embedding_dim", str(args.dim),
         "--dense_arch_layer_sizes", f"64,{args.dim}", "--over_arch_layer_sizes", "64,32,1",
         "--learning_rate", "0.05", "--zipf_alpha", str(args.zipf), "--seed", "1",
         "--no_progress",
     ]
-    bagpipe = ["--optimization-cache-capacity", str(cache_units)]
+    every = ["--placement-min-rows", "0"]
+    bagpipe = [*every, *cache(sum(sizes))]
+    lookahead = ["--lookahead", str(args.lookahead)]
     configs = {
         "stock": ["--sharder", "torchrec"],
-        "ps_nocache": ["--read-mode", "ps"],
+        "ps_nocache": [*every, "--read-mode", "ps"],
         "lru": [*bagpipe, "--eviction-policy", "lru", "--lookahead", "0"],
-        "bagpipe_prescan": [*bagpipe, "--optimization-prescan",
-                            "--lookahead", str(args.lookahead)],
-        "bagpipe_online": [*bagpipe, "--lookahead", str(args.lookahead)],
-        "bagpipe_collective": [*bagpipe, "--lookahead", str(args.lookahead),
-                               "--bagpipe-aggregation", "collective"],
+        "bagpipe_prescan": [*bagpipe, "--optimization-prescan", *lookahead],
+        "bagpipe_online": [*bagpipe, *lookahead],
+        "bagpipe_collective": [*bagpipe, *lookahead, "--bagpipe-aggregation", "collective"],
+        "bagpipe_mixed": ["--placement-min-rows", str(largest[-1]), *cache(sum(largest)),
+                          *lookahead],
     }
     chosen = [c for c in args.configs.split(",") if c]
     for c in chosen:
@@ -209,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     if base and computes and computes[0][0] == "measured":
         modelled_25g["stock"] = world * batch / computes[0][1]
     for name, r in results.items():
+        placed = runs[name][-1].get("placement", {})
         extra = {"config": name, "dim": args.dim, "transport": "local", "world_size": world,
-                 "batch_size": batch, "rows_per_table": rows, "cache_units": cache_units}
+                 "batch_size": batch, "table_sizes": args.table_sizes, "largest_table": rows,
+                 "cache_units": units(sum(largest) if name == "bagpipe_mixed" else sum(sizes)),
+                 "bagpipe_tables": len(placed.get("bagpipe", []))}
         emit("samples_per_s", r["samples_per_s"], "samples/s",
              base["samples_per_s"] if base else None, baseline_config="stock", **extra)
         s = r["bagpipe"]

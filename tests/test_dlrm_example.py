@@ -88,8 +88,8 @@ def test_training_loop_flags(tmp_path):
     assert len(lines) == 10 * groups and lines[0] == "lr: 0 0 0.300000"
     assert lines[5 * groups] == "lr: 0 0 0.300000" and lines[-1].startswith("lr: 4 ")
     assert r1["full"][1].count("lr: ") == 0  # rank 0 prints
-    # --print_sharding_plan prints every table's plan.
-    assert "t_cat_25" in stdout and "sharding_type" in stdout
+    # --print_sharding_plan prints TorchRec's plan table, every table in it.
+    assert "t_cat_25" in stdout and "sharding type" in stdout and "compute kernel" in stdout
     # --metrics_json: rank 0's results.
     assert json.loads((tmp_path / "m.json").read_text())["steps"] == 10
     # --no_progress hides the bars that rank 0 shows otherwise.
@@ -172,28 +172,41 @@ def _both(argv: list[str], extra: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
+# Every table on BagPipe (the example's default places these small tables by size: stock).
+ALL_BAGPIPE = ["--placement-min-rows", "0"]
+# 3 tables of 300 rows among 23 of 40: the 3 go to BagPipe by --placement-min-rows.
+MIXED_SIZES = ["--num_embeddings_per_feature", ",".join(["300"] * 3 + ["40"] * 23),
+               "--placement-min-rows", "300"]
+
+
 def _sgd(rank: int, world: int, npy: str) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     common = [*SMALL, "--learning_rate", "0.5", "--seed", "9", "--no_progress",
               "--limit_val_batches", "2", "--limit_test_batches", "2"]
+    sized = [a for a in common if a not in ("--num_embeddings", "300")]
     return {
         "synthetic": _both([*common, "--limit_train_batches", "12"],
-                           ["--optimization-cache-capacity", "1"]),
+                           [*ALL_BAGPIPE, "--optimization-cache-capacity", "1"]),
         "prescan": _both([*common, "--limit_train_batches", "8"],
-                         ["--optimization-prescan", "--bagpipe-aggregation", "collective"]),
+                         [*ALL_BAGPIPE, "--optimization-prescan",
+                          "--bagpipe-aggregation", "collective"]),
         # Multi-hot bags (int32 ids) and undersampled batches of varying sizes.
         "multi_hot": _both([*common, "--limit_train_batches", "8", "--multi_hot_sizes",
                             ",".join(["3", "1"] * 13), "--undersampling_rate", "0.5"],
-                           ["--optimization-prescan"]),
+                           [*ALL_BAGPIPE, "--optimization-prescan"]),
         # 529 training rows: batches of 16 on 2 ranks end with a partial round.
         "criteo": _both([*SMALL, "--learning_rate", "0.5", "--seed", "9", "--no_progress",
-                         "--in_memory_binary_criteo_path", npy, "--num_embeddings", "50"]),
+                         "--in_memory_binary_criteo_path", npy, "--num_embeddings", "50"],
+                        ALL_BAGPIPE),
+        # Size-based placement: the large tables on BagPipe, the others stock, in one EBC.
+        "mixed": _both([*sized, "--limit_train_batches", "10", *MIXED_SIZES[:2]],
+                       MIXED_SIZES[2:]),
     }
 
 
 def test_bagpipe_sgd_trains_like_stock_torchrec(criteo_npy):
     per_rank = run_world(_sgd, 2, args=(str(criteo_npy),), timeout=600)
-    for case in ("synthetic", "prescan", "multi_hot", "criteo"):
+    for case in ("synthetic", "prescan", "multi_hot", "criteo", "mixed"):
         for r in per_rank:
             stock, ours = r[case]["torchrec"], r[case]["bagpipe"]
             assert "unsupported" not in ours, ours
@@ -201,6 +214,13 @@ def test_bagpipe_sgd_trains_like_stock_torchrec(criteo_npy):
             assert ours["train_losses"] == pytest.approx(stock["train_losses"], rel=1e-5,
                                                          abs=1e-6), case
             assert ours["test_auroc"] == pytest.approx(stock["test_auroc"], abs=1e-4), case
+            placed = ours["placement"]
+            if case == "mixed":
+                assert placed["bagpipe"] == ["t_cat_0", "t_cat_1", "t_cat_2"], placed
+                assert len(placed["stock"]) == 23
+            else:
+                assert len(placed["bagpipe"]) == 26 and not placed["stock"], placed
+            assert not stock["placement"]["bagpipe"]
     # Criteo files: 529 training rows in batches of 16 on 2 ranks end with a partial round.
     criteo = per_rank[0]["criteo"]["bagpipe"]
     assert criteo["steps"] == 17 and criteo["samples"] == 529
@@ -229,7 +249,7 @@ def _optimizer_cases(rank: int, world: int) -> dict[str, Any]:
     }
     out = {}
     for name, argv in cases.items():
-        out[name] = _both(argv, ["--optimization-cache-capacity", "1"])
+        out[name] = _both(argv, [*ALL_BAGPIPE, "--optimization-cache-capacity", "1"])
         if rank == 0:
             out[name]["reference"] = _reference(argv, _initial(argv))
     return out

@@ -92,7 +92,8 @@ def test_dlrm_example_through_ps_server_processes(tmp_path):
         "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
         "--over_arch_layer_sizes", "16,1", "--learning_rate", "0.05", "--limit_val_batches", "2",
         "--limit_test_batches", "2", "--ps-type", "rdma", "--optimization-prescan",
-        "--optimization-cache-capacity", "4", "--metrics_json", str(metrics), "--no_progress",
+        "--optimization-cache-capacity", "4", "--placement-min-rows", "0",
+        "--metrics_json", str(metrics), "--no_progress",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": REPO})

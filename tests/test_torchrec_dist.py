@@ -152,13 +152,16 @@ def _stock_script(rank: int, world: int, use_bagpipe: bool, batches: list[Any]) 
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+    from torchrec_bagpipe.config import BagPipeConfig
     from torchrec_bagpipe.distributed import (
         BagPipeEmbeddingBagCollectionSharder,
         BagPipeShardingPlanner,
     )
 
     planner_cls = BagPipeShardingPlanner if use_bagpipe else EmbeddingShardingPlanner
-    sharders = [BagPipeEmbeddingBagCollectionSharder()] if use_bagpipe else get_default_sharders()
+    # (placement_min_rows=0: these small tables go to BagPipe, not by size to stock kernels)
+    sharders = ([BagPipeEmbeddingBagCollectionSharder(BagPipeConfig(placement_min_rows=0))]
+                if use_bagpipe else get_default_sharders())
     # -------- the stock script from here on --------
     model = S.build_model("dlrm", seed=3)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -181,6 +184,9 @@ def _stock_script(rank: int, world: int, use_bagpipe: bool, batches: list[Any]) 
         except StopIteration:
             break
     # -------- end of the stock script --------
+    from torchrec_bagpipe.distributed import bagpipe_modules
+
+    assert bool(bagpipe_modules(dmp)) == use_bagpipe
     return S.full_state(dmp, rank)
 
 

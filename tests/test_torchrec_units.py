@@ -68,7 +68,9 @@ def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stoc
         constraints={"s0": ParameterConstraints(sharding_types=["table_wise"],
                                                 compute_kernels=["fused"])},
     )
-    sharder = BagPipeEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    # placement_min_rows=0: every table goes to BagPipe unless constrained.
+    sharder = BagPipeEmbeddingBagCollectionSharder(BagPipeConfig(placement_min_rows=0),
+                                                   fused_params={"learning_rate": 0.1})
     plan = planner.plan(_Two(), [sharder])
     for name in ("t0", "t1", "t2"):
         ps = plan.plan["big"][name]
@@ -81,7 +83,7 @@ def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stoc
 
 
 def test_planner_charges_only_cache_and_metadata():
-    config = BagPipeConfig(optimization_cache_capacity=2)
+    config = BagPipeConfig(optimization_cache_capacity=2, placement_min_rows=0)
     topo = Topology(world_size=2, compute_device="cpu")
     planner = BagPipeShardingPlanner(topology=topo, batch_size=16)
     module = _ebc(sizes=(1_000_000, 500_000, 50))
@@ -109,7 +111,7 @@ def test_bagpipe_plan_by_hand():
             assert ps.compute_kernel == BAGPIPE_KERNEL and ps.ranks == [0, 1, 2]
     # The plan of a bare EBC is keyed by the root path, as DMP expects.
     assert set(bagpipe_plan(_ebc(), 2).plan) == {""}
-    with pytest.raises(ValueError, match="no EmbeddingBagCollection"):
+    with pytest.raises(ValueError, match="no EmbeddingBagCollection or EmbeddingCollection"):
         bagpipe_plan(torch.nn.Linear(2, 2), 2)
     # A plan naming the BagPipe kernel refuses TorchRec's stock sharder with a clear error.
     with pytest.raises(ValueError, match="BagPipeEmbeddingBagCollectionSharder"):
@@ -183,6 +185,12 @@ def test_optimizer_sources_and_unsupported_optimizers():
     assert of(_param_with(torch.optim.SparseAdam, lr=0.01)).spec.kind == "adam"
     assert of(_param_with(TrecSGD, lr=0.3)).spec.kind == "sgd"
     assert of(None, {"learning_rate": 0.0}).lr == 0.0  # a warm-up may start at 0
+    # In-backward kwargs as TorchRec's stock sharder leaves them after sharding another table
+    # that shares them (the EmbOptimType added, lr renamed learning_rate).
+    shared = _param_with(RowWiseAdagrad, lr=0.1, eps=1e-3)
+    shared._optimizer_kwargs[0].update(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                       learning_rate=shared._optimizer_kwargs[0].pop("lr"))
+    assert of(shared) == TableOptimizer(OptimizerSpec(kind="rowwise_adagrad", eps=1e-3), 0.1)
     # Unsupported: a clear error naming what is supported.
     for param, fused, needle in [
         (_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "momentum"),

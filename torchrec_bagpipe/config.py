@@ -115,6 +115,21 @@ class BagPipeConfig:
             "and wait in a bounded queue of prepared batches on the device"
         ),
     )
+    placement_min_rows: int | None = field(
+        default=None,
+        metadata=_help(
+            "BagPipeShardingPlanner: tables with at least this many rows go to BagPipe (0: "
+            "every table); unset: the size rule of placement_memory_fraction alone"
+        ),
+    )
+    placement_memory_fraction: float = field(
+        default=0.01,
+        metadata=_help(
+            "BagPipeShardingPlanner: tables larger than this fraction of one rank's device "
+            "memory (the topology's HBM on CUDA, DDR on CPU) go to BagPipe; smaller tables "
+            "keep TorchRec's stock sharding (ParameterConstraints force either side)"
+        ),
+    )
     gradient_division: bool | None = field(
         default=None,
         metadata=_help(
@@ -210,6 +225,15 @@ class BagPipeConfig:
         for name in ("lookahead",):
             if getattr(self, name) < 0:
                 raise ValueError(f"BagPipeConfig.{name} must be >= 0")
+        if self.placement_min_rows is not None and self.placement_min_rows < 0:
+            raise ValueError(
+                f"BagPipeConfig.placement_min_rows must be >= 0, got {self.placement_min_rows}"
+            )
+        if not 0.0 <= self.placement_memory_fraction <= 1.0:
+            raise ValueError(
+                "BagPipeConfig.placement_memory_fraction must be in [0, 1], got "
+                f"{self.placement_memory_fraction}"
+            )
         for name in ("prepared_batches", "store_threads", "max_packet_rows", "inflight_packets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BagPipeConfig.{name} must be >= 1")

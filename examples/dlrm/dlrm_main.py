@@ -24,7 +24,12 @@ Run on 2 ranks of one machine:
 Compared with TorchRec's script, the differences are the sharder
 (`BagPipeEmbeddingBagCollectionSharder`), the planner (`BagPipeShardingPlanner`) and the
 pipeline (`BagPipeTrainPipeline`, which adds a lookahead window); ``--sharder torchrec``
-runs the stock path (tables local to the trainers) for comparison.
+runs the stock path (tables local to the trainers) for comparison. The planner places each
+table by size: tables over ``--placement-memory-fraction`` of a rank's memory (or with at
+least ``--placement-min-rows`` rows) go to BagPipe, the small ones keep TorchRec's stock
+sharding in the same EmbeddingBagCollection; rank 0 prints the placement (one line, and
+TorchRec's plan table with ``--print_sharding_plan``). ``--placement-min-rows 0`` puts
+every table on BagPipe.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.storage_reservations import (
     HeuristicalStorageReservation,
 )
+from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.apply_optimizer_in_backward import (
@@ -66,6 +72,7 @@ from torchrec_bagpipe import BagPipeConfig
 from torchrec_bagpipe.datasets.criteo import DATASET_NAMES
 from torchrec_bagpipe.datasets.multi_hot import DISTRIBUTIONS
 from torchrec_bagpipe.distributed import (
+    BAGPIPE_KERNEL,
     BagPipeEmbeddingBagCollectionSharder,
     BagPipeShardingPlanner,
     BagPipeTrainPipeline,
@@ -377,17 +384,37 @@ def shard(args: argparse.Namespace, train_model: DLRMTrain, device: torch.device
     plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(module=train_model, device=device, plan=plan,
                                      sharders=sharders)
-    if dist.get_rank() == 0 and args.print_sharding_plan:
-        for collection, plans in model.plan.plan.items():
-            print(collection)
-            for table_name, table_plan in plans.items():
-                print(table_name, "\n", table_plan, "\n")
+    if dist.get_rank() == 0:
+        if config is not None:
+            print(placement_summary(model.plan))
+        if args.print_sharding_plan:
+            # TorchRec's plan table; BagPipe's adds where each table's rows live.
+            print(model.plan)
     dense_optimizer = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())), _optimizer_factory(args))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
     lr_scheduler = LRPolicyScheduler(optimizer, args.lr_warmup_steps, args.lr_decay_start,
                                      args.lr_decay_steps)
     return model, optimizer, lr_scheduler, config
+
+
+def placement(plan: ShardingPlan) -> dict[str, list[str]]:
+    """The tables the plan puts on BagPipe and those it keeps on stock TorchRec sharding."""
+    out: dict[str, list[str]] = {"bagpipe": [], "stock": []}
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():  # type: ignore[attr-defined]
+            out["bagpipe" if ps.compute_kernel == BAGPIPE_KERNEL else "stock"].append(table)
+    return out
+
+
+def placement_summary(plan: ShardingPlan) -> str:
+    """One line: which tables are on BagPipe (rows in the PS) and which stay stock."""
+    placed = placement(plan)
+    ours, stock = placed["bagpipe"], placed["stock"]
+    return (f"Placement: {len(ours)} of {len(ours) + len(stock)} tables on BagPipe "
+            f"({', '.join(ours) or 'none'}), {len(stock)} on stock TorchRec sharding "
+            "(--placement-min-rows, --placement-memory-fraction; --print_sharding_plan "
+            "prints the plan)")
 
 
 def _evaluate(limit: int | None, pipeline: TrainPipelineSparseDist, loader: Any, stage: str,
@@ -548,6 +575,7 @@ def main(argv: list[str], initial_state: Mapping[str, torch.Tensor] | None = Non
         if initial_state is not None:
             model.load_state_dict(dict(initial_state))
         results = train_val_test(args, model, optimizer, lr_scheduler, loaders, device, config)
+        results["placement"] = placement(model.plan)
         raw = bagpipe_metrics(model) if config is not None else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, raw)

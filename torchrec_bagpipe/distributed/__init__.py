@@ -1,4 +1,4 @@
-"""TorchRec integration: sharder, sharded EBC, planner helpers and the train pipeline."""
+"""TorchRec integration: sharders, sharded EBC and EC, planner helpers and the train pipeline."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ from torchrec_bagpipe._lazy import lazy_names
 _LAZY = {
     "BAGPIPE_KERNEL": "torchrec_bagpipe.distributed.types",
     "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
+    "ShardedBagPipeEmbeddingCollection": "torchrec_bagpipe.distributed.embedding",
+    "BagPipeShardedModule": "torchrec_bagpipe.distributed.sharded_module",
     "BagPipeEmbeddingBagCollectionSharder": "torchrec_bagpipe.distributed.sharder",
+    "BagPipeEmbeddingCollectionSharder": "torchrec_bagpipe.distributed.sharder",
+    "bagpipe_sharders": "torchrec_bagpipe.distributed.sharder",
+    "BagPipeModuleShardingPlan": "torchrec_bagpipe.distributed.placement",
+    "TablePlacement": "torchrec_bagpipe.distributed.placement",
     "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.sharding_planner",
     "BagPipePerfEstimator": "torchrec_bagpipe.distributed.sharding_planner",
     "BagPipeStorageEstimator": "torchrec_bagpipe.distributed.sharding_planner",

@@ -9,7 +9,8 @@ Built once per sharded module from its tables' configs (types.py names the piece
 * for each input KJT: its permutation into each fused table's slot order (cached per key
   order), and the batch's fused keys, with every id checked against its table's range;
 * the output column order: the fused tables' slots come out grouped by fused table; when
-  that is not the module's slot order, one column gather restores it.
+  that is not the module's slot order, the sharded module's output gathers the columns
+  back (`grouped_slots`).
 
 The layout knows nothing about pooling or the PS: lookup.py turns fused keys into rows and
 rows into outputs, fused_table_runtime.py reaches the PS.
@@ -32,7 +33,12 @@ from typing import Any
 
 import torch
 from torchrec.distributed.types import ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, PoolingType
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+    PoolingType,
+)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
@@ -43,40 +49,63 @@ from torchrec_bagpipe.distributed.types import (
     TableSpec,
 )
 
-__all__ = ["FusedLayout", "check_plan", "session_table_name", "table_specs"]
+__all__ = [
+    "FusedLayout",
+    "check_bagpipe_table",
+    "session_table_name",
+    "split_plan",
+    "table_specs",
+]
 
 # Key orders whose permutations a layout remembers (the order may change from batch to batch).
 _MAX_CACHED_KEY_ORDERS = 64
 
 
-def check_plan(configs: Sequence[BaseEmbeddingConfig],
-               plan: Mapping[str, ParameterSharding], where: str) -> None:
-    """Refuses a plan or table BagPipe cannot lay out (ValueError naming the table)."""
+def split_plan(configs: Sequence[BaseEmbeddingConfig],
+               plan: Mapping[str, ParameterSharding], where: str
+               ) -> tuple[list[BaseEmbeddingConfig], list[BaseEmbeddingConfig]]:
+    """(tables the plan places on BagPipe, tables that keep stock TorchRec sharding), each
+    in module order. ValueError naming the table for a table the plan omits or a BagPipe
+    placement BagPipe cannot serve (`check_bagpipe_table`)."""
+    ours: list[BaseEmbeddingConfig] = []
+    stock: list[BaseEmbeddingConfig] = []
     for cfg in configs:
         ps = plan.get(cfg.name)
         if ps is None:
-            raise ValueError(f"{where}: the sharding plan has no entry for table {cfg.name!r}")
-        if ps.compute_kernel != BAGPIPE_KERNEL:
             raise ValueError(
-                f"{where}: table {cfg.name!r} has compute kernel {ps.compute_kernel!r}; "
-                f"ShardedBagPipeEmbeddingBagCollection serves {BAGPIPE_KERNEL!r} only"
+                f"{where}: the sharding plan has no entry for table {cfg.name!r} (features "
+                f"{list(cfg.feature_names)}); plan every table of the module (the planners "
+                "do), e.g. with BagPipeShardingPlanner or bagpipe_plan(module, world_size)"
             )
-        if ps.sharding_type != ShardingType.DATA_PARALLEL.value:
-            raise ValueError(
-                f"{where}: table {cfg.name!r} has sharding type {ps.sharding_type!r}; "
-                "BagPipe places the compute data-parallel (rows live in the PS)"
-            )
-        if cfg.data_type != DataType.FP32:
-            raise ValueError(
-                f"{where}: table {cfg.name!r} has data type {cfg.data_type}; BagPipe "
-                "trains FP32 tables only"
-            )
-        pooling = getattr(cfg, "pooling", None)
-        if pooling is not None and pooling not in (PoolingType.SUM, PoolingType.MEAN):
-            raise ValueError(
-                f"{where}: table {cfg.name!r} uses {pooling} pooling; BagPipe "
-                "supports SUM and MEAN"
-            )
+        if ps.compute_kernel == BAGPIPE_KERNEL:
+            check_bagpipe_table(cfg, ps, where)
+            ours.append(cfg)
+        else:
+            stock.append(cfg)
+    return ours, stock
+
+
+def check_bagpipe_table(cfg: BaseEmbeddingConfig, ps: ParameterSharding, where: str) -> None:
+    """Refuses a BagPipe placement BagPipe cannot serve (ValueError naming the table and
+    what to change)."""
+    if ps.sharding_type != ShardingType.DATA_PARALLEL.value:
+        raise ValueError(
+            f"{where}: table {cfg.name!r} is planned on the BagPipe kernel with sharding type "
+            f"{ps.sharding_type!r}; BagPipe places the compute data-parallel (rows live in "
+            "the PS): plan it 'data_parallel', or give it a stock compute kernel"
+        )
+    if cfg.data_type != DataType.FP32:
+        raise ValueError(
+            f"{where}: table {cfg.name!r} has data type {cfg.data_type}; BagPipe trains FP32 "
+            "tables only: make it FP32 or keep it on a stock TorchRec kernel "
+            "(ParameterConstraints(compute_kernels=[...]) without 'customized_kernel')"
+        )
+    pooling = getattr(cfg, "pooling", None)
+    if isinstance(cfg, EmbeddingBagConfig) and pooling not in (PoolingType.SUM, PoolingType.MEAN):
+        raise ValueError(
+            f"{where}: table {cfg.name!r} uses {pooling} pooling; BagPipe supports SUM and "
+            "MEAN: change the pooling or keep the table on a stock TorchRec kernel"
+        )
 
 
 def table_specs(configs: Sequence[BaseEmbeddingConfig],
@@ -124,9 +153,11 @@ class FusedLayout:
     """
 
     def __init__(self, tables: Sequence[TableSpec], embedding_names: Sequence[Sequence[str]],
-                 *, session: int, module_fqn: str, weighted: bool) -> None:
+                 *, session: int, module_fqn: str, weighted: bool, where: str = "BagPipe module"
+                 ) -> None:
         self.tables: list[TableSpec] = list(tables)
         self._weighted = weighted
+        self._where = where
         self._table_by_name = {t.name: t for t in self.tables}
         self.slots: list[SlotSpec] = []
         for t, names in zip(self.tables, embedding_names):
@@ -164,7 +195,6 @@ class FusedLayout:
             for spec in self.fused
         ]
         self._perms: dict[tuple[str, ...], list[list[int] | None]] = {}
-        self.output_columns = self._output_columns()
 
     # ---- tables -------------------------------------------------------------------------------
     @property
@@ -194,14 +224,19 @@ class FusedLayout:
         (1-D int64, CPU)."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(
-                f"BagPipe EBC expects a KeyedJaggedTensor, got {type(features).__name__}"
+                f"{self._where} expects a KeyedJaggedTensor, got {type(features).__name__}"
             )
         if features.variable_stride_per_key():
+            names = [t.name for t in self.tables]
             raise ValueError(
-                "BagPipe EBC does not support variable batch sizes per feature (VBE KJTs)"
+                f"{self._where}: the KJT has a variable batch size per feature (VBE), but "
+                f"tables {names} are on BagPipe, which takes one batch size for every "
+                "feature: pass a KJT with one stride, or keep these tables on stock TorchRec "
+                "kernels (ParameterConstraints(compute_kernels=[...]) without "
+                "'customized_kernel')"
             )
         if self._weighted and features.weights_or_none() is None:
-            raise ValueError("this EmbeddingBagCollection is weighted but the KJT has no weights")
+            raise ValueError(f"{self._where} is weighted but the KJT has no weights")
         perms = self._perms.get(tuple(features.keys()))
         if perms is None:
             perms = self.permutations(features.keys())
@@ -257,17 +292,8 @@ class FusedLayout:
         return ids + offsets
 
     # ---- output -----------------------------------------------------------------------------
-    def _output_columns(self) -> torch.Tensor | None:
-        """The column gather from fused-table-grouped slot columns to slot order (CPU), or
-        None when the grouped order already is the slot order."""
-        grouped = [s for spec in self.fused for s in spec.slots]
-        if [s.index for s in grouped] == list(range(len(grouped))):
-            return None
-        start: dict[int, int] = {}
-        col = 0
-        for s in grouped:
-            start[s.index] = col
-            col += s.dim
-        return torch.cat([
-            torch.arange(start[s.index], start[s.index] + s.dim) for s in self.slots
-        ])
+    @property
+    def grouped_slots(self) -> list[SlotSpec]:
+        """The slots in the order the fused tables produce them (fused table by fused table,
+        each in module order)."""
+        return [s for spec in self.fused for s in spec.slots]

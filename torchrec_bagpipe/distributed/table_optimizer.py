@@ -217,7 +217,12 @@ def _from_in_backward(param: torch.Tensor, where: str) -> TableOptimizer | None:
         )
     kind, defaults, neutral = table
     kwargs = dict(kwargs_list[0]) if kwargs_list else {}
-    # TorchRec's stock sharder writes the EmbOptimType it chose into the kwargs in place.
+    # TorchRec's stock sharders rewrite the kwargs in place (`apply_optimizer_in_backward`
+    # shares one dict between the tables it is given, so a table sharded stock may have
+    # rewritten a BagPipe table's): they add the EmbOptimType they chose and rename ``lr``
+    # to ``learning_rate`` (torchrec.distributed.utils.merge_fused_params).
+    if "learning_rate" in kwargs and "lr" not in kwargs:
+        kwargs["lr"] = kwargs.pop("learning_rate")
     if "optimizer" in kwargs:
         chosen = _kind_of_emb_opt(kwargs.pop("optimizer"), where)
         if chosen != kind:

@@ -1,5 +1,9 @@
 """Plain descriptions of what a BagPipe-sharded embedding module holds.
 
+A sharded module (EmbeddingBagCollection or EmbeddingCollection) has two parts: the tables
+the plan places on BagPipe (rows in the PS) and, optionally, the tables that keep TorchRec's
+stock sharding (stock_part.py).
+
 A *slot* is one (table, feature) pair of the module, in the module's own order (tables in
 order, each table's features in order); slots define the output keys (`feature`, or
 `feature@table` when several tables read the feature, as TorchRec names them). Tables with
@@ -17,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -26,7 +31,7 @@ from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 
 __all__ = [
     "BAGPIPE_KERNEL",
-    "BagPipeEBCContext",
+    "BagPipeContext",
     "FusedTableSpec",
     "SlotSpec",
     "TableSpec",
@@ -75,19 +80,37 @@ class FusedTableSpec:
 
 
 @dataclass
-class BagPipeEBCContext(Multistreamable):
-    """Carries one batch from `input_dist` to `compute`.
+class BagPipeContext(Multistreamable):
+    """Carries one batch from `input_dist` to `compute` (both parts of the module).
 
     training: whether the batch was submitted to the runtime (a training step) or is
-    looked up directly from the PS (eval / no-grad forward).
-    keys: per fused table, the batch's fused keys in slot order.
+    looked up directly from the PS (eval forward).
+    batch_size: the batch's stride.
+    keys: per fused table of the BagPipe part, the batch's fused keys in slot order.
+    stock: the stock part's own TorchRec context (None without a stock part).
+    stock_inputs: how many leading entries of the module's `KJTList` belong to the stock part
+    (its input dists come first, so TorchRec's pipeline fills `sharding_contexts` by position).
     """
 
     training: bool = True
     batch_size: int = 0
     keys: list[torch.Tensor] = field(default_factory=list)
+    stock: Any = None
+    stock_inputs: int = 0
+
+    @property
+    def sharding_contexts(self) -> list[Any]:
+        """The stock part's sharding contexts (TorchRec's input dist and its fused splits
+        read and fill them by position: the stock part's inputs come first)."""
+        return getattr(self.stock, "sharding_contexts", []) if self.stock is not None else []
+
+    @property
+    def early_releasable_inputs(self) -> list[Any]:
+        return getattr(self.stock, "early_releasable_inputs", []) if self.stock is not None else []
 
     def record_stream(self, stream: torch.Stream) -> None:
         for k in self.keys:
             if k.device.type == "cuda":
                 k.record_stream(stream)  # type: ignore[arg-type]
+        if self.stock is not None:
+            self.stock.record_stream(stream)

@@ -1,0 +1,404 @@
+"""`BagPipeTables`: the tables of one sharded module that the plan places on BagPipe.
+
+Shared by the sharded EmbeddingBagCollection (embeddingbag.py) and EmbeddingCollection
+(embedding.py): both hand this class their BagPipe tables and differ only in what they make
+of the rows a batch reads (pooled bags or one embedding per id). It owns
+
+* the layout (layout.py): tables, slots, fused tables, KJT -> fused keys;
+* one `FusedTableRuntime` per fused table (the one path to the PS) and the `TableIO` over
+  them, through which every state-dict read and write of these tables goes;
+* the fused optimizer (fused_optimizer.py), one param group per fused table, and its
+  optimizer state in TorchRec's layout (`read_optimizer_state` / `load_optimizer_state`,
+  through `TableIO`);
+* the step lifecycle: lookahead submissions (`presubmit`, `hold_submissions`), the batch
+  entering `input_dist` (`enter`), the rows a batch reads (`rows`: the runtime's next step
+  in training, the PS in eval), pending steps and their zero-gradient finishes;
+* `PSTableView`, the `<table>` submodules that carry the placeholder parameters and the
+  state-dict access of each table.
+
+Thread-safety: one training thread per rank (the autograd thread runs the backward hook
+while that thread waits in backward).
+
+Invariants:
+1. Each fused table's steps are consumed in submission order; `rows` checks the step it
+   gets belongs to its batch (same fused keys) and refuses anything else.
+2. At most one step per fused table is in flight between `rows` and its gradient; a new
+   `rows` first finishes a step that received no gradient with a zero gradient; every
+   finish goes through the fused optimizer, which gives it the step's learning rate.
+3. The PS is the only owner of row values and their optimizer state; the views (and the
+   fused optimizer's state) read them back through `TableIO` after a flush and a load writes
+   them, then invalidates every rank's cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.optim.fused import EmptyFusedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, FusedGroup
+from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
+from torchrec_bagpipe.distributed.job import job_for
+from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
+from torchrec_bagpipe.distributed.lookup import BatchRows, eval_rows, train_step
+from torchrec_bagpipe.distributed.table_io import TableIO
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
+
+if TYPE_CHECKING:
+    from torchrec_bagpipe.runtime.controller import Step
+
+__all__ = ["BagPipeTables", "PSTableView"]
+
+
+class PSTableView(nn.Module):
+    """`<collection>.<table>` of a BagPipe table: a placeholder `weight` plus state-dict
+    access to the PS.
+
+    The placeholder is an empty (0, dim) parameter that carries `_in_backward_optimizers`
+    (so TorchRec's `in_backward_optimizer_filter` keeps it out of the dense optimizer) and
+    never receives a gradient; the table's values are read from / written to the PS through
+    the owner's `TableIO`.
+    """
+
+    def __init__(self, owner: BagPipeTables, table: str, dim: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        # A plain attribute, not a submodule: the owner is no module, and the sharded module
+        # that holds both must not become a cycle in the module tree.
+        object.__setattr__(self, "_owner", owner)
+        self._table = table
+        weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
+        weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+        self.weight = weight
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self._owner.read_table(self._table)
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
+                              local_metadata: Any, strict: bool, missing_keys: list[str],
+                              unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        value = state_dict[key]
+        shape = self._owner.table_shape(self._table)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {got}, the BagPipe "
+                f"table {self._table!r} has shape {shape}"
+            )
+            return
+        self._owner.write_table(self._table, value)
+
+
+class BagPipeTables:
+    """The BagPipe tables of one sharded module (see module docstring).
+
+    Args:
+        configs: the BagPipe tables' configs, in module order.
+        embedding_names: per table, its features' output keys as the whole module names
+            them (a feature shared with a stock table is still `feature@table`).
+        weights: the unsharded module's weight of each table (`meta` when not materialised).
+        optimizers: each table's optimizer and initial learning rate
+            (`table_optimizer.table_optimizer`, read before TorchRec's sharders see the
+            module: see sharded_module.py).
+        param_prefix: the collection attribute the tables' parameters live under
+            (`embedding_bags` for an EBC, `embeddings` for an EC).
+        weighted: whether bags take per-id weights (an unweighted module drops them).
+        where: names the module in error messages.
+    """
+
+    def __init__(
+        self,
+        configs: Sequence[BaseEmbeddingConfig],
+        embedding_names: Sequence[Sequence[str]],
+        weights: Mapping[str, torch.Tensor],
+        optimizers: Mapping[str, TableOptimizer],
+        *,
+        env: ShardingEnv,
+        device: torch.device,
+        config: BagPipeConfig,
+        module_fqn: str,
+        param_prefix: str,
+        weighted: bool,
+        where: str,
+    ) -> None:
+        self.config = config
+        self._device = device
+        self._job = job_for(config, env, device)
+        self.layout = FusedLayout(
+            table_specs(configs, optimizers), embedding_names, session=self._job.next_session_id(),
+            module_fqn=module_fqn, weighted=weighted, where=where,
+        )
+        fused = self.layout.fused
+        self.runtimes: list[FusedTableRuntime] = []
+        try:
+            for spec in fused:
+                self.runtimes.append(build_fused_table(spec, job=self._job, config=config))
+            self._io = TableIO(self.layout, self.runtimes, self._job)
+            self._io.write_initial_weights(
+                {t.name: weights[t.name] for t in self.layout.tables},
+                {cfg.name: cfg.init_fn for cfg in configs},
+            )
+        except BaseException:
+            for rt in self.runtimes:
+                with contextlib.suppress(Exception):
+                    rt.close()
+            raise
+
+        self.views: dict[str, PSTableView] = {
+            t.name: PSTableView(self, t.name, t.dim, device) for t in self.layout.tables
+        }
+        self.optimizer = BagPipeFusedOptimizer(
+            {f"{param_prefix}.{name}.weight": view.weight for name, view in self.views.items()},
+            [
+                FusedGroup(spec.name, spec.lr, spec.optimizer, [t.name for t in spec.tables],
+                           [self.views[t.name].weight for t in spec.tables])
+                for spec in fused
+            ],
+            finish_fn=self._finish,
+            pending_fn=self.finish_pending,
+            state_io=self,
+        )
+
+        self._presubmitted: deque[_Ahead] = deque()
+        self._held: list[list[torch.Tensor]] | None = None
+        self._pending: list[deque[Step]] = [deque() for _ in fused]
+        self._closed = False
+        self._job.register(self)
+
+    # ---- a batch entering the module -------------------------------------------------------
+    def enter(self, features: KeyedJaggedTensor, training: bool
+              ) -> tuple[list[KeyedJaggedTensor], list[torch.Tensor]]:
+        """`input_dist` of one batch: per fused table, the KJT in slot order and its fused
+        keys. A training batch enters the runtime's window: it is submitted, or checked to
+        be the batch `presubmit` submitted ahead, or held (`hold_submissions`)."""
+        self.check_open()
+        ahead = self._presubmitted[0] if training and self._presubmitted else None
+        if ahead is not None and _same_data(ahead.signature, _signature(features)):
+            # The very tensors submitted ahead (not modified since): reuse their split.
+            per_group, keys = ahead.per_group, ahead.keys
+        else:
+            per_group, keys = self.layout.split(features)
+        if training:
+            self._enter_window(keys)
+        return per_group, keys
+
+    def rows(self, g: int, keys: torch.Tensor, training: bool) -> BatchRows:
+        """The rows fused table `g`'s batch of fused `keys` reads: its runtime step in
+        training (a leaf whose gradient commits the step), the PS after every pending commit
+        otherwise."""
+        self.check_open()
+        if training:
+            return self._train_rows(g, keys)
+        self.finish_pending()
+        return eval_rows(self.runtimes[g], keys, self._device)
+
+    # ---- lookahead (BagPipeTrainPipeline) ------------------------------------------------------
+    def presubmit(self, features: KeyedJaggedTensor) -> None:
+        """Submits a future training batch to the runtime's lookahead window; `enter` of the
+        same batch, later, then only checks it matches."""
+        self.check_open()
+        per_group, keys = self.layout.split(features)
+        self._submit(keys)
+        self._presubmitted.append(_Ahead(_signature(features), per_group, keys))
+
+    def hold_submissions(self) -> None:
+        """Queues the batches `enter` would submit until `release_submissions`."""
+        if self._held is None:
+            self._held = []
+
+    def release_submissions(self) -> None:
+        held, self._held = self._held, None
+        for keys in held or []:
+            self._submit(keys)
+
+    def prescan(self, features: Iterable[KeyedJaggedTensor], progress: bool | None = None
+                ) -> None:
+        """Hands the whole trace (every step's local batch, in order) to each fused table's
+        runtime (a collective: every rank calls it). `progress`: show the planner's bar
+        (default: on rank 0).
+
+        REQUIRES: no batch submitted yet; `optimization_prescan` set in the config.
+        """
+        self.check_open()
+        if not self.config.optimization_prescan:
+            raise ValueError(
+                "prescan() needs BagPipeConfig(optimization_prescan=True) "
+                "(--optimization-prescan)"
+            )
+        traces: list[list[torch.Tensor]] = [[] for _ in self.runtimes]
+        for kjt in features:
+            _, keys = self.layout.split(kjt)
+            for g, k in enumerate(keys):
+                traces[g].append(k)
+        show = self._job.rank == 0 if progress is None else progress
+        for g, rt in enumerate(self.runtimes):
+            rt.prescan(traces[g], progress=show)
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Runtime metrics per fused table (plain dicts)."""
+        return {rt.name: rt.metrics() for rt in self.runtimes}
+
+    def flush(self) -> None:
+        """Finishes gradient-less steps and waits until every pending commit is applied."""
+        self.finish_pending()
+        for rt in self.runtimes:
+            rt.flush()
+
+    def close(self) -> None:
+        """Drains pending commits and closes the runtimes (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self.finish_pending()
+            for rt in self.runtimes:
+                rt.flush()
+        finally:
+            self._closed = True
+            for rt in self.runtimes:
+                rt.close()
+            self._job.unregister(self)
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this BagPipe module was closed; its PS sessions are gone")
+
+    # ---- state dict access (every read and write goes through TableIO) ----------------------
+    def table_shape(self, table: str) -> tuple[int, int]:
+        return self._io.shape(table)
+
+    def read_table(self, table: str) -> torch.Tensor:
+        """The table's current values, read from the PS after draining pending commits."""
+        self.check_open()
+        self.finish_pending()
+        return self._io.read_rows(table, 0, self._io.shape(table)[0])
+
+    def write_table(self, table: str, value: torch.Tensor) -> None:
+        """Writes a whole table into the PS (rank 0 writes; `finish_load` synchronises)."""
+        self.check_open()
+        self.finish_pending()
+        self._io.load_table(table, value)
+
+    def finish_load(self) -> None:
+        """After a state-dict load: every rank waits for rank 0's writes, then drops its
+        cached rows (a collective)."""
+        self._io.finish_load()
+
+    # ---- optimizer state (the fused optimizer's OptimizerStateIO) -------------------------------
+    def read_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
+        """The table's optimizer state in TorchRec's layout, read from the PS after draining
+        pending commits."""
+        self.check_open()
+        self.finish_pending()
+        return self._io.optimizer_state(table)
+
+    def load_optimizer_state(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Writes tables' optimizer states into the PS (rank 0 writes; every rank calls it
+        with the same values), then every rank drops its cached rows."""
+        self.check_open()
+        self.finish_pending()
+        for table, tensors in states.items():
+            self._io.load_optimizer_state(table, tensors)
+        self._io.finish_load()
+
+    # ---- step lifecycle -----------------------------------------------------------------------
+    def _submit(self, keys: list[torch.Tensor]) -> None:
+        for rt, k in zip(self.runtimes, keys):
+            rt.submit(k)
+
+    def _enter_window(self, keys: list[torch.Tensor]) -> None:
+        if self._presubmitted:
+            expected = self._presubmitted.popleft().keys
+            if any(a is not b and not torch.equal(a, b) for a, b in zip(expected, keys)):
+                raise RuntimeError(
+                    "the batch entering input_dist is not the batch BagPipeTrainPipeline "
+                    "submitted ahead for this step; feed the pipeline and the model the "
+                    "same batches in the same order"
+                )
+            return
+        if self._held is not None:
+            self._held.append(keys)
+            return
+        self._submit(keys)
+
+    def _train_rows(self, g: int, keys: torch.Tensor) -> BatchRows:
+        if self._pending[g]:
+            self.finish_pending()
+        step = train_step(self.runtimes[g], keys)
+        rows = step.rows
+        if not torch.is_grad_enabled():
+            # A training-mode forward without autograd: the step commits a zero gradient.
+            self._pending[g].append(step)
+            self.finish_pending()
+            return BatchRows(rows.detach(), step.inverse)
+        if not rows.requires_grad:
+            rows.requires_grad_(True)
+        self._pending[g].append(step)
+        rows.register_hook(functools.partial(self._on_rows_grad, g, step))
+        return BatchRows.of_step(step)
+
+    def _on_rows_grad(self, g: int, step: Step, grad: torch.Tensor) -> None:
+        pending = self._pending[g]
+        if not pending or pending[0] is not step:
+            raise RuntimeError(
+                f"BagPipe fused table {self.runtimes[g].name!r}: a gradient arrived for a "
+                "step that is already finished (backward ran twice through one forward?)"
+            )
+        self.optimizer.finish(g, step, grad.detach())
+
+    def _finish(self, g: int, step: Step, grad: torch.Tensor, lr: float) -> None:
+        pending = self._pending[g]
+        assert pending and pending[0] is step
+        pending.popleft()
+        self.runtimes[g].finish_step(step, grad, lr)
+
+    def finish_pending(self) -> None:
+        """Finishes, with a zero gradient, every step that received none (through the
+        fused optimizer: at the step's learning rate)."""
+        for g, pending in enumerate(self._pending):
+            while pending:
+                step = pending[0]
+                self.optimizer.finish(g, step, torch.zeros_like(
+                    step.rows.detach(), memory_format=torch.contiguous_format))
+
+
+@dataclass
+class _Ahead:
+    """A batch submitted ahead by the pipeline, with the split `enter` can reuse."""
+
+    signature: tuple[Any, ...]
+    per_group: list[KeyedJaggedTensor]
+    keys: list[torch.Tensor]
+
+
+def _signature(features: KeyedJaggedTensor) -> tuple[Any, ...]:
+    """A KJT's keys, stride and data tensors with their in-place versions (the tensors are
+    held, so their identity cannot be reused while the signature lives)."""
+    tensors = (features.values(), features.lengths_or_none(), features.offsets_or_none(),
+               features.weights_or_none())
+    return (tuple(features.keys()), features.stride(),
+            *((t, t._version) if t is not None else (None, 0) for t in tensors))
+
+
+def _same_data(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two signatures name the same, unmodified tensors (TorchRec's CPU device copy
+    of a batch keeps them), so the split computed ahead can be reused without a compare."""
+    if a[:2] != b[:2]:
+        return False
+    return all(x[0] is y[0] and x[1] == y[1] for x, y in zip(a[2:], b[2:]))
