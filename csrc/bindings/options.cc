@@ -130,8 +130,14 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("host", &TcpServerOptions::host)
       .def_readwrite("port", &TcpServerOptions::port)
       .def_readwrite("job_token", &TcpServerOptions::job_token)
+      .def_readwrite("allow_no_token", &TcpServerOptions::allow_no_token)
       .def_readwrite("handshake_timeout", &TcpServerOptions::handshake_timeout)
-      .def_readwrite("max_connections", &TcpServerOptions::max_connections);
+      .def_readwrite("idle_timeout", &TcpServerOptions::idle_timeout)
+      .def_readwrite("max_connections", &TcpServerOptions::max_connections)
+      .def_readwrite("max_unauthenticated", &TcpServerOptions::max_unauthenticated)
+      .def_readwrite("max_unauthenticated_per_host",
+                     &TcpServerOptions::max_unauthenticated_per_host)
+      .def_readwrite("io_threads", &TcpServerOptions::io_threads);
 }
 
 }  // namespace bagpipe::bindings

@@ -396,64 +396,76 @@ void Endpoint::VerifyRing(const wire::BootReply& reply, Deadline deadline) {
 
 // ---- shard bootstrap ----------------------------------------------------------------------------
 
+void Endpoint::Refuse(int fd, wire::BootStatus status, const std::string& text,
+                      const std::string& peer, Deadline deadline) {
+  wire::BootReply r{};
+  r.magic = wire::kBootMagic;
+  r.status = static_cast<int32_t>(status);
+  r.text_len = static_cast<uint32_t>(std::min(text.size(), wire::kMaxBootText));
+  std::vector<uint8_t> out(sizeof(r) + r.text_len);
+  std::memcpy(out.data(), &r, sizeof(r));
+  std::memcpy(out.data() + sizeof(r), text.data(), r.text_len);
+  try {
+    SendAll(fd, out.data(), out.size(), deadline, peer);
+  } catch (const std::exception&) {
+    // The client is gone or stuck; it is refused either way.
+  }
+}
+
+std::string Endpoint::CheckBootHello(const wire::BootHello& h, const AcceptLimits& limits,
+                                     wire::BootStatus* status) {
+  *status = wire::BootStatus::kBadRequest;
+  if (h.magic != wire::kBootMagic) return "not a torchrec_bagpipe UCX client (bad magic)";
+  if (h.version != wire::kBootVersion) {
+    return "UCX bootstrap version " + std::to_string(h.version) + ", this shard speaks " +
+           std::to_string(wire::kBootVersion);
+  }
+  *status = wire::BootStatus::kTooLarge;
+  if (h.num_slots == 0 || h.num_slots > std::min(limits.max_slots, wire::kMaxSlots)) {
+    return "num_slots " + std::to_string(h.num_slots) + " outside [1, " +
+           std::to_string(std::min(limits.max_slots, wire::kMaxSlots)) + "]";
+  }
+  if (h.slot_bytes == 0 || h.slot_bytes > limits.max_slot_bytes) {
+    return "slot_bytes " + std::to_string(h.slot_bytes) + " outside [1, " +
+           std::to_string(limits.max_slot_bytes) + "]";
+  }
+  *status = wire::BootStatus::kBadRequest;
+  if (h.token_len > wire::kMaxTokenBytes || h.address_len == 0 ||
+      h.address_len > wire::kMaxWorkerAddress) {
+    return "token or worker address length out of bounds";
+  }
+  const uint64_t ring_bytes =
+      wire::kRingHeaderBytes + uint64_t{h.num_slots} * wire::SlotStride(h.slot_bytes);
+  if (ring_bytes > limits.max_ring_bytes) {
+    *status = wire::BootStatus::kTooLarge;
+    return "a slot ring of " + std::to_string(ring_bytes) + " bytes exceeds this shard's " +
+           std::to_string(limits.max_ring_bytes);
+  }
+  *status = wire::BootStatus::kOk;
+  return {};
+}
+
 std::shared_ptr<Endpoint> Endpoint::Accept(
     std::shared_ptr<Context> context, Socket control, const std::string& peer,
-    const AcceptLimits& limits,
+    const AcceptLimits& limits, const BootRequest& request,
     const std::function<bool(const std::string& token, std::string* why)>& authorize,
     const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
     Deadline deadline) {
   const int fd = control.fd();
   auto refuse = [&](wire::BootStatus status, const std::string& text) {
-    wire::BootReply r{};
-    r.magic = wire::kBootMagic;
-    r.status = static_cast<int32_t>(status);
-    r.text_len = static_cast<uint32_t>(std::min(text.size(), wire::kMaxBootText));
-    std::vector<uint8_t> out(sizeof(r) + r.text_len);
-    std::memcpy(out.data(), &r, sizeof(r));
-    std::memcpy(out.data() + sizeof(r), text.data(), r.text_len);
-    try {
-      SendAll(fd, out.data(), out.size(), deadline, peer);
-    } catch (const std::exception&) {
-      // The client is gone or stuck; it is refused either way.
-    }
+    Refuse(fd, status, text, peer, deadline);
     return std::shared_ptr<Endpoint>();
   };
-
-  wire::BootHello h{};
-  RecvAll(fd, &h, sizeof(h), deadline, peer);
-  if (h.magic != wire::kBootMagic) {
-    return refuse(wire::BootStatus::kBadRequest, "not a torchrec_bagpipe UCX client (bad magic)");
-  }
-  if (h.version != wire::kBootVersion) {
-    return refuse(wire::BootStatus::kBadRequest,
-                  "UCX bootstrap version " + std::to_string(h.version) + ", this shard speaks " +
-                      std::to_string(wire::kBootVersion));
-  }
-  if (h.num_slots == 0 || h.num_slots > std::min(limits.max_slots, wire::kMaxSlots)) {
-    return refuse(wire::BootStatus::kTooLarge,
-                  "num_slots " + std::to_string(h.num_slots) + " outside [1, " +
-                      std::to_string(std::min(limits.max_slots, wire::kMaxSlots)) + "]");
-  }
-  if (h.slot_bytes == 0 || h.slot_bytes > limits.max_slot_bytes) {
-    return refuse(wire::BootStatus::kTooLarge,
-                  "slot_bytes " + std::to_string(h.slot_bytes) + " outside [1, " +
-                      std::to_string(limits.max_slot_bytes) + "]");
-  }
-  if (h.token_len > wire::kMaxTokenBytes || h.address_len == 0 ||
-      h.address_len > wire::kMaxWorkerAddress) {
-    return refuse(wire::BootStatus::kBadRequest, "token or worker address length out of bounds");
+  const wire::BootHello& h = request.hello;
+  wire::BootStatus bad;
+  if (std::string why = CheckBootHello(h, limits, &bad); !why.empty()) return refuse(bad, why);
+  if (request.token.size() != h.token_len || request.address.size() != h.address_len) {
+    return refuse(wire::BootStatus::kBadRequest, "token or worker address length mismatch");
   }
   const uint64_t stride = wire::SlotStride(h.slot_bytes);
   const uint64_t ring_bytes = wire::kRingHeaderBytes + uint64_t{h.num_slots} * stride;
-  if (ring_bytes > limits.max_ring_bytes) {
-    return refuse(wire::BootStatus::kTooLarge,
-                  "a slot ring of " + std::to_string(ring_bytes) + " bytes exceeds this shard's " +
-                      std::to_string(limits.max_ring_bytes));
-  }
-  std::string token(h.token_len, '\0');
-  std::vector<uint8_t> client_address(h.address_len);
-  RecvAll(fd, token.data(), token.size(), deadline, peer);
-  RecvAll(fd, client_address.data(), client_address.size(), deadline, peer);
+  const std::string& token = request.token;
+  const std::vector<uint8_t>& client_address = request.address;
   std::string why = "wrong job token";
   if (!authorize(token, &why)) return refuse(wire::BootStatus::kUnauthorized, why);
 

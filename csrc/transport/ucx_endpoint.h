@@ -146,20 +146,34 @@ class Endpoint {
   static std::shared_ptr<Endpoint> Connect(const ConnectOptions& options,
                                            EndpointHandlers handlers, Deadline deadline);
 
-  // Shard: the server half of the bootstrap on an accepted control connection. `authorize`
-  // checks the token (false: refused, *why says why); `on_connection` returns the handlers
-  // of the new endpoint (called before the client can send anything). Returns nullptr when
-  // the client was refused (it got a BootReply saying why). Throws on I/O errors and
-  // timeouts.
+  // Shard: the server half of the bootstrap. The caller (server/ucx_acceptor.h) reads the
+  // client's request off the control connection without blocking (CheckBootHello bounds it
+  // as soon as its fixed part is in) and passes it here with the connection.
   struct AcceptLimits {
     uint32_t max_slots = wire::kMaxSlots;
     size_t max_slot_bytes = size_t{256} << 20;
     size_t max_ring_bytes = size_t{1} << 30;
     BootFault fault = BootFault::kNone;
   };
+  struct BootRequest {
+    wire::BootHello hello{};
+    std::string token;             // hello.token_len bytes
+    std::vector<uint8_t> address;  // hello.address_len bytes: the client's worker address
+  };
+  // Empty if a BootHello is acceptable under limits; otherwise why, with *status the
+  // BootStatus to refuse it with.
+  static std::string CheckBootHello(const wire::BootHello& hello, const AcceptLimits& limits,
+                                    wire::BootStatus* status);
+  // Sends a refusal (status + text) on a control connection, best effort, until deadline.
+  static void Refuse(int fd, wire::BootStatus status, const std::string& text,
+                     const std::string& peer, Deadline deadline);
+  // `authorize` checks the token (false: refused, *why says why); `on_connection` returns the
+  // handlers of the new endpoint (called before the client can send anything). Returns
+  // nullptr when the client was refused (it got a BootReply saying why). Throws on I/O errors
+  // and timeouts. REQUIRES: control is non-blocking.
   static std::shared_ptr<Endpoint> Accept(
       std::shared_ptr<Context> context, Socket control, const std::string& peer,
-      const AcceptLimits& limits,
+      const AcceptLimits& limits, const BootRequest& request,
       const std::function<bool(const std::string& token, std::string* why)>& authorize,
       const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
       Deadline deadline);

@@ -1,0 +1,87 @@
+#include "server/admission.h"
+
+#include <algorithm>
+
+#include "common/errors.h"
+
+namespace bagpipe::server {
+
+Admission::Admission(AdmissionLimits limits) : limits_(limits) {
+  if (limits_.max_connections == 0) throw ValueError("max_connections must be >= 1");
+  if (limits_.max_unauthenticated == 0) throw ValueError("max_unauthenticated must be >= 1");
+  if (limits_.max_unauthenticated_per_host == 0) {
+    throw ValueError("max_unauthenticated_per_host must be >= 1");
+  }
+}
+
+void Admission::ForgetPending(Fifo::iterator it) {
+  auto h = by_host_.find(it->host);
+  if (h != by_host_.end()) {
+    auto& l = h->second;
+    l.erase(std::find(l.begin(), l.end(), it));
+    if (l.empty()) by_host_.erase(h);
+  }
+  pending_.erase(it->id);
+  fifo_.erase(it);
+}
+
+Admission::Decision Admission::Admit(uint64_t id, const std::string& host,
+                                     Clock::time_point now) {
+  Decision d;
+  auto shed = [&](Fifo::iterator it) {
+    d.shed.push_back(it->id);
+    known_.erase(it->id);
+    --total_;
+    ForgetPending(it);
+  };
+  // Room in total: authenticated connections are never shed, the oldest pending one is.
+  if (total_ >= limits_.max_connections) {
+    if (fifo_.empty()) return d;  // every slot holds an authenticated client: refuse
+    shed(fifo_.begin());
+  }
+  auto h = by_host_.find(host);
+  if (h != by_host_.end() && h->second.size() >= limits_.max_unauthenticated_per_host) {
+    shed(h->second.front());
+  }
+  if (fifo_.size() >= limits_.max_unauthenticated) shed(fifo_.begin());
+  fifo_.push_back(Pending{id, host, now});
+  auto it = std::prev(fifo_.end());
+  pending_.emplace(id, it);
+  by_host_[host].push_back(it);
+  known_.emplace(id, true);
+  ++total_;
+  d.admit = true;
+  return d;
+}
+
+void Admission::Authenticated(uint64_t id) {
+  auto it = pending_.find(id);
+  if (it != pending_.end()) ForgetPending(it->second);
+}
+
+void Admission::Closed(uint64_t id) {
+  if (known_.erase(id) == 0) return;
+  --total_;
+  auto it = pending_.find(id);
+  if (it != pending_.end()) ForgetPending(it->second);
+}
+
+std::optional<uint64_t> Admission::ShedOldest() {
+  if (fifo_.empty()) return std::nullopt;
+  const uint64_t id = fifo_.front().id;
+  known_.erase(id);
+  --total_;
+  ForgetPending(fifo_.begin());
+  return id;
+}
+
+std::vector<uint64_t> Admission::Expired(Clock::time_point cutoff) {
+  std::vector<uint64_t> out;
+  while (!fifo_.empty() && fifo_.front().accepted < cutoff) {
+    out.push_back(fifo_.front().id);
+    ForgetPending(fifo_.begin());
+  }
+  return out;
+}
+
+}  // namespace bagpipe::server
