@@ -121,7 +121,8 @@ BAGPIPE_BINDING(options) {
                              "How a client connects to remote shards (csrc/transport/channel.h).")
       .def(py::init<>())
       .def_readwrite("job_token", &ConnectOptions::job_token)
-      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout);
+      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout)
+      .def_readwrite("keepalive_interval", &ConnectOptions::keepalive_interval);
 
   using server::TcpServerOptions;
   py::class_<TcpServerOptions>(m, "TcpServerOptions",

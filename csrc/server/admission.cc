@@ -1,6 +1,7 @@
 #include "server/admission.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common/errors.h"
 
@@ -25,8 +26,24 @@ void Admission::ForgetPending(Fifo::iterator it) {
   fifo_.erase(it);
 }
 
+template <typename It>
+It Admission::PickVictim(It begin, It end, const Spare& spare) {
+  It it = begin;
+  for (int asked = 0; spare && it != end && asked < kMaxSpared; ++asked) {
+    uint64_t id;
+    if constexpr (std::is_same_v<It, Fifo::iterator>) {
+      id = it->id;
+    } else {
+      id = (*it)->id;
+    }
+    if (!spare(id)) return it;
+    ++it;
+  }
+  return it == end ? begin : it;  // everyone spared: the oldest after all
+}
+
 Admission::Decision Admission::Admit(uint64_t id, const std::string& host,
-                                     Clock::time_point now) {
+                                     Clock::time_point now, const Spare& spare) {
   Decision d;
   auto shed = [&](Fifo::iterator it) {
     d.shed.push_back(it->id);
@@ -37,13 +54,15 @@ Admission::Decision Admission::Admit(uint64_t id, const std::string& host,
   // Room in total: authenticated connections are never shed, the oldest pending one is.
   if (total_ >= limits_.max_connections) {
     if (fifo_.empty()) return d;  // every slot holds an authenticated client: refuse
-    shed(fifo_.begin());
+    shed(PickVictim(fifo_.begin(), fifo_.end(), spare));
   }
   auto h = by_host_.find(host);
   if (h != by_host_.end() && h->second.size() >= limits_.max_unauthenticated_per_host) {
-    shed(h->second.front());
+    shed(*PickVictim(h->second.begin(), h->second.end(), spare));
   }
-  if (fifo_.size() >= limits_.max_unauthenticated) shed(fifo_.begin());
+  if (fifo_.size() >= limits_.max_unauthenticated) {
+    shed(PickVictim(fifo_.begin(), fifo_.end(), spare));
+  }
   fifo_.push_back(Pending{id, host, now});
   auto it = std::prev(fifo_.end());
   pending_.emplace(id, it);

@@ -6,7 +6,9 @@
 // (from its own address first), so a legitimate client, which authenticates within one
 // round trip of connecting, gets in while the flood is being shed. Authenticated
 // connections (they hold the job token, so they are trusted) are bounded by
-// max_connections; past it new connections are refused.
+// max_connections; past it new connections are refused. A candidate for shedding that is
+// about to authenticate (`Spare`: its complete Hello already arrived, unread) is passed over
+// for the next oldest, so even a client sharing its address with a flood gets in.
 //
 // Thread safety: none; the server guards it with its own mutex. Pure bookkeeping: it
 // never touches a socket (the server closes what it is told to shed).
@@ -22,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <optional>
 #include <string>
@@ -47,8 +50,13 @@ class Admission {
     bool admit = false;          // false: refuse the new connection (max_connections)
     std::vector<uint64_t> shed;  // unauthenticated connections to close to make room
   };
+  // Whether a pending connection is about to authenticate and should not be shed (e.g. its
+  // whole Hello already waits in its socket). Asked for at most kMaxSpared candidates.
+  using Spare = std::function<bool(uint64_t id)>;
+  static constexpr int kMaxSpared = 4;
   // A new connection `id` from `host` accepted at `now` (invariants 1, 2).
-  Decision Admit(uint64_t id, const std::string& host, Clock::time_point now);
+  Decision Admit(uint64_t id, const std::string& host, Clock::time_point now,
+                 const Spare& spare = nullptr);
   // `id` authenticated: it no longer counts against the unauthenticated bounds.
   void Authenticated(uint64_t id);
   // `id` is gone (any state).
@@ -70,6 +78,9 @@ class Admission {
   };
   using Fifo = std::list<Pending>;
   void ForgetPending(Fifo::iterator it);
+  // The oldest entry of `order` (fifo_ or one host's list) that `spare` does not keep.
+  template <typename It>
+  static It PickVictim(It begin, It end, const Spare& spare);
 
   const AdmissionLimits limits_;
   size_t total_ = 0;

@@ -50,6 +50,23 @@ bool TcpConnection::overdue(Clock::time_point now) const {
   return d != 0 && now.time_since_epoch().count() > d;
 }
 
+bool TcpConnection::HelloWaiting() const {
+  if (authed()) return false;
+  if (hello_read_.load(std::memory_order_acquire)) return true;  // being handled right now
+  constexpr size_t kMaxHello =
+      kHeaderBytes + sizeof(protocol::wire::HelloBody) + protocol::wire::kMaxTokenBytes;
+  uint8_t buf[kMaxHello];
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fd_ < 0) return false;
+  const ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_PEEK | MSG_DONTWAIT);
+  if (n < static_cast<ssize_t>(kHeaderBytes)) return false;
+  const FrameHeader h = protocol::wire::LoadHeader(buf);
+  return h.magic == protocol::wire::kMagic &&
+         h.type == static_cast<uint16_t>(MsgType::kHello) &&
+         h.body_len <= kMaxHello - kHeaderBytes &&
+         static_cast<size_t>(n) >= kHeaderBytes + h.body_len;
+}
+
 void TcpConnection::Touch() {
   last_rx_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
 }
@@ -269,6 +286,7 @@ TcpConnection::ReadEnd TcpConnection::ReadFrames() {
     }
     if (in_body_ && body_got_ == header_.body_len) {
       ++frames;
+      if (!authenticated) hello_read_.store(true, std::memory_order_release);
       if (Dispatch() == ReadEnd::kViolation) return ReadEnd::kViolation;
     }
   }

@@ -83,6 +83,9 @@ class TcpConnection : public transport::ServerLink,
   bool authed() const { return authed_.load(std::memory_order_acquire); }
   // When a byte last arrived (or the connection was accepted).
   Clock::time_point last_received() const;
+  // True if a complete Hello frame waits unread in the socket (the connection is about to
+  // authenticate: Admission spares it). Any thread.
+  bool HelloWaiting() const;
   // True while closing or lingering past its bound (the tick then kills it).
   bool overdue(Clock::time_point now) const;
 
@@ -117,6 +120,7 @@ class TcpConnection : public transport::ServerLink,
   const std::string peer_;
   std::atomic<bool> kill_{false};
   std::atomic<bool> authed_{false};
+  std::atomic<bool> hello_read_{false};  // a whole first frame was read (being handled)
   std::atomic<int64_t> last_rx_;          // Clock ticks
   std::atomic<int64_t> phase_deadline_{0};  // closing / lingering bound, Clock ticks; 0: none
 

@@ -143,7 +143,10 @@ void TcpShardServer::Admit(int fd) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t id = next_id_++;
-    const auto d = admission_.Admit(id, HostOf(peer), Clock::now());
+    const auto d = admission_.Admit(id, HostOf(peer), Clock::now(), [&](uint64_t pending) {
+      auto it = conns_.find(pending);
+      return it != conns_.end() && it->second->HelloWaiting();
+    });
     for (uint64_t victim : d.shed) {
       auto it = conns_.find(victim);
       if (it != conns_.end()) shed.push_back(it->second);

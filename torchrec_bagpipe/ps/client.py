@@ -345,6 +345,13 @@ class PSClient:
         """The error that failed this client, if any."""
         return self._live().failure()
 
+    def checkpoint_report(self) -> dict[str, Any]:
+        """What the shards reported about their periodic checkpoints of this table (shards
+        started with a checkpoint interval tell every attached rank how each one went):
+        succeeded, failed, consecutive_failures (the longest current run of failures on one
+        shard), last_step (per shard, -1: none yet), last_error ("" if none)."""
+        return dict(self._live().checkpoint_report())
+
     def close(self, timeout: float | None = None) -> None:
         """Drains pending work, closes the session on every reachable shard and releases the
         connections. Idempotent; raises TimeoutError if draining timed out. Later operations
