@@ -103,9 +103,11 @@ void EventLoop::Remove(const std::shared_ptr<Registration>& reg) {
 }
 
 void EventLoop::Finish(const std::shared_ptr<Registration>& reg) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    regs_.erase(reg->id);
+  }
   reg->handler->OnRemoved();
-  std::lock_guard<std::mutex> lock(mu_);
-  regs_.erase(reg->id);
 }
 
 size_t EventLoop::registrations() const {
