@@ -806,8 +806,8 @@ void PSClient::OnNotify(uint32_t shard, const Reply& r) {
     // The shard drains: it refuses new work from now on, so this client cannot go on.
     if (quiet_) return;
     FailClientLocked(Error{ErrorKind::kShuttingDown,
-                           ShardName(shard) + " is shutting down (" + r.Text() +
-                               "): it accepts no more commits or reads"});
+                           ShardName(shard) + ": " + r.Text() +
+                               " (it accepts no more commits or reads)"});
   } else if (r.type() == MsgType::kNotifyCheckpoint &&
              r.fixed_len == sizeof(wire::CheckpointNoteBody)) {
     const auto note = wire::Load<wire::CheckpointNoteBody>(r.fixed);

@@ -2,7 +2,8 @@
 
 Serves one PS shard over TCP (or over UCX with ``--transport rdma``: RDMA verbs on a fabric,
 shared memory or TCP elsewhere). On start it prints one line to stdout,
-``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``), and logs
+``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``; and
+``draining shard I/N: SIGNAL`` when a signal starts the drain), and logs
 one line per session event to stderr. SIGTERM (or SIGINT) drains: the server tells every
 connected trainer (they stop with a `ShuttingDownError` naming the shard), refuses new work,
 waits for them to close their sessions (up to ``--drain-timeout``), closes the rest,
@@ -242,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     if not args.quiet:
         _log(prefix, f"{received[0]}: draining (up to {args.drain_timeout:g} s)")
+    # Documented like the listening line: the launcher's PS role tells the trainers.
+    print(f"draining shard {args.shard_id}/{args.num_shards}: {received[0]}", flush=True)
     # Connected trainers are told at once (they stop with a ShuttingDownError naming this
     # shard) instead of carrying on until the drain cuts them off.
     shard.begin_shutdown(f"{received[0]}: draining")
