@@ -193,7 +193,7 @@ def test_every_operation_has_one_deadline() -> None:
         nxt = a.commit_async(1, torch.tensor([1]), torch.ones(1, DIM))  # queued behind step 0
         # Step 0's one deadline (submission + timeout) passes without rank 1 (a lost rank):
         # the client fails, and every pending and later operation raises that at once.
-        with pytest.raises(TimeoutError, match="commit of step 0 did not complete within 0.4"):
+        with pytest.raises(TimeoutError, match=r"commit of step 0 did not complete within 0\.4"):
             nxt.wait(5)
         with pytest.raises(TimeoutError, match="not committed by PS shard 0"):
             h.wait(5)

@@ -104,7 +104,8 @@ def test_a_draining_shard_tells_its_clients_at_once(transport: str, tmp_path: Pa
         client.commit_async(0, torch.tensor([1]), torch.ones(1, 4))  # rank 1 never comes
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        with pytest.raises(ShuttingDownError, match=r"PS shard 0 \(.*\): PS shard 0 is shutting down: SIGTERM"):
+        draining = r"PS shard 0 \(.*\): PS shard 0 is shutting down: SIGTERM"
+        with pytest.raises(ShuttingDownError, match=draining):
             client.get(torch.tensor([1]), -1)
             # A get issued before the notice arrived is refused, or the notice fails it.
             time.sleep(0.2)

@@ -1,6 +1,7 @@
 #include "commit/client.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -181,6 +182,9 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
                        std::to_string(options_.world_size));
     }
     if (options_.max_packet_rows == 0) throw ValueError("max_packet_rows must be >= 1");
+    if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
+      throw ValueError("lr must be finite and > 0, got " + std::to_string(options_.lr));
+    }
     if (!(options_.timeout > 0)) throw ValueError("timeout must be > 0 seconds");
     if (options_.init.bound_starts.size() != options_.init.bound_values.size() ||
         options_.init.bound_starts.size() > wire::kMaxBoundRanges) {

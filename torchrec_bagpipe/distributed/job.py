@@ -144,6 +144,12 @@ class BagPipeJob:
     def _key(self, name: str) -> str:
         return f"torchrec_bagpipe/{self.job_token}/{name}"
 
+    def deployment(self) -> dict[str, Any]:
+        """What every rank's sessions depend on beyond its config: the shard count, the
+        world size and the resolved gradient division (agreement.py compares them)."""
+        return {"ps_shards": len(self.endpoints), "world_size": self.world_size,
+                "gradient_division": self.config.resolved_gradient_division()}
+
     # ---- sessions ---------------------------------------------------------------------------
     def next_session_id(self) -> int:
         sid = self._next_session

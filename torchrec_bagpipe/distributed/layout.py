@@ -20,7 +20,8 @@ Invariants:
 2. Every slot belongs to exactly one fused table; `FusedTableSpec.slots` lists them in
    module order, and the per-slot tensors below follow that order.
 3. `fused_keys` returns keys in `[0, num_keys)` only; any id outside its table's range is a
-   `ValueError` naming the feature, the table and the id.
+   `ValueError` naming the feature, the table and the id; a malformed KJT (non-integer ids,
+   negative or inconsistent lengths/offsets: input_check.py) is refused before that.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_bagpipe.distributed.input_check import check_kjt
 from torchrec_bagpipe.distributed.types import (
     BAGPIPE_KERNEL,
     FusedTableSpec,
@@ -195,6 +197,7 @@ class FusedLayout:
             raise ValueError(
                 "BagPipe EBC does not support variable batch sizes per feature (VBE KJTs)"
             )
+        check_kjt(features)
         if self._weighted and features.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted but the KJT has no weights")
         perms = self._perms.get(tuple(features.keys()))

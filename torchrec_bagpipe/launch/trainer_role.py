@@ -12,8 +12,9 @@ line behind torchrun's own prefix (``[trainer <global rank>]``, through
 ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``); ``--log-dir``/``--redirects`` are torchrun's.
 While torchrun runs the node sends heartbeats; when it exits the node records its status,
 which tells the PS shards when to drain. If another node fails, or a PS shard starts draining
-or exits early, this node stops its trainers (SIGTERM, then SIGKILL after the grace period). With K = 0 the shards live inside the trainers
-(`BagPipeConfig`'s zero-config deployment) and only torchrun's rendezvous uses the store.
+or exits early, this node stops its trainers (SIGTERM, then SIGKILL after the grace period).
+With K = 0 the shards live inside the trainers (`BagPipeConfig`'s zero-config deployment)
+and only torchrun's rendezvous uses the store.
 """
 
 from __future__ import annotations

@@ -47,6 +47,14 @@ def float_arg(value: Any, name: str) -> float:
     return value
 
 
+def lr_arg(value: Any, name: str = "lr") -> float:
+    """A learning rate: a finite float > 0 (0 or less would not train, or train backwards)."""
+    value = float_arg(value, name)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
 def tensor_arg(t: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")

@@ -24,7 +24,7 @@ from typing import Any
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, optional_path
+from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, lr_arg, optional_path
 from torchrec_bagpipe.ps.partitioner import KINDS as PARTITIONERS
 
 __all__ = [
@@ -397,7 +397,7 @@ def ps_client_options(
     c = C.ClientOptions()
     c.table = table
     c.dim = int_arg(dim, "dim", minimum=1)
-    c.lr = float_arg(lr, "lr")
+    c.lr = lr_arg(lr, "lr")
     world_size = int_arg(world_size, "world_size", minimum=1)
     rank = int_arg(rank, "rank", minimum=0)
     if rank >= world_size:

@@ -19,6 +19,7 @@ from torchrec_bagpipe.ps._args import (
     float_arg,
     int_arg,
     keys_arg,
+    lr_arg,
     path_arg,
     rows_arg,
     tensor_arg,
@@ -162,10 +163,11 @@ class EmbeddingStore:
     def apply_sgd(
         self, keys: torch.Tensor, grads: torch.Tensor, lr: float, grad_divisor: int = 1
     ) -> None:
-        """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``."""
+        """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``.
+        REQUIRES: lr finite and > 0 (ValueError naming it)."""
         k = keys_arg(keys)
         g = rows_arg(grads, "grads", k.shape[0], self._dim)
-        lr = float_arg(lr, "lr")
+        lr = lr_arg(lr, "lr")
         grad_divisor = int_arg(grad_divisor, "grad_divisor", minimum=1)
         if grad_divisor > 2**31 - 1:
             raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")
