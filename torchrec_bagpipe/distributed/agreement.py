@@ -20,14 +20,33 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-__all__ = ["SpecMismatchError", "agree_before_open", "describe", "flatten"]
+__all__ = ["SpecMismatchError", "agree_before_open", "config_fields", "describe", "flatten",
+           "redact"]
 
 # BagPipeConfig fields that are a process's own resources and may differ between ranks.
 PER_RANK_FIELDS = frozenset({"memory_budget", "spill_dir", "store_threads"})
+# Fields compared by digest only: their values never appear in a message.
+SECRET_FIELDS = frozenset({"job_token"})
+
+
+def redact(value: object) -> object:
+    """A secret as a short digest (equal secrets compare equal; the text never shows)."""
+    if value is None:
+        return None
+    return "digest:" + hashlib.blake2b(str(value).encode(), digest_size=4).hexdigest()
+
+
+def config_fields(config: Any, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """`config`'s fields (all but the per-rank ones, or `names`), secrets redacted."""
+    picked = names if names is not None else [
+        f.name for f in dataclasses.fields(config) if f.name not in PER_RANK_FIELDS]
+    return {n: redact(getattr(config, n)) if n in SECRET_FIELDS else getattr(config, n)
+            for n in picked}
 
 
 class SpecMismatchError(ValueError):
@@ -74,10 +93,8 @@ def describe(tables: Sequence[Any], fused: Sequence[Any], config: Any,
     specs first (so a difference is named where it starts, e.g. ``tables[0].dim``, before
     the fused tables derived from them), the fused table specs, the shared config fields and
     the deployment."""
-    shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.name not in PER_RANK_FIELDS}
-    return flatten({"tables": list(tables), "fused": list(fused), "config": shared,
-                    "deployment": dict(deployment)})
+    return flatten({"tables": list(tables), "fused": list(fused),
+                    "config": config_fields(config), "deployment": dict(deployment)})
 
 
 def _same(a: Any, b: Any) -> bool:

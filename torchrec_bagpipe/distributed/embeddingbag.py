@@ -68,7 +68,7 @@ from torchrec_bagpipe.distributed.agreement import agree_before_open, describe
 from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, sgd_lr_from
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
 from torchrec_bagpipe.distributed.grad_check import check_finite_grad
-from torchrec_bagpipe.distributed.job import job_for
+from torchrec_bagpipe.distributed.job import BagPipeJob, job_for
 from torchrec_bagpipe.distributed.layout import FusedLayout, check_plan, table_specs
 from torchrec_bagpipe.distributed.lookup import BatchRows, Pooler, eval_rows, train_step
 from torchrec_bagpipe.distributed.table_io import TableIO
@@ -148,7 +148,16 @@ class ShardedBagPipeEmbeddingBagCollection(
 
         # ---- layout: tables, slots and fused tables --------------------------------------
         configs = module.embedding_bag_configs()
-        self._job = job_for(self._config, env, self._device)
+        try:
+            self._job = job_for(self._config, env, self._device)
+        except ValueError as e:
+            # This module's deployment differs from the process's job: the other ranks
+            # hear of it through the job's control group, and everyone raises.
+            current = BagPipeJob.current()
+            if current is None:
+                raise
+            agree_before_open(current.control, None, where=where, error=e)
+            raise
         layout: FusedLayout | None = None
         problem: BaseException | None = None
         try:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.agreement import agree_before_open, config_fields, flatten
 from torchrec_bagpipe.distributed.process_group_collectives import (
     TorchDistCollectives,
     new_runtime_group,
@@ -71,6 +72,12 @@ class BagPipeJob:
                 f"BagPipe needs the sharding env to span the default process group "
                 f"(env world size {self.world_size}, default group {self.collectives.world_size})"
             )
+        # The ranks agree on the deployment before deploying it (a rank hosting a shard the
+        # others do not expect would leave them waiting for its address): every rank fails
+        # together, naming the field (agreement.py; the token compared by digest only).
+        agree_before_open(self.control,
+                          flatten(config_fields(config, _DEPLOYMENT_FIELDS)),
+                          where="BagPipe job (the PS deployment)")
         self._modules: weakref.WeakSet[JobMember] = weakref.WeakSet()
         self._next_session = 0
         self.closed = False
@@ -235,6 +242,8 @@ def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> Ba
     for name in _DEPLOYMENT_FIELDS:
         mine, theirs = getattr(config, name), getattr(job.config, name)
         if mine != theirs:
+            if name == "job_token":
+                mine, theirs = "<token>", "<another token>"  # never in a message
             raise ValueError(
                 f"BagPipeConfig.{name}={mine!r} differs from {theirs!r}, which the first "
                 "BagPipe module of this process fixed; every module of a process shares one "

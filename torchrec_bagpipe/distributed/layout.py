@@ -53,6 +53,11 @@ def check_plan(configs: Sequence[BaseEmbeddingConfig],
                plan: Mapping[str, ParameterSharding], where: str) -> None:
     """Refuses a plan or table BagPipe cannot lay out (ValueError naming the table)."""
     for cfg in configs:
+        if int(cfg.num_embeddings) < 1 or int(cfg.embedding_dim) < 1:
+            raise ValueError(
+                f"{where}: table {cfg.name!r} has {cfg.num_embeddings} rows of dim "
+                f"{cfg.embedding_dim}; a BagPipe table needs at least one row and dim >= 1"
+            )
         ps = plan.get(cfg.name)
         if ps is None:
             raise ValueError(f"{where}: the sharding plan has no entry for table {cfg.name!r}")
