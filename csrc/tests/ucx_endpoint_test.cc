@@ -455,6 +455,24 @@ TEST_CASE(ucx_torn_connection_fails_both_sides) {
   });
 }
 
+TEST_CASE(ucx_a_failed_endpoint_tells_its_peer_before_it_is_closed) {
+  ForEachTls([](const std::string& tls) {
+    EchoServer server(tls);
+    TestClient client(tls, server.port(), 2, 4096);
+    client.Stage(0, 1, 10, 64);
+    client.ep().FlushAndRing();
+    CHECK(client.WaitReply(1));
+    // The shard gives up on the connection (a protocol violation, a failed send) but its
+    // owner has not closed the endpoint yet: the client must learn of it now, from the
+    // control connection, whatever UCX itself reports (shared memory reports nothing).
+    auto eps = server.WaitEndpoints(1);
+    eps[0]->Fail("test: the shard gives up on this connection");
+    CHECK(client.WaitFailure(5s));
+    CHECK(client.failure().message.find("torn") != std::string::npos);
+    CHECK(!client.failure().peer_closed);
+  });
+}
+
 TEST_CASE(ucx_graceful_close_is_reported_as_such) {
   ForEachTls([](const std::string& tls) {
     EchoServer server(tls);

@@ -21,6 +21,9 @@ namespace bagpipe::transport::ucx {
 namespace {
 
 constexpr int kIdlePollMillis = 100;    // safety net: the loop re-checks at least this often
+// The control connection (liveness) is looked at least this often, also while the worker
+// keeps the loop busy (completions, incoming messages, ucp_worker_arm answering BUSY).
+constexpr auto kLivenessCheck = std::chrono::milliseconds(10);
 constexpr auto kSpin = std::chrono::microseconds(50);  // busy-poll while requests are in flight
 constexpr unsigned kProgressBurst = 64;
 constexpr size_t kMaxHeldMessages = 1 << 16;
@@ -678,8 +681,19 @@ void Endpoint::Loop() {
     cv_.notify_all();
   }
   Clock::time_point spin_until{};
+  Clock::time_point next_liveness_check{};
   bool spinning = false;
   for (;;) {
+    if (monitoring_.load(std::memory_order_acquire) && control_.valid()) {
+      // A busy worker must not hide a torn connection: the poll below, which watches the
+      // control connection, is skipped for as long as the loop finds work.
+      const auto now = Clock::now();
+      if (now >= next_liveness_check) {
+        next_liveness_check = now + kLivenessCheck;
+        pollfd c{control_.fd(), POLLIN, 0};
+        if (::poll(&c, 1, 0) > 0 && c.revents != 0) CheckControl(c.revents);
+      }
+    }
     bool busy = RunCommands();
     for (unsigned i = 0; i < kProgressBurst && ucp_worker_progress(worker_) != 0; ++i) busy = true;
     ProcessCompleted();
@@ -1164,6 +1178,9 @@ void Endpoint::WaitOutstanding(Deadline deadline) {
 
 void Endpoint::HandleFailure() {
   failure_handled_ = true;
+  // Tell the peer first: it sees the tear on its control connection now, not after the
+  // bounded waits below (up to 2 x kCloseTimeout) and this endpoint's owner closing it.
+  if (control_.valid()) ::shutdown(control_.fd(), SHUT_RDWR);
   CloseEndpoint(/*force=*/true);
   WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {
@@ -1205,6 +1222,8 @@ void Endpoint::Teardown() {
     [[maybe_unused]] ssize_t n = ::send(control_.fd(), &bye, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   }
   monitoring_.store(false);
+  // A forced close tells the peer first (see HandleFailure); a graceful one said Bye.
+  if (!graceful && control_.valid()) ::shutdown(control_.fd(), SHUT_RDWR);
   CloseEndpoint(/*force=*/!graceful);
   WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {

@@ -36,8 +36,11 @@
 //   2b. A handler sees a ring slot's frame until the shard answers it; the client reuses a
 //      slot only after that answer (Channel's slot ownership), so frames are never copied.
 //   3. Every wait is bounded: connecting (deadline), closing (kCloseTimeout); liveness comes
-//      from the control connection (EOF without Bye = torn) and, where the transports
-//      support it, UCP peer-failure detection.
+//      from the control connection (EOF without Bye = torn), looked at every few
+//      milliseconds however busy the worker keeps the loop, and, where the transports
+//      support it, UCP peer-failure detection. An endpoint that fails or is force-closed
+//      shuts its control connection down before anything else, so the peer learns of it at
+//      once.
 //   4. On failure (Fail, an endpoint error, a failed operation, a torn control connection):
 //      the UCP endpoint is force-closed and outstanding requests get a bounded time to
 //      complete BEFORE on_failure runs; then pending Landings get done(false) in order,
