@@ -201,10 +201,27 @@ void Endpoint::RunOnThread(const std::function<void()>& fn, Deadline deadline) {
   if (state->error) std::rethrow_exception(state->error);
 }
 
-void Endpoint::StartMonitoring() {
-  monitoring_.store(true, std::memory_order_release);
+void Endpoint::AdoptControl(Socket control) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    control_ = std::move(control);
+    if (failed_ || closed_) {
+      // The endpoint failed or was closed before it owned its control connection (the
+      // client may already be using the connection): the peer learns of it now.
+      ::shutdown(control_.fd(), SHUT_RDWR);
+      return;
+    }
+    // Published with the control connection: the progress thread touches control_ only
+    // once it sees monitoring_ (acquire), or under mu_.
+    monitoring_.store(true, std::memory_order_release);
+  }
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+}
+
+void Endpoint::ShutdownControl() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (control_.valid()) ::shutdown(control_.fd(), SHUT_RDWR);
 }
 
 std::vector<uint8_t> Endpoint::WorkerAddress() {
@@ -342,8 +359,7 @@ std::shared_ptr<Endpoint> Endpoint::Connect(const ConnectOptions& o, EndpointHan
   ep->ring_id_ = reply.ring_id;
   // kMessage never touches the ring remotely, so its key is never used (nor checked).
   if (ep->frame_mode_ == FrameMode::kPut) ep->VerifyRing(reply, deadline);
-  ep->control_ = std::move(s);
-  ep->StartMonitoring();
+  ep->AdoptControl(std::move(s));
   return ep;
 }
 
@@ -546,8 +562,10 @@ std::shared_ptr<Endpoint> Endpoint::Accept(
   // The decoy must stay registered until the client finished its check; keep it with the
   // endpoint (it is only ever set in fault-injection tests).
   if (decoy) ep->sources_.push_back(std::move(decoy));
-  ep->control_ = std::move(control);
-  ep->StartMonitoring();
+  // The client may use the connection from the moment it has the reply, and the endpoint
+  // may fail or be closed from then on (even before this line): AdoptControl passes that on
+  // to the client whenever it happened (invariant 3).
+  ep->AdoptControl(std::move(control));
   return ep;
 }
 
@@ -579,9 +597,9 @@ void Endpoint::Fail(const std::string& message) {
     if (failed_) return;
     failed_ = true;
     failure_.message = message;
+    monitoring_.store(false, std::memory_order_release);  // under mu_: see AdoptControl
   }
   failed_flag_.store(true, std::memory_order_release);
-  monitoring_.store(false, std::memory_order_release);
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
 }
@@ -638,6 +656,7 @@ void Endpoint::Close(bool graceful) {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
   control_.Close();
 }
 
@@ -1180,7 +1199,7 @@ void Endpoint::HandleFailure() {
   failure_handled_ = true;
   // Tell the peer first: it sees the tear on its control connection now, not after the
   // bounded waits below (up to 2 x kCloseTimeout) and this endpoint's owner closing it.
-  if (control_.valid()) ::shutdown(control_.fd(), SHUT_RDWR);
+  ShutdownControl();
   CloseEndpoint(/*force=*/true);
   WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {
@@ -1223,7 +1242,7 @@ void Endpoint::Teardown() {
   }
   monitoring_.store(false);
   // A forced close tells the peer first (see HandleFailure); a graceful one said Bye.
-  if (!graceful && control_.valid()) ::shutdown(control_.fd(), SHUT_RDWR);
+  if (!graceful) ShutdownControl();
   CloseEndpoint(/*force=*/!graceful);
   WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {

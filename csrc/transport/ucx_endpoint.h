@@ -40,7 +40,9 @@
 //      milliseconds however busy the worker keeps the loop, and, where the transports
 //      support it, UCP peer-failure detection. An endpoint that fails or is force-closed
 //      shuts its control connection down before anything else, so the peer learns of it at
-//      once.
+//      once; one that failed or was closed before it even owned its control connection
+//      (the shard's reply is out, the client already uses the connection) shuts it down
+//      when it gets it (AdoptControl).
 //   4. On failure (Fail, an endpoint error, a failed operation, a torn control connection):
 //      the UCP endpoint is force-closed and outstanding requests get a bounded time to
 //      complete BEFORE on_failure runs; then pending Landings get done(false) in order,
@@ -234,7 +236,11 @@ class Endpoint {
   // Runs fn on the progress thread and waits for it (deadline); rethrows its exception.
   void RunOnThread(const std::function<void()>& fn, Deadline deadline);
   void Enqueue(std::function<void()> fn);
-  void StartMonitoring();
+  // Hands the control connection to the endpoint and starts watching it (liveness). If the
+  // endpoint already failed or was closed, shuts it down instead so the peer learns of it.
+  void AdoptControl(Socket control);
+  // Shuts the control connection down (the peer sees EOF at once), if there is one.
+  void ShutdownControl();
   void SetHandlers(EndpointHandlers handlers);
   // The current handlers (progress thread): refreshed whenever SetHandlers ran since.
   const EndpointHandlers& Handlers();
@@ -294,7 +300,9 @@ class Endpoint {
   std::vector<std::unique_ptr<Region>> sources_;  // client: one registration per source slot
   std::vector<uint8_t*> source_ptrs_;
   FrameMode frame_mode_ = FrameMode::kPut;
-  Socket control_;  // handshake thread, then (after StartMonitoring) the progress thread
+  // Set by AdoptControl under mu_; the progress thread reads it once monitoring_ is set
+  // (acquire) or under mu_; closed by Close under mu_ after the thread is joined.
+  Socket control_;
   int wake_fd_ = -1;
   std::thread thread_;
   std::thread::id thread_id_;
