@@ -138,10 +138,20 @@ def test_a_ps_shard_sigterm_stops_the_job_cleanly(tmp_path):
             time.sleep(0.2)
         time.sleep(8)  # the trainers are training by now
         assert p.poll() is None, "".join(lines[-50:])
-        out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True,
+        out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True,
                              timeout=10).stdout
+        parent = {int(f[0]): int(f[1]) for f in (ln.split(None, 2) for ln in out.splitlines()[1:])}
+
+        def ours(pid: int) -> bool:  # a descendant of this launcher (not another job's)
+            while pid > 1:
+                pid = parent.get(pid, 0)
+                if pid == p.pid:
+                    return True
+            return False
+
         pids = [int(line.split()[0]) for line in out.splitlines()
-                if re.search(r"torchrec_bagpipe\.ps\.server --shard-id 1 ", line)]
+                if re.search(r"torchrec_bagpipe\.ps\.server --shard-id 1 ", line)
+                and ours(int(line.split()[0]))]
         assert len(pids) == 1, out
         t0 = time.monotonic()
         os.kill(pids[0], signal.SIGTERM)

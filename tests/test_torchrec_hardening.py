@@ -7,12 +7,12 @@ trainers."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import secrets
 from pathlib import Path
 from typing import Any
 
-import _scenarios as S
 import pytest
 import torch
 from _dist import run_world
@@ -128,11 +128,11 @@ def _reference_verdict(lengths: list[int], offsets: list[int] | None, use_length
     if offsets is not None:
         if offsets[0] != 0 or offsets[-1] != len(values):
             return "offsets must run from 0"
-        if any(b < a for a, b in zip(offsets, offsets[1:])):
+        if any(b < a for a, b in itertools.pairwise(offsets)):
             return "offsets decrease"
-        if use_lengths and [b - a for a, b in zip(offsets, offsets[1:])] != lengths:
+        if use_lengths and [b - a for a, b in itertools.pairwise(offsets)] != lengths:
             return "disagree"
-    bags = lengths if use_lengths else [b - a for a, b in zip(offsets, offsets[1:])]
+    bags = lengths if use_lengths else [b - a for a, b in itertools.pairwise(offsets)]
     pos = 0
     stride = len(bags) // 2
     for i, n in enumerate(bags):
@@ -223,7 +223,7 @@ def test_malformed_kjts_are_refused_before_any_step_is_consumed() -> None:
     assert seen["refused"] > 50 and seen["accepted"] > 10, seen
 
 
-# ---- the non-finite gradient check ----------------------------------------------------------------
+# ---- the non-finite gradient check ---------------------------------------------------------------
 def _non_finite(rank: int, world: int) -> dict[str, Any]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -266,7 +266,12 @@ def test_a_non_finite_gradient_fails_the_step_on_every_rank_before_it_is_committ
 def _checkpoints(rank: int, world: int) -> dict[str, Any]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec_bagpipe.distributed import PSCheckpointError, bagpipe_metrics, close_model
+    from torchrec_bagpipe.distributed import (
+        PSCheckpointError,
+        bagpipe_metrics,
+        close_job,
+        close_model,
+    )
 
     records: list[str] = []
 
@@ -285,12 +290,17 @@ def _checkpoints(rank: int, world: int) -> dict[str, Any]:
         try:
             sharded(kjt).wait().values().sum().backward()
         except PSCheckpointError as e:
-            error = str(e)
+            error = f"PSCheckpointError: {e}"
+            break
+        except Exception as e:  # a peer stopped first (its checkpoint notice came sooner)
+            error = f"{type(e).__name__}: {e}"
             break
         failures_seen.append(
             max(m["ps_checkpoint_failures"] for m in bagpipe_metrics(dmp).values()))
     with contextlib.suppress(Exception):
         close_model(dmp)
+    with contextlib.suppress(Exception):
+        close_job()
     return {"error": error, "warnings": records, "failures": failures_seen}
 
 
@@ -309,8 +319,12 @@ def test_failed_periodic_checkpoints_warn_then_fail_the_trainers(tmp_path: Path)
     finally:
         for s in servers:
             s.kill()
+    # Each rank raises once it has heard of the third failure in a row; the notices arrive
+    # asynchronously, so a rank may instead stop because its peer stopped first.
+    assert any("PSCheckpointError: " in (r["error"] or "") and
+               "3 periodic PS checkpoints failed in a row" in r["error"] for r in results), results
     for rank, r in enumerate(results):
-        assert r["error"] and "3 periodic PS checkpoints failed in a row" in r["error"], r
+        assert r["error"], (rank, r)  # no rank trained on
         assert any("periodic checkpoint of step" in w and "failed" in w
                    for w in r["warnings"]), r["warnings"]
         assert r["failures"] and r["failures"][-1] >= 1, r  # the metric counts them

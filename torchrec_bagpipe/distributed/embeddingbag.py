@@ -147,19 +147,12 @@ class ShardedBagPipeEmbeddingBagCollection(
         where = f"BagPipe EBC {self._module_fqn or '<root>'}"
 
         # ---- layout: tables, slots and fused tables --------------------------------------
+        # A rank's own mistakes are collected, not raised: every rank hears of them through
+        # the job's control group below and raises together (agreement.py).
         configs = module.embedding_bag_configs()
-        try:
-            self._job = job_for(self._config, env, self._device)
-        except ValueError as e:
-            # This module's deployment differs from the process's job: the other ranks
-            # hear of it through the job's control group, and everyone raises.
-            current = BagPipeJob.current()
-            if current is None:
-                raise
-            agree_before_open(current.control, None, where=where, error=e)
-            raise
         layout: FusedLayout | None = None
         problem: BaseException | None = None
+        lr: dict[str, float] = {}
         try:
             check_plan(configs, table_name_to_parameter_sharding, where)
             lr = {
@@ -167,13 +160,27 @@ class ShardedBagPipeEmbeddingBagCollection(
                                       f"{where}, table {cfg.name!r}")
                 for cfg in configs
             }
-            layout = FusedLayout(
-                table_specs(configs, lr), get_embedding_names_by_table(configs),
-                session=self._job.next_session_id(), module_fqn=self._module_fqn,
-                weighted=self._is_weighted,
-            )
-        except Exception as e:  # every rank hears of it below, then raises
+        except Exception as e:
             problem = e
+        try:
+            self._job = job_for(self._config, env, self._device)
+        except ValueError as e:
+            # This module's deployment differs from the process's job: the other ranks hear
+            # of it (or of this rank's earlier mistake) through the job's control group.
+            current = BagPipeJob.current()
+            if current is None:
+                raise (problem or e) from None
+            agree_before_open(current.control, None, where=where, error=problem or e)
+            raise
+        if problem is None:
+            try:
+                layout = FusedLayout(
+                    table_specs(configs, lr), get_embedding_names_by_table(configs),
+                    session=self._job.next_session_id(), module_fqn=self._module_fqn,
+                    weighted=self._is_weighted,
+                )
+            except Exception as e:
+                problem = e
         # Before anything opens on the PS, the ranks compare their tables and settings and
         # fail together on any difference (agreement.py).
         agree_before_open(
