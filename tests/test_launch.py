@@ -124,6 +124,7 @@ def test_a_ps_shard_sigterm_stops_the_job_cleanly(tmp_path):
         "--limit_train_batches", "100000", "--batch_size", "32", "--num_embeddings", "500",
         "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
         "--over_arch_layer_sizes", "16,1", "--learning_rate", "0.05", "--no_progress",
+        "--metrics_json", str(tmp_path / "metrics.json"),  # also marks this job's processes
     ]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
@@ -138,8 +139,8 @@ def test_a_ps_shard_sigterm_stops_the_job_cleanly(tmp_path):
             time.sleep(0.2)
         time.sleep(8)  # the trainers are training by now
         assert p.poll() is None, "".join(lines[-50:])
-        out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True,
+                             text=True, timeout=10).stdout
         parent = {int(f[0]): int(f[1]) for f in (ln.split(None, 2) for ln in out.splitlines()[1:])}
 
         def ours(pid: int) -> bool:  # a descendant of this launcher (not another job's)
@@ -171,4 +172,4 @@ def test_a_ps_shard_sigterm_stops_the_job_cleanly(tmp_path):
     print("".join(ln for ln in lines if any(w in ln for w in ("drain", "launch]", "stopping"))))
     assert elapsed < 30, elapsed  # not the server's 30 s drain
     time.sleep(0.5)
-    assert _alive_children("dlrm_main.py") == 0
+    assert _alive_children(str(tmp_path)) == 0
