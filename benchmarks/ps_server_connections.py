@@ -15,8 +15,11 @@ Prints one JSON line per result:
 ``threads``: the server process's thread count (value) against the idle server's (baseline);
 ``rss_above_idle_mib``: its resident memory above the idle server's, in MiB (baseline: the
 idle RSS). Targets: fewer than 64 threads and less than 64 MiB above idle. Medians over
-repeats (each repeat a fresh server). With ``--transports tcp,rdma`` the UCX server's
-bootstrap port is measured too (connections that never finish the bootstrap).
+repeats (each repeat a fresh server). With ``--transports tcp,rdma`` the UCX server is
+measured too: ``unauthenticated`` connections that never finish the bootstrap, and
+``--rdma-connections`` (default 100) established UCX connections (PS clients of this
+process, each with its own UCP worker on the server, all driven by the server's
+``--progress-threads``).
 
 Usage: python benchmarks/ps_server_connections.py [--quick] [--connections N] [--repeats R]
 """
@@ -101,6 +104,14 @@ def _open(address: tuple[str, int], n: int, hello: bytes | None) -> list[socket.
     return socks
 
 
+def _open_ucx_clients(address: str, n: int) -> list[Any]:
+    from torchrec_bagpipe.ps import PSClient
+
+    return [PSClient([f"ucx://{address}"], table=f"t{i}", dim=4, lr=0.5, init="zeros",
+                     job_token=TOKEN, inflight_packets=2, max_packet_rows=64)
+            for i in range(n)]
+
+
 def measure(transport: str, kind: str, n: int) -> tuple[int, int, int, int]:
     """(idle threads, idle RSS, threads with n connections, RSS with n connections)."""
     args = ["--quiet", "--max-connections", str(n + 64), "--max-unauthenticated", str(n + 64),
@@ -111,14 +122,21 @@ def measure(transport: str, kind: str, n: int) -> tuple[int, int, int, int]:
     try:
         idle_threads, idle_rss = _settle(server.pid)
         address = (server.host, server.port)
-        socks = _open(address, n, _hello(TOKEN) if kind == "authenticated" else None)
+        clients: list[Any] = []
+        socks: list[socket.socket] = []
         try:
+            if transport == "rdma" and kind == "authenticated":
+                clients = _open_ucx_clients(server.address, n)
+            else:
+                socks = _open(address, n, _hello(TOKEN) if kind == "authenticated" else None)
             threads, rss = _settle(server.pid)
             if server.poll() is not None:
                 raise RuntimeError("the server exited")
         finally:
             for s in socks:
                 s.close()
+            for c in clients:
+                c.close()
     finally:
         server.terminate(60)
     return idle_threads, idle_rss, threads, rss
@@ -130,6 +148,8 @@ def main() -> int:
     p.add_argument("--connections", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="tcp", help="comma-separated: tcp, rdma")
+    p.add_argument("--rdma-connections", type=int, default=100,
+                   help="established UCX connections measured with --transports rdma")
     args = p.parse_args()
     repeats = 1 if args.quick else args.repeats
     for transport in args.transports.split(","):
@@ -137,16 +157,15 @@ def main() -> int:
             emit(metric="skipped", value=None, unit=None, baseline=None, ratio=None,
                  transport=transport, reason="this build has no UCX")
             continue
-        # UCX connections that finished their bootstrap have their own set-up (a worker each);
-        # what the bootstrap port holds is the unauthenticated kind.
-        kinds = ["authenticated", "unauthenticated"] if transport == "tcp" else ["unauthenticated"]
-        for kind in kinds:
-            runs = [measure(transport, kind, args.connections) for _ in range(repeats)]
+        for kind in ("authenticated", "unauthenticated"):
+            n = args.rdma_connections if (transport, kind) == ("rdma", "authenticated") \
+                else args.connections
+            runs = [measure(transport, kind, n) for _ in range(repeats)]
             idle_threads = statistics.median(r[0] for r in runs)
             idle_rss = statistics.median(r[1] for r in runs)
             threads = statistics.median(r[2] for r in runs)
             above = statistics.median((r[3] - r[1]) / MIB for r in runs)
-            common = {"transport": transport, "connections": args.connections, "kind": kind,
+            common = {"transport": transport, "connections": n, "kind": kind,
                       "threads": threads, "repeats": repeats}
             emit(metric="threads", value=threads, unit="threads", baseline=idle_threads,
                  ratio=round(threads / idle_threads, 3), target="< 64", **common)

@@ -44,6 +44,7 @@ BAGPIPE_BINDING(ucx) {
       .def_readwrite("max_unauthenticated_per_host",
                      &UcxServerOptions::max_unauthenticated_per_host)
       .def_readwrite("io_threads", &UcxServerOptions::io_threads)
+      .def_readwrite("progress_threads", &UcxServerOptions::progress_threads)
       .def_property(
           "ucx_tls", [](const UcxServerOptions& o) { return o.config.tls; },
           [](UcxServerOptions& o, const std::string& v) { o.config.tls = v; },

@@ -108,6 +108,11 @@ UcxShardServer::UcxShardServer(std::shared_ptr<transport::FrameHandler> shard, U
   ao.admission = AdmissionLimits{options_.max_unauthenticated, options_.max_unauthenticated,
                                  options_.max_unauthenticated_per_host};
   ao.io_threads = options_.io_threads;
+  if (options_.progress_threads == 0 || options_.progress_threads > 64) {
+    throw ValueError("progress_threads must be in [1, 64]");
+  }
+  progress_ = std::make_shared<ucx::ProgressPool>(options_.progress_threads);
+  ao.limits.progress = progress_;
   ao.limits.max_slot_bytes = shard_->identity().max_frame_bytes;
   ao.limits.max_ring_bytes = options_.max_ring_bytes;
   reaper_ = std::thread([this] { ReaperLoop(); });
@@ -265,8 +270,8 @@ ServerStats UcxShardServer::stats() {
   s.closed_by_server = closed_by_server_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.active = conns_.size();
-  // Bootstrap loop threads, the reaper, and one progress thread per established endpoint.
-  s.threads = acceptor_->threads() + 1 + conns_.size();
+  // Bootstrap loop threads, the reaper, and the progress threads of every endpoint.
+  s.threads = acceptor_->threads() + 1 + progress_->threads();
   s.bytes_out = bytes_out_;
   return s;
 }

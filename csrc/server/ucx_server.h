@@ -47,6 +47,7 @@ struct UcxServerOptions {
   size_t max_unauthenticated = 256;   // connections still bootstrapping (ucx_acceptor.h)
   size_t max_unauthenticated_per_host = 32;
   size_t io_threads = 2;              // bootstrap loop threads
+  size_t progress_threads = 2;        // threads driving every established connection
   size_t max_ring_bytes = size_t{1} << 30;  // per connection
 };
 
@@ -85,6 +86,7 @@ class UcxShardServer {
 
   const std::shared_ptr<transport::FrameHandler> shard_;
   const UcxServerOptions options_;
+  std::shared_ptr<ucx::ProgressPool> progress_;  // drives every endpoint (ucx_progress.h)
   std::unique_ptr<UcxAcceptor> acceptor_;
   std::atomic<bool> stopped_{false};
   std::atomic<uint64_t> frames_{0};

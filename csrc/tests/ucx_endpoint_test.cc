@@ -29,6 +29,8 @@ namespace {
 using namespace std::chrono_literals;
 
 const char* const kTls[] = {"sm", "tcp"};
+// Whether EchoServer drives its endpoints from a shared ProgressPool (set by ForEachTls).
+bool g_shared_progress = false;
 const char* const kToken = "test-token";
 
 uint8_t Pattern(uint64_t id, size_t i) { return static_cast<uint8_t>((id * 131 + i * 7) & 0xff); }
@@ -56,6 +58,7 @@ class EchoServer {
     o.limits.fault = fault;
     o.limits.max_ring_bytes = max_ring_bytes;
     o.handshake_timeout = 5;
+    if (g_shared_progress) o.limits.progress = std::make_shared<ProgressPool>(1);
     acceptor_ = std::make_unique<server::UcxAcceptor>(
         o, [](const std::string& t, std::string*) { return t == kToken; },
         [this](const std::shared_ptr<Endpoint>& ep) { return Attach(ep); });
@@ -235,12 +238,19 @@ class TestClient {
 template <typename F>
 void ForEachTls(F f) {
   for (const char* tls : kTls) {
-    try {
-      f(std::string(tls));
-    } catch (const std::exception& e) {
-      throw std::runtime_error(std::string("[UCX_TLS=") + tls + "] " + e.what());
+    // Shard endpoints with a progress thread each, then driven by a shared ProgressGroup.
+    for (const bool shared : {false, true}) {
+      g_shared_progress = shared;
+      try {
+        f(std::string(tls));
+      } catch (const std::exception& e) {
+        g_shared_progress = false;
+        throw std::runtime_error(std::string("[UCX_TLS=") + tls + (shared ? ", shared progress" : "") +
+                                 "] " + e.what());
+      }
     }
   }
+  g_shared_progress = false;
 }
 
 }  // namespace

@@ -129,12 +129,23 @@ Endpoint::~Endpoint() {
 }
 
 void Endpoint::Start(Deadline deadline) {
-  thread_ = std::thread([this] { Loop(); });
+  if (group_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      attached_ = true;
+    }
+    group_->Attach(this);
+  } else {
+    thread_ = std::thread([this] { Loop(); });
+  }
   std::unique_lock<std::mutex> lock(mu_);
   while (!started_ && setup_error_.empty()) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !started_ &&
         setup_error_.empty()) {
       lock.unlock();
+      // A group may still set it up: Close waits until the group set it up and tore it
+      // down, or dropped it.
+      if (group_) Close(/*graceful=*/false);
       throw TimeoutError("creating a UCX worker for " + peer_ + " timed out");
     }
   }
@@ -492,6 +503,7 @@ std::shared_ptr<Endpoint> Endpoint::Accept(
   std::vector<uint8_t> my_address;
   std::unique_ptr<Region> decoy;
   std::shared_ptr<Endpoint> ep(new Endpoint(Role::kServer, context, "ucx client " + peer));
+  if (limits.progress) ep->group_ = limits.progress->Pick();
   ep->num_slots_ = h.num_slots;
   ep->slot_bytes_ = h.slot_bytes;
   ep->slot_stride_ = stride;
@@ -643,12 +655,17 @@ void Endpoint::SendMessage(const void* head, size_t head_len, const void* payloa
 }
 
 void Endpoint::Close(bool graceful) {
-  if (thread_.joinable() && OnProgressThread()) {
+  if ((thread_.joinable() || group_) && OnProgressThread()) {
     throw std::logic_error("Endpoint::Close called from its own progress thread");
   }
+  bool in_group;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_ && !thread_.joinable()) return;
+    in_group = attached_ && !torn_down_ && !dropped_ && setup_error_.empty();
+    if (closed_ && !thread_.joinable() && !in_group) {
+      control_.Close();
+      return;
+    }
     closed_ = true;
     stop_requested_ = true;
     graceful_stop_ = graceful && !failed_;
@@ -656,7 +673,11 @@ void Endpoint::Close(bool graceful) {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (in_group) {
+    // The group tears it down on its thread (invariant 5); unbounded like a join.
+    cv_.wait(lock, [&] { return torn_down_ || dropped_ || !setup_error_.empty(); });
+  }
   control_.Close();
 }
 
@@ -682,7 +703,19 @@ void Endpoint::Setup() {
   if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
 }
 
-void Endpoint::Loop() {
+bool Endpoint::SetUpOnGroup() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      dropped_ = true;
+      cv_.notify_all();
+      return false;
+    }
+  }
+  return SetupOnThisThread();
+}
+
+bool Endpoint::SetupOnThisThread() {
   try {
     Setup();
   } catch (const std::exception& e) {
@@ -691,73 +724,95 @@ void Endpoint::Loop() {
     std::lock_guard<std::mutex> lock(mu_);
     setup_error_ = e.what();
     cv_.notify_all();
-    return;
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  thread_id_ = std::this_thread::get_id();
+  started_ = true;
+  cv_.notify_all();
+  return true;
+}
+
+Endpoint::StepResult Endpoint::Step(bool control_ready) {
+  if (monitoring_.load(std::memory_order_acquire) && control_.valid()) {
+    // A busy worker must not hide a torn connection: the wait that watches the control
+    // connection is skipped for as long as the loop finds work.
+    const auto now = Clock::now();
+    if (control_ready || now >= next_liveness_check_) {
+      next_liveness_check_ = now + kLivenessCheck;
+      pollfd c{control_.fd(), POLLIN, 0};
+      if (::poll(&c, 1, 0) > 0 && c.revents != 0) CheckControl(c.revents);
+    }
+  }
+  bool busy = RunCommands();
+  for (unsigned i = 0; i < kProgressBurst && ucp_worker_progress(worker_) != 0; ++i) busy = true;
+  ProcessCompleted();
+  ProcessIncoming();
+  if (failed_flag_.load(std::memory_order_acquire) && !failure_handled_) {
+    HandleFailure();
+    busy = true;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    thread_id_ = std::this_thread::get_id();
-    started_ = true;
-    cv_.notify_all();
+    if (stop_requested_ && commands_.empty()) return StepResult::kStop;
   }
-  Clock::time_point spin_until{};
-  Clock::time_point next_liveness_check{};
-  bool spinning = false;
+  if (busy || !completed_.empty()) {
+    spinning_ = false;
+    return StepResult::kBusy;
+  }
+  if (outstanding_ > 0) {
+    // Completions of requests in flight come within microseconds: poll briefly before
+    // paying for a sleep and a wake-up.
+    const auto now = Clock::now();
+    if (!spinning_) {
+      spinning_ = true;
+      spin_until_ = now + kSpin;
+    }
+    if (now < spin_until_) return StepResult::kBusy;
+  }
+  spinning_ = false;
+  return StepResult::kIdle;
+}
+
+bool Endpoint::ArmForWait() {
+  if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_ERR_BUSY) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.sleeps;
+  return true;
+}
+
+void Endpoint::DrainWake() {
+  uint64_t v;
+  [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof(v));
+}
+
+int Endpoint::WatchedControlFd() const {
+  return monitoring_.load(std::memory_order_acquire) && control_.valid() ? control_.fd() : -1;
+}
+
+void Endpoint::FinishOnGroup() {
+  Teardown();
+  std::lock_guard<std::mutex> lock(mu_);
+  torn_down_ = true;
+  cv_.notify_all();
+}
+
+void Endpoint::Loop() {
+  if (!SetupOnThisThread()) return;
   for (;;) {
-    if (monitoring_.load(std::memory_order_acquire) && control_.valid()) {
-      // A busy worker must not hide a torn connection: the poll below, which watches the
-      // control connection, is skipped for as long as the loop finds work.
-      const auto now = Clock::now();
-      if (now >= next_liveness_check) {
-        next_liveness_check = now + kLivenessCheck;
-        pollfd c{control_.fd(), POLLIN, 0};
-        if (::poll(&c, 1, 0) > 0 && c.revents != 0) CheckControl(c.revents);
-      }
-    }
-    bool busy = RunCommands();
-    for (unsigned i = 0; i < kProgressBurst && ucp_worker_progress(worker_) != 0; ++i) busy = true;
-    ProcessCompleted();
-    ProcessIncoming();
-    if (failed_flag_.load(std::memory_order_acquire) && !failure_handled_) {
-      HandleFailure();
-      busy = true;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stop_requested_ && commands_.empty()) break;
-    }
-    if (busy || !completed_.empty()) {
-      spinning = false;
-      continue;
-    }
-    if (outstanding_ > 0) {
-      // Completions of requests in flight come within microseconds: poll briefly before
-      // paying for a sleep and a wake-up.
-      const auto now = Clock::now();
-      if (!spinning) {
-        spinning = true;
-        spin_until = now + kSpin;
-      }
-      if (now < spin_until) continue;
-    }
-    spinning = false;
-    if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    const StepResult r = Step(false);
+    if (r == StepResult::kStop) break;
+    if (r == StepResult::kBusy || !ArmForWait()) continue;
     pollfd fds[3];
     nfds_t n = 0;
     fds[n++] = {wake_fd_, POLLIN, 0};
     if (efd_ >= 0) fds[n++] = {efd_, POLLIN, 0};
-    const bool monitor = monitoring_.load(std::memory_order_acquire) && control_.valid();
-    if (monitor) fds[n++] = {control_.fd(), POLLIN, 0};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.sleeps;
-    }
+    const int control = WatchedControlFd();
+    if (control >= 0) fds[n++] = {control, POLLIN, 0};
     const int rc = ::poll(fds, n, efd_ >= 0 ? kIdlePollMillis : 1);
     if (rc > 0) {
-      if (fds[0].revents & POLLIN) {
-        uint64_t v;
-        [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof(v));
-      }
-      if (monitor && fds[n - 1].revents != 0) CheckControl(fds[n - 1].revents);
+      if (fds[0].revents & POLLIN) DrainWake();
+      if (control >= 0 && fds[n - 1].revents != 0) CheckControl(fds[n - 1].revents);
     }
   }
   Teardown();

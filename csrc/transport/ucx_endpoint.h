@@ -50,7 +50,11 @@
 //      completes (UCX 1.13 cannot cancel sends or AM receives) keeps its buffers and its
 //      Landing.keepalive until the worker is destroyed, so no write lands in freed memory.
 //      Later PostPut/FlushAndRing throw TransportError.
-//   5. After Close() returns, no handler runs and the progress thread is joined.
+//   5. After Close() returns, no handler runs and the progress thread is joined (or the
+//      progress group let go of the endpoint).
+//   6. An endpoint's progress thread is its own, or (shards: AcceptLimits::progress) the
+//      thread of a ProgressGroup shared with other endpoints (ucx_progress.h); either way
+//      every UCP call on its worker happens on that one thread.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -70,6 +74,7 @@
 
 #include "transport/ucx_context.h"
 #include "transport/ucx_memory.h"
+#include "transport/ucx_progress.h"
 #include "transport/socket.h"
 #include "transport/ucx_wire.h"
 
@@ -159,6 +164,8 @@ class Endpoint {
     size_t max_slot_bytes = size_t{256} << 20;
     size_t max_ring_bytes = size_t{1} << 30;
     BootFault fault = BootFault::kNone;
+    // The threads that drive accepted endpoints (ucx_progress.h); null: a thread each.
+    std::shared_ptr<ProgressPool> progress;
   };
   struct BootRequest {
     wire::BootHello hello{};
@@ -225,9 +232,11 @@ class Endpoint {
   static constexpr size_t kMaxHeadBytes = 4096;
 
  private:
+  friend class ProgressGroup;
   struct Op;
   struct Incoming;
   struct Delivery;
+  enum class StepResult : uint8_t { kIdle, kBusy, kStop };
 
   Endpoint(Role role, std::shared_ptr<Context> context, std::string peer);
 
@@ -250,7 +259,23 @@ class Endpoint {
   void VerifyRing(const wire::BootReply& reply, Deadline deadline);
 
   // ---- progress thread ---------------------------------------------------------------------
-  void Loop();
+  void Loop();  // an endpoint's own thread: Step, arm, poll, until stopped; then Teardown
+  // Creates the worker on the calling thread (the progress thread from now on); false if the
+  // set-up failed (setup_error_ set).
+  bool SetupOnThisThread();
+  // A group's thread: SetupOnThisThread unless the endpoint was closed first (then it is
+  // dropped). False: not set up (Start / Close are told).
+  bool SetUpOnGroup();
+  // One iteration: commands, worker progress, completions, incoming messages, failure
+  // handling. kBusy: step again without waiting; kStop: Close asked to stop.
+  StepResult Step(bool control_ready);
+  // Arms the worker's event fd before a wait; false if events are pending (step again).
+  bool ArmForWait();
+  void DrainWake();
+  // The control connection's fd while it is watched (liveness), else -1.
+  int WatchedControlFd() const;
+  // A group's thread: Teardown, then lets Close return.
+  void FinishOnGroup();
   void Setup();
   void Teardown();
   bool RunCommands();
@@ -304,7 +329,8 @@ class Endpoint {
   // (acquire) or under mu_; closed by Close under mu_ after the thread is joined.
   Socket control_;
   int wake_fd_ = -1;
-  std::thread thread_;
+  std::thread thread_;                   // the endpoint's own progress thread, or
+  std::shared_ptr<ProgressGroup> group_;  // the group whose thread drives it (set before Start)
   std::thread::id thread_id_;
 
   // ---- progress thread only -------------------------------------------------------------------
@@ -323,6 +349,9 @@ class Endpoint {
   size_t outstanding_ = 0;                   // UCX requests whose callback has not run
   std::vector<Op*> live_ops_;                // every Op not yet deleted (freed at teardown)
   bool failure_handled_ = false;
+  bool spinning_ = false;
+  Clock::time_point spin_until_{};
+  Clock::time_point next_liveness_check_{};
   EndpointHandlers handlers_copy_;           // refreshed from handlers_ by Handlers()
 
   // ---- shared ------------------------------------------------------------------------------------
@@ -336,6 +365,9 @@ class Endpoint {
   bool graceful_stop_ = false;
   bool closed_ = false;
   bool started_ = false;
+  bool attached_ = false;    // handed to group_ (Start)
+  bool dropped_ = false;     // group_ dropped it unstarted (closed first)
+  bool torn_down_ = false;   // group_ finished its teardown
   bool failure_done_ = false;  // HandleFailure (or the teardown) finished
   std::string setup_error_;
   EndpointStats stats_;

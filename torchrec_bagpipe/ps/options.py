@@ -353,11 +353,13 @@ def ucx_server_options(
     max_unauthenticated: int = 256,
     max_unauthenticated_per_host: int = 32,
     io_threads: int = 2,
+    progress_threads: int = 2,
 ) -> Any:
     """A UCX shard server's options (a ``C.UcxServerOptions``; REQUIRES: a build with UCX).
     `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server; the
     other arguments are `tcp_server_options`' (for the bootstrap connections;
-    `io_threads` loop threads run the bootstraps)."""
+    `io_threads` loop threads run the bootstraps); `progress_threads` threads drive every
+    established connection (csrc/transport/ucx_progress.h)."""
     for name, value in (("ucx_tls", ucx_tls or ""), ("ucx_devices", ucx_devices or "")):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str")
@@ -366,6 +368,10 @@ def ucx_server_options(
                         io_threads, C.UcxServerOptions())
     o.ucx_tls = ucx_tls or ""
     o.ucx_devices = ucx_devices or ""
+    progress_threads = int_arg(progress_threads, "progress_threads", minimum=1)
+    if progress_threads > 64:
+        raise ValueError(f"progress_threads must be in [1, 64], got {progress_threads}")
+    o.progress_threads = progress_threads
     return o
 
 

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--io-threads", type=int, default=None,
                    help="threads serving the connections (default 4 for tcp, 2 bootstrap "
                         "threads for rdma)")
+    g.add_argument("--progress-threads", type=int, default=2,
+                   help="rdma: threads driving every established UCX connection (default 2)")
     g.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                    help=f"largest frame accepted (default {DEFAULT_MAX_FRAME_BYTES})")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -163,6 +165,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} must be >= 1"
     if args.io_threads is not None and not 1 <= args.io_threads <= 64:
         return f"--io-threads must be in [1, 64], got {args.io_threads}"
+    if not 1 <= args.progress_threads <= 64:
+        return f"--progress-threads must be in [1, 64], got {args.progress_threads}"
     if not args.handshake_timeout > 0:
         return "--handshake-timeout must be > 0"
     if not args.idle_timeout >= 0:
@@ -217,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             limits["io_threads"] = args.io_threads
         if args.transport == "rdma":
             server = shard.serve_ucx(args.host, args.port, ucx_tls=args.ucx_tls,
-                                     ucx_devices=args.ucx_devices, **limits)
+                                     ucx_devices=args.ucx_devices,
+                                     progress_threads=args.progress_threads, **limits)
         else:
             server = shard.serve(args.host, args.port, idle_timeout=args.idle_timeout, **limits)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
