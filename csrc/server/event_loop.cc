@@ -90,13 +90,15 @@ void EventLoop::Rearm(Registration& reg, uint32_t interest) {
 
 void EventLoop::Remove(const std::shared_ptr<Registration>& reg) {
   {
-    std::lock_guard<std::mutex> lock(reg->mu);
+    std::unique_lock<std::mutex> lock(reg->mu);
     if (reg->removed) return;
     if (reg->running) {
       reg->remove_requested = true;  // the running handler's Dispatch finishes it
+      reg->cv.wait(lock, [&] { return reg->removed; });
       return;
     }
     reg->removed = true;
+    reg->cv.notify_all();
     ::epoll_ctl(epfd_, EPOLL_CTL_DEL, reg->fd, nullptr);
   }
   Finish(reg);
@@ -107,7 +109,14 @@ void EventLoop::Finish(const std::shared_ptr<Registration>& reg) {
     std::lock_guard<std::mutex> lock(mu_);
     regs_.erase(reg->id);
   }
-  reg->handler->OnRemoved();
+  // The registration lets go of its handler (removed: nothing calls it any more), so a
+  // handler that keeps its registration forms no reference cycle.
+  std::shared_ptr<Handler> handler;
+  {
+    std::lock_guard<std::mutex> lock(reg->mu);
+    handler = std::move(reg->handler);
+  }
+  if (handler) handler->OnRemoved();
 }
 
 size_t EventLoop::registrations() const {
@@ -144,6 +153,7 @@ void EventLoop::Dispatch(uint64_t id, uint32_t events) {
     if (remove || interest == 0 || reg->remove_requested) {
       reg->removed = true;
       reg->running = false;
+      reg->cv.notify_all();
       ::epoll_ctl(epfd_, EPOLL_CTL_DEL, reg->fd, nullptr);
       lock.unlock();
       Finish(reg);
@@ -214,6 +224,7 @@ void EventLoop::Stop() {
       if (reg->removed) continue;
       reg->removed = true;
       reg->running = false;
+      reg->cv.notify_all();
       ::epoll_ctl(epfd_, EPOLL_CTL_DEL, reg->fd, nullptr);
     }
     Finish(reg);

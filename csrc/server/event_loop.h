@@ -16,7 +16,8 @@
 //      running registration are merged into the events of its next OnEvents call (never
 //      lost), and AddInterest during a run is applied when the run re-arms.
 //   2. OnRemoved runs exactly once, after the last OnEvents returned and after the descriptor
-//      left the epoll set, so the handler may close it without a thread still polling it.
+//      left the epoll set, so the handler may close it without a thread still polling it;
+//      the registration then drops its reference to the handler.
 //   3. After Stop() returns no loop thread runs; registrations left are removed (OnRemoved)
 //      by Stop itself.
 //   4. The tick runs at most once per period and never concurrently with itself.
@@ -25,6 +26,7 @@
 #include <sys/epoll.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -58,6 +60,7 @@ class EventLoop {
     const int fd;
     std::shared_ptr<Handler> handler;
     std::mutex mu;           // guards the fields below
+    std::condition_variable cv;  // `removed` became true
     bool running = false;    // a loop thread is in OnEvents
     bool removed = false;
     bool remove_requested = false;  // Remove() called while a handler ran
@@ -81,8 +84,9 @@ class EventLoop {
   void AddInterest(Registration& reg, uint32_t extra);
   // Arms a registration its handler left disarmed (kKeepDisarmed).
   void Rearm(Registration& reg, uint32_t interest);
-  // Deregisters reg from outside its handler: it is removed once no handler runs (the next
-  // run returns at once). Used by Stop for what is left.
+  // Deregisters reg from outside its handler and returns once it is out of the epoll set
+  // and no handler of it runs (a running one finishes first). REQUIRES: not called from a
+  // loop thread.
   void Remove(const std::shared_ptr<Registration>& reg);
 
   size_t registrations() const;

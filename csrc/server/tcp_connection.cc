@@ -37,6 +37,7 @@ TcpConnection::~TcpConnection() {
 
 void TcpConnection::Attach(EventLoop* loop, std::shared_ptr<EventLoop::Registration> reg) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (fd_ < 0) return;  // already removed (its first event ended it): keep no reference
   loop_ = loop;
   reg_ = std::move(reg);
 }

@@ -173,7 +173,10 @@ void TcpShardServer::Admit(int fd) {
     conn->Attach(loop_.get(), reg);
   } catch (const std::exception&) {
     conn->OnRemoved();  // closes fd, forgets the connection
+    return;
   }
+  // Admitted while Stop was collecting the connections to close: close it too.
+  if (!accepting_.load()) conn->Kill();
 }
 
 void TcpShardServer::OnAuthenticated(uint64_t id) {
@@ -253,7 +256,9 @@ void TcpShardServer::Stop(double drain_timeout) {
   std::lock_guard<std::mutex> stop_lock(stop_mu_);
   if (stopped_.load()) return;
   accepting_.store(false);
-  if (listener_) loop_->Remove(listener_);
+  if (listener_) loop_->Remove(listener_);  // returns once no thread accepts
+  if (listen_fd_ >= 0) ::close(listen_fd_);  // new connection attempts are refused
+  listen_fd_ = -1;
   const auto deadline = DeadlineAfter(drain_timeout > 0 ? drain_timeout : 1e-6);
   std::vector<std::shared_ptr<TcpConnection>> rest;
   {

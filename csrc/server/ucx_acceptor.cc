@@ -53,6 +53,7 @@ class UcxAcceptor::Bootstrap final : public EventLoop::Handler {
 
   void Attach(std::shared_ptr<EventLoop::Registration> reg) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (removed_) return;  // its first event already ended it: keep no reference
     reg_ = std::move(reg);
   }
 
@@ -116,6 +117,7 @@ class UcxAcceptor::Bootstrap final : public EventLoop::Handler {
       std::lock_guard<std::mutex> lock(mu_);
       if (fd_ >= 0) ::close(fd_);
       fd_ = -1;
+      removed_ = true;
       reg_.reset();
     }
     a_->Finished(id_, accepted_, error_);
@@ -156,8 +158,9 @@ class UcxAcceptor::Bootstrap final : public EventLoop::Handler {
   bool accepted_ = false;
   std::string error_;
   // ---- shared ----
-  std::mutex mu_;  // guards fd_ and reg_
+  std::mutex mu_;  // guards fd_, removed_ and reg_
   int fd_;
+  bool removed_ = false;
   std::shared_ptr<EventLoop::Registration> reg_;
 };
 
@@ -259,7 +262,9 @@ void UcxAcceptor::Admit(int fd) {
     boot->Attach(loop_->Add(fd, boot, EPOLLIN));
   } catch (const std::exception&) {
     boot->OnRemoved();
+    return;
   }
+  if (stopping_.load()) boot->Kill();  // admitted while Stop collected the handshakes
 }
 
 void UcxAcceptor::Finished(uint64_t id, bool accepted, const std::string& error) {
@@ -297,7 +302,9 @@ void UcxAcceptor::Tick() {
 void UcxAcceptor::Stop() {
   std::lock_guard<std::mutex> stop_lock(stop_mu_);
   if (stopping_.exchange(true)) return;
-  if (listener_) loop_->Remove(listener_);
+  if (listener_) loop_->Remove(listener_);  // returns once no thread accepts
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
   std::vector<std::shared_ptr<Bootstrap>> rest;
   {
     std::lock_guard<std::mutex> lock(mu_);
