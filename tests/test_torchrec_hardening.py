@@ -96,6 +96,15 @@ def _mismatches(rank: int, world: int) -> list[str]:
         if rank != 1 or "learning rate must be > 0" not in str(e):
             problems.append(f"setup error: rank {rank}: {e}")
     close_job()
+    # A process's own resources may differ between ranks.
+    try:
+        dmp = _shard(_ebc(), world, {"ps_shards": 2, "store_threads": 1 + rank})
+        from torchrec_bagpipe.distributed import close_model
+
+        close_model(dmp)
+    except Exception as e:
+        problems.append(f"store_threads per rank: {type(e).__name__}: {e}")
+    close_job()
     # The job token is compared by digest: it never appears in the message.
     token = f"secret-{rank}-{secrets.token_hex(4)}"
     try:

@@ -25,7 +25,13 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.agreement import agree_before_open, config_fields, flatten
+from torchrec_bagpipe.distributed.agreement import (
+    PER_RANK_FIELDS,
+    agree_before_open,
+    config_fields,
+    flatten,
+    redact,
+)
 from torchrec_bagpipe.distributed.process_group_collectives import (
     TorchDistCollectives,
     new_runtime_group,
@@ -76,7 +82,8 @@ class BagPipeJob:
         # others do not expect would leave them waiting for its address): every rank fails
         # together, naming the field (agreement.py; the token compared by digest only).
         agree_before_open(self.control,
-                          flatten(config_fields(config, _DEPLOYMENT_FIELDS)),
+                          flatten(config_fields(config, [f for f in _DEPLOYMENT_FIELDS
+                                                         if f not in PER_RANK_FIELDS])),
                           where="BagPipe job (the PS deployment)")
         self._modules: weakref.WeakSet[JobMember] = weakref.WeakSet()
         self._next_session = 0
@@ -149,7 +156,8 @@ class BagPipeJob:
         return endpoints
 
     def _key(self, name: str) -> str:
-        return f"torchrec_bagpipe/{self.job_token}/{name}"
+        # The token's digest, not the token: a key can appear in a store error message.
+        return f"torchrec_bagpipe/{redact(self.job_token)}/{name}"
 
     def deployment(self) -> dict[str, Any]:
         """What every rank's sessions depend on beyond its config: the shard count, the
