@@ -207,8 +207,9 @@ def test_optimizer_sources_and_unsupported_optimizers():
             assert "supported: " in str(info.value) and "RowWiseAdagrad" in str(info.value)
     with pytest.raises(ValueError, match="no learning rate"):
         of(None, None)
-    with pytest.raises(ValueError, match="must be >= 0"):
-        of(None, {"learning_rate": -0.1})
+    for bad in (-0.1, 0.0):
+        with pytest.raises(ValueError, match="must be > 0"):
+            of(None, {"learning_rate": bad})
     with pytest.raises(ValueError, match=r"table t0: optimizer\.beta1"):
         of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "beta1": 1.5})
 

@@ -65,13 +65,15 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.agreement import agree_before_open, describe
 from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, FusedGroup
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
-from torchrec_bagpipe.distributed.job import job_for
+from torchrec_bagpipe.distributed.grad_check import check_finite_grad
+from torchrec_bagpipe.distributed.job import BagPipeJob, job_for
 from torchrec_bagpipe.distributed.layout import FusedLayout, check_plan, table_specs
 from torchrec_bagpipe.distributed.lookup import BatchRows, Pooler, eval_rows, train_step
 from torchrec_bagpipe.distributed.table_io import TableIO
-from torchrec_bagpipe.distributed.table_optimizer import table_optimizer
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL, BagPipeEBCContext
 
 if TYPE_CHECKING:
@@ -147,19 +149,50 @@ class ShardedBagPipeEmbeddingBagCollection(
         where = f"BagPipe EBC {self._module_fqn or '<root>'}"
 
         # ---- layout: tables, slots and fused tables --------------------------------------
+        # A rank's own mistakes are collected, not raised: every rank hears of them through
+        # the job's control group below and raises together (agreement.py).
         configs = module.embedding_bag_configs()
-        check_plan(configs, table_name_to_parameter_sharding, where)
-        optimizers = {
-            cfg.name: table_optimizer(module.embedding_bags[cfg.name].weight, fused_params,
-                                      f"{where}, table {cfg.name!r}")
-            for cfg in configs
-        }
-        self._job = job_for(self._config, env, self._device)
-        self._layout = FusedLayout(
-            table_specs(configs, optimizers), get_embedding_names_by_table(configs),
-            session=self._job.next_session_id(), module_fqn=self._module_fqn,
-            weighted=self._is_weighted,
+        layout: FusedLayout | None = None
+        problem: BaseException | None = None
+        optimizers: dict[str, TableOptimizer] = {}
+        try:
+            check_plan(configs, table_name_to_parameter_sharding, where)
+            optimizers = {
+                cfg.name: table_optimizer(module.embedding_bags[cfg.name].weight, fused_params,
+                                          f"{where}, table {cfg.name!r}")
+                for cfg in configs
+            }
+        except Exception as e:
+            problem = e
+        try:
+            self._job = job_for(self._config, env, self._device)
+        except ValueError as e:
+            # This module's deployment differs from the process's job: the other ranks hear
+            # of it (or of this rank's earlier mistake) through the job's control group.
+            current = BagPipeJob.current()
+            if current is None:
+                raise (problem or e) from None
+            agree_before_open(current.control, None, where=where, error=problem or e)
+            raise
+        if problem is None:
+            try:
+                layout = FusedLayout(
+                    table_specs(configs, optimizers), get_embedding_names_by_table(configs),
+                    session=self._job.next_session_id(), module_fqn=self._module_fqn,
+                    weighted=self._is_weighted,
+                )
+            except Exception as e:
+                problem = e
+        # Before anything opens on the PS, the ranks compare their tables and settings and
+        # fail together on any difference (agreement.py).
+        agree_before_open(
+            self._job.control,
+            None if layout is None else describe(layout.tables, layout.fused, self._config,
+                                                 self._job.deployment()),
+            where=where, error=problem,
         )
+        assert layout is not None
+        self._layout = layout
         fused = self._layout.fused
         columns = self._layout.output_columns
         self._output_columns = columns.to(self._device) if columns is not None else None
@@ -440,6 +473,10 @@ class ShardedBagPipeEmbeddingBagCollection(
     def _finish(self, g: int, step: Step, grad: torch.Tensor, lr: float) -> None:
         pending = self._pending[g]
         assert pending and pending[0] is step
+        if self._config.check_finite_grads:
+            # Before anything is committed; the step stays pending if it raises.
+            check_finite_grad(grad, self._job.control, table=self._runtimes[g].name,
+                              step=step.step)
         pending.popleft()
         self._runtimes[g].finish_step(step, grad, lr)
 

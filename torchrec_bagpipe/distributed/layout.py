@@ -20,7 +20,8 @@ Invariants:
 2. Every slot belongs to exactly one fused table; `FusedTableSpec.slots` lists them in
    module order, and the per-slot tensors below follow that order.
 3. `fused_keys` returns keys in `[0, num_keys)` only; any id outside its table's range is a
-   `ValueError` naming the feature, the table and the id.
+   `ValueError` naming the feature, the table and the id; a malformed KJT (non-integer ids,
+   negative or inconsistent lengths/offsets: input_check.py) is refused before that.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_bagpipe.distributed.input_check import check_kjt
 from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
 from torchrec_bagpipe.distributed.types import (
     BAGPIPE_KERNEL,
@@ -53,6 +55,11 @@ def check_plan(configs: Sequence[BaseEmbeddingConfig],
                plan: Mapping[str, ParameterSharding], where: str) -> None:
     """Refuses a plan or table BagPipe cannot lay out (ValueError naming the table)."""
     for cfg in configs:
+        if int(cfg.num_embeddings) < 1 or int(cfg.embedding_dim) < 1:
+            raise ValueError(
+                f"{where}: table {cfg.name!r} has {cfg.num_embeddings} rows of dim "
+                f"{cfg.embedding_dim}; a BagPipe table needs at least one row and dim >= 1"
+            )
         ps = plan.get(cfg.name)
         if ps is None:
             raise ValueError(f"{where}: the sharding plan has no entry for table {cfg.name!r}")
@@ -200,6 +207,7 @@ class FusedLayout:
             raise ValueError(
                 "BagPipe EBC does not support variable batch sizes per feature (VBE KJTs)"
             )
+        check_kjt(features)
         if self._weighted and features.weights_or_none() is None:
             raise ValueError("this EmbeddingBagCollection is weighted but the KJT has no weights")
         perms = self._perms.get(tuple(features.keys()))
