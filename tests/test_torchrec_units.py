@@ -182,7 +182,6 @@ def test_optimizer_sources_and_unsupported_optimizers():
         TableOptimizer(OptimizerSpec(kind="adam", beta1=0.5, beta2=0.9, weight_decay=0.1), 0.01))
     assert of(_param_with(torch.optim.SparseAdam, lr=0.01)).spec.kind == "adam"
     assert of(_param_with(TrecSGD, lr=0.3)).spec.kind == "sgd"
-    assert of(None, {"learning_rate": 0.0}).lr == 0.0  # a warm-up may start at 0
     # Unsupported: a clear error naming what is supported.
     for param, fused, needle in [
         (_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "momentum"),
