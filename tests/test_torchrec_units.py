@@ -184,7 +184,6 @@ def test_optimizer_sources_and_unsupported_optimizers():
         TableOptimizer(OptimizerSpec(kind="adam", beta1=0.5, beta2=0.9, weight_decay=0.1), 0.01))
     assert of(_param_with(torch.optim.SparseAdam, lr=0.01)).spec.kind == "adam"
     assert of(_param_with(TrecSGD, lr=0.3)).spec.kind == "sgd"
-    assert of(None, {"learning_rate": 0.0}).lr == 0.0  # a warm-up may start at 0
     # In-backward kwargs as TorchRec's stock sharder leaves them after sharding another table
     # that shares them (the EmbOptimType added, lr renamed learning_rate).
     shared = _param_with(RowWiseAdagrad, lr=0.1, eps=1e-3)
@@ -215,8 +214,9 @@ def test_optimizer_sources_and_unsupported_optimizers():
             assert "supported: " in str(info.value) and "RowWiseAdagrad" in str(info.value)
     with pytest.raises(ValueError, match="no learning rate"):
         of(None, None)
-    with pytest.raises(ValueError, match="must be >= 0"):
-        of(None, {"learning_rate": -0.1})
+    for bad in (-0.1, 0.0):
+        with pytest.raises(ValueError, match="must be > 0"):
+            of(None, {"learning_rate": bad})
     with pytest.raises(ValueError, match=r"table t0: optimizer\.beta1"):
         of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "beta1": 1.5})
 

@@ -25,6 +25,7 @@ _LAZY = {
     "bagpipe_plan": "torchrec_bagpipe.distributed.sharding_planner",
     "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
     "SessionError": "torchrec_bagpipe._native",
+    "ShuttingDownError": "torchrec_bagpipe._native",
     "TransportError": "torchrec_bagpipe._native",
 }
 

@@ -192,13 +192,33 @@ class BagPipeConfig:
         ),
     )
 
-    # ---- timeouts (seconds) -------------------------------------------------------------
+    # ---- failure handling ---------------------------------------------------------------
     ps_timeout: float = field(
         default=120.0,
-        metadata=_help("bound on every wait for the PS: a get, a commit, a committed step"),
+        metadata=_help(
+            "seconds (the one deadline of every PS operation, from its submission): a get, a "
+            "commit, a committed step; past it the rank fails with TimeoutError and the job "
+            "exits within a few seconds"
+        ),
     )
     connect_timeout: float = field(
-        default=30.0, metadata=_help("bound on connecting to a PS shard")
+        default=30.0, metadata=_help("seconds to connect to a PS shard")
+    )
+    ps_checkpoint_max_failures: int = field(
+        default=3,
+        metadata=_help(
+            "PS shards that checkpoint periodically report each checkpoint to the trainers: "
+            "a failed one is a warning on the rank's log and a metric; this many failures "
+            "in a row on one shard raise PSCheckpointError (0: never)"
+        ),
+    )
+    check_finite_grads: bool = field(
+        default=False,
+        metadata=_help(
+            "check every embedding row gradient for NaN/inf before it is committed: a "
+            "non-finite one fails the step on every rank with NonFiniteGradientError before "
+            "anything reaches the PS (off by default, as TorchRec)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -253,6 +273,8 @@ class BagPipeConfig:
         for name in ("ps_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"BagPipeConfig.{name} must be > 0 seconds")
+        if self.ps_checkpoint_max_failures < 0:
+            raise ValueError("BagPipeConfig.ps_checkpoint_max_failures must be >= 0 (0: never)")
 
     # ---- derived values ---------------------------------------------------------------------
     def memory_budget_bytes(self) -> int | None:

@@ -142,7 +142,8 @@ BAGPIPE_BINDING(options) {
                              "How a client connects to remote shards (csrc/transport/channel.h).")
       .def(py::init<>())
       .def_readwrite("job_token", &ConnectOptions::job_token)
-      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout);
+      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout)
+      .def_readwrite("keepalive_interval", &ConnectOptions::keepalive_interval);
 
   using server::TcpServerOptions;
   py::class_<TcpServerOptions>(m, "TcpServerOptions",
@@ -151,8 +152,14 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("host", &TcpServerOptions::host)
       .def_readwrite("port", &TcpServerOptions::port)
       .def_readwrite("job_token", &TcpServerOptions::job_token)
+      .def_readwrite("allow_no_token", &TcpServerOptions::allow_no_token)
       .def_readwrite("handshake_timeout", &TcpServerOptions::handshake_timeout)
-      .def_readwrite("max_connections", &TcpServerOptions::max_connections);
+      .def_readwrite("idle_timeout", &TcpServerOptions::idle_timeout)
+      .def_readwrite("max_connections", &TcpServerOptions::max_connections)
+      .def_readwrite("max_unauthenticated", &TcpServerOptions::max_unauthenticated)
+      .def_readwrite("max_unauthenticated_per_host",
+                     &TcpServerOptions::max_unauthenticated_per_host)
+      .def_readwrite("io_threads", &TcpServerOptions::io_threads);
 }
 
 }  // namespace bagpipe::bindings

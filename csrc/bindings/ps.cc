@@ -309,6 +309,21 @@ BAGPIPE_BINDING(ps) {
              if (!f) return py::none();
              return py::str(f->message);
            })
+      .def("checkpoint_report",
+           [](PSClient& c) {
+             commit::CheckpointReport r;
+             {
+               py::gil_scoped_release release;
+               r = c.checkpoint_report();
+             }
+             py::dict d;
+             d["succeeded"] = r.succeeded;
+             d["failed"] = r.failed;
+             d["consecutive_failures"] = r.consecutive_failures;
+             d["last_step"] = r.last_step;
+             d["last_error"] = r.last_error;
+             return d;
+           })
       .def("stats", [](PSClient& c) {
         commit::ClientStats s;
         {

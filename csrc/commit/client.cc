@@ -188,10 +188,12 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
                        std::to_string(options_.world_size));
     }
     if (options_.max_packet_rows == 0) throw ValueError("max_packet_rows must be >= 1");
-    if (!(options_.timeout > 0)) throw ValueError("timeout must be > 0 seconds");
-    if (!std::isfinite(options_.lr) || options_.lr < 0.0f) {
-      throw ValueError("lr must be finite and >= 0");
+    // The configured lr (a commit that names none uses it) must be > 0; a step's own lr
+    // under a schedule may be 0 (CommitAsync).
+    if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
+      throw ValueError("lr must be finite and > 0, got " + std::to_string(options_.lr));
     }
+    if (!(options_.timeout > 0)) throw ValueError("timeout must be > 0 seconds");
     store::ValidateOptimizerSpec(options_.optimizer);
     if (options_.init.bound_starts.size() != options_.init.bound_values.size() ||
         options_.init.bound_starts.size() > wire::kMaxBoundRanges) {
@@ -204,6 +206,8 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
       }
     }
     committed_.assign(channels_.size(), -1);
+    checkpoints_.consecutive_failures.assign(channels_.size(), 0);
+    checkpoints_.last_step.assign(channels_.size(), -1);
     for (uint32_t j = 0; j < channels_.size(); ++j) {
       channels_[j]->SetHandlers([this, j](const Reply& r) { OnNotify(j, r); },
                                 [this, j](const Error& e) { OnChannelFailure(j, e); });
@@ -455,15 +459,54 @@ void PSClient::ExpireQueuedLocked() {
   }
 }
 
+void PSClient::ExpireActiveLocked() {
+  if (failed_) return;
+  const auto now = Clock::now();
+  for (const auto& op : active_) {
+    if (op->finished_ || op->deadline_ > now) continue;
+    // The operation's one deadline passed with a reply or a commit still missing: a shard
+    // hangs or a rank is lost. Its slot cannot be reused, so the client fails (every wait
+    // on it, now and later, raises this at once instead of each timing out in turn).
+    std::string who;
+    if (op->kind_ == OpKind::kCommit && op->staged_) {
+      for (uint32_t j = 0; j < committed_.size(); ++j) {
+        if (committed_[j] < op->step_) who += (who.empty() ? "" : ", ") + ShardName(j);
+      }
+      who = who.empty() ? std::string() : "; not committed by " + who;
+    } else if (op->outstanding_ > 0) {
+      who = "; " + std::to_string(op->outstanding_) + " packet(s) unanswered";
+    }
+    std::string what = OpName(op->kind_);
+    if (op->kind_ == OpKind::kCommit) what += " of step " + std::to_string(op->step_);
+    if (op->kind_ == OpKind::kGet) what += " at step " + std::to_string(op->step_);
+    FailClientLocked(Error{ErrorKind::kTimeout,
+                           what + " did not complete within " + std::to_string(options_.timeout) +
+                               " s of its submission" + who + " (shards committed " +
+                               StepsText(committed_) + "; a PS shard hangs or a rank is lost)"});
+    return;
+  }
+}
+
+Deadline PSClient::StagingDeadline(const std::shared_ptr<ClientOp>& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d = op->deadline_;
+  for (const auto& a : active_) {
+    if (!a->finished_) d = std::min(d, a->deadline_);
+  }
+  return d;
+}
+
 void PSClient::WorkerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     ExpireQueuedLocked();
+    ExpireActiveLocked();
     if (stop_worker_) break;
     auto op = PickReadyLocked();
     if (!op) {
       auto next = Clock::now() + std::chrono::seconds(1);
       for (const auto& q : queue_) next = std::min(next, q->deadline_);
+      for (const auto& a : active_) next = std::min(next, a->deadline_);
       work_cv_.wait_until(lock, next);
       continue;
     }
@@ -483,6 +526,8 @@ void PSClient::WorkerLoop() {
       Stage(op);
     } catch (const TimeoutError& e) {
       err = Error{ErrorKind::kTimeout, e.what()};
+    } catch (const ShuttingDownError& e) {
+      err = Error{ErrorKind::kShuttingDown, e.what()};
     } catch (const TransportError& e) {
       err = Error{ErrorKind::kTransport, e.what()};
     } catch (const SessionError& e) {
@@ -494,7 +539,9 @@ void PSClient::WorkerLoop() {
     }
     lock.lock();
     if (err) {
-      // A half-sent operation leaves this rank's protocol state unknown: the client fails.
+      // A half-sent operation leaves this rank's protocol state unknown: the client fails
+      // (with the reason of an earlier operation that expired meanwhile, if one did).
+      ExpireActiveLocked();
       if (!op->finished_) FinishLocked(op, *err);
       FailClientLocked(*err);
     } else {
@@ -548,7 +595,7 @@ void PSClient::SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector
       const size_t begin = off[j] + k * maxr;
       const size_t count = std::min(maxr, off[j + 1] - begin);
       Channel& ch = *channels_[j];
-      const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
+      const uint32_t slot = ch.AcquireSlot(StagingDeadline(op), &abort_);
       post_chunk(ch, j, slot, k, chunks[j], begin, count);
     }
   }
@@ -647,7 +694,7 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
   }
   for (uint32_t j = 0; j < num_shards(); ++j) {
     Channel& ch = *channels_[j];
-    const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
+    const uint32_t slot = ch.AcquireSlot(StagingDeadline(op), &abort_);
     uint8_t* f = ch.SlotBuffer(slot);
     wire::SessionBody b{options_.session};
     std::memcpy(f + kHeaderBytes, &b, sizeof(b));
@@ -791,6 +838,27 @@ void PSClient::OnNotify(uint32_t shard, const Reply& r) {
   } else if (r.type() == MsgType::kNotifyFailed) {
     if (quiet_) return;
     FailClientLocked(Error{ErrorKind::kSession, ShardName(shard) + ": " + r.Text()});
+  } else if (r.type() == MsgType::kNotifyShutdown) {
+    // The shard drains: it refuses new work from now on, so this client cannot go on.
+    if (quiet_) return;
+    FailClientLocked(Error{ErrorKind::kShuttingDown,
+                           ShardName(shard) + ": " + r.Text() +
+                               " (it accepts no more commits or reads)"});
+  } else if (r.type() == MsgType::kNotifyCheckpoint &&
+             r.fixed_len == sizeof(wire::CheckpointNoteBody)) {
+    const auto note = wire::Load<wire::CheckpointNoteBody>(r.fixed);
+    if (note.session != options_.session) return;
+    auto& c = checkpoints_;
+    if (r.status() == Status::kOk) {
+      ++c.succeeded;
+      c.consecutive_failures[shard] = 0;
+      c.last_step[shard] = std::max(c.last_step[shard], note.step);
+    } else {
+      ++c.failed;
+      ++c.consecutive_failures[shard];
+      c.last_error = ShardName(shard) + ": periodic checkpoint of step " +
+                     std::to_string(note.step) + " failed: " + r.Text();
+    }
   }
 }
 
@@ -810,6 +878,17 @@ int64_t PSClient::CommittedStep() {
 std::vector<int64_t> PSClient::ShardCommittedSteps() {
   std::lock_guard<std::mutex> lock(mu_);
   return committed_;
+}
+
+CheckpointReport PSClient::checkpoint_report() {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckpointReport r;
+  r.succeeded = checkpoints_.succeeded;
+  r.failed = checkpoints_.failed;
+  for (uint32_t c : checkpoints_.consecutive_failures) r.consecutive_failures = std::max(r.consecutive_failures, c);
+  r.last_step = checkpoints_.last_step;
+  r.last_error = checkpoints_.last_error;
+  return r;
 }
 
 std::optional<Error> PSClient::failure() {

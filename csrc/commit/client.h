@@ -23,8 +23,12 @@
 //      in flight, and nothing queued after them starts before they complete.
 //   5. Failure is sticky: a transport failure, a failed session or an error reply to a
 //      commit fails every pending and later operation of this client with that error.
-//   6. Every wait is bounded (options.timeout); Close drains, closes the session on every
-//      reachable shard and joins every thread; after it no callback runs.
+//   6. Every operation has ONE deadline, its submission + options.timeout, bounding every
+//      wait of it (queueing, slots, replies, the commit): past it a queued operation fails
+//      with TimeoutError and a started one fails the client (a shard hangs or a rank is
+//      lost; every pending and later operation then fails at once). Close drains (bounded),
+//      closes the session on every reachable shard (a failed client: for at most 1 s) and
+//      joins every thread; after it no callback runs.
 #pragma once
 
 #include <atomic>
@@ -129,6 +133,16 @@ struct ClientStats {
   uint64_t rows_read = 0;
 };
 
+// What the shards reported about their periodic checkpoints of this table
+// (wire::kNotifyCheckpoint), counted since the client opened.
+struct CheckpointReport {
+  uint64_t succeeded = 0;
+  uint64_t failed = 0;
+  uint32_t consecutive_failures = 0;  // the largest run of failures on one shard, up to now
+  std::vector<int64_t> last_step;     // per shard: the last step checkpointed (-1: none)
+  std::string last_error;             // the latest failure ("" if none)
+};
+
 class PSClient {
  public:
   // Opens the session on every shard (channels[s] reaches shard s) within options.timeout.
@@ -177,6 +191,8 @@ class PSClient {
   std::vector<int64_t> ShardCommittedSteps();
   // The first fatal error, if the client failed.
   std::optional<transport::Error> failure();
+  // The shards' periodic checkpoints of this table so far.
+  CheckpointReport checkpoint_report();
   ClientStats stats();
   std::vector<transport::ChannelStats> channel_stats();
   std::vector<std::string> shard_peers() const;
@@ -197,6 +213,11 @@ class PSClient {
   void WorkerLoop();
   std::shared_ptr<ClientOp> PickReadyLocked();
   void ExpireQueuedLocked();
+  // Fails the client when a started operation outlived its deadline (invariant 6).
+  void ExpireActiveLocked();
+  // How long staging `op` may wait for a slot: its deadline, or an earlier one of a started
+  // operation (so a hung shard is reported at the first deadline, not the last).
+  Deadline StagingDeadline(const std::shared_ptr<ClientOp>& op);
   void Stage(const std::shared_ptr<ClientOp>& op);
   // Commit / assign: keys and rows (gradients or weights) in chunks per shard.
   void StageRows(const std::shared_ptr<ClientOp>& op);
@@ -245,6 +266,13 @@ class PSClient {
   std::shared_ptr<ClientOp> last_commit_;         // the latest commit that started
   int64_t last_staged_commit_ = -1;               // highest step whose packets all went out
   std::vector<int64_t> committed_;                // per shard
+  struct {
+    uint64_t succeeded = 0;
+    uint64_t failed = 0;
+    std::vector<uint32_t> consecutive_failures;   // per shard
+    std::vector<int64_t> last_step;               // per shard
+    std::string last_error;
+  } checkpoints_;
   std::optional<transport::Error> failed_;
   bool stop_worker_ = false;
   std::atomic<bool> abort_{false};  // set when the client fails or gives up: staging stops

@@ -361,13 +361,31 @@ void CommitCoordinator::ApplyLocked() {
   }
   if (options_.checkpoint_every > 0 && !options_.checkpoint_dir.empty() &&
       (committed_ + 1) % options_.checkpoint_every == 0) {
+    std::string error;
     try {
       CheckpointLocked(options_.checkpoint_dir);
     } catch (const std::exception& e) {
-      // The update itself is applied; a failed checkpoint only loses a restore point.
+      // The update itself is applied; a failed checkpoint loses a restore point, which the
+      // trainers are told about (below) so a recovery point that lags is never silent.
+      error = e.what();
       if (log_) log_("table '" + table_ + "': checkpoint of step " + std::to_string(committed_) +
-                     " failed: " + e.what());
+                     " failed: " + error);
     }
+    NotifyCheckpointLocked(error);
+  }
+}
+
+void CommitCoordinator::NotifyCheckpointLocked(const std::string& error) {
+  wire::CheckpointNoteBody body{};
+  body.session = params_.session;
+  body.step = committed_;
+  const size_t n = std::min(error.size(), wire::kMaxMessageBytes);
+  body.text_len = static_cast<uint32_t>(n);
+  const Status status = error.empty() ? Status::kOk : Status::kInternal;
+  for (const auto& l : attached_) {
+    if (!l) continue;
+    l->Send(MsgType::kNotifyCheckpoint, status, 0, wire::kNoSlot, &body, sizeof(body), n,
+            [&](uint8_t* dst) { std::memcpy(dst, error.data(), n); });
   }
 }
 
@@ -510,11 +528,23 @@ void CommitCoordinator::CheckpointLocked(const std::string& dir) {
 
 void CommitCoordinator::Shutdown(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (shutting_down_) return;
   shutting_down_ = true;
   for (const auto& w : waiters_) {
     w.link->SendError(w.tag, w.slot, Status::kShuttingDown, params_.session, why);
   }
   waiters_.clear();
+  // Tell every attached rank at once (not only those waiting): they stop instead of
+  // carrying on until their next request is refused.
+  wire::MessageBody body{};
+  body.session = params_.session;
+  const size_t n = std::min(why.size(), wire::kMaxMessageBytes);
+  body.text_len = static_cast<uint32_t>(n);
+  for (const auto& l : attached_) {
+    if (!l) continue;
+    l->Send(MsgType::kNotifyShutdown, Status::kShuttingDown, 0, wire::kNoSlot, &body,
+            sizeof(body), n, [&](uint8_t* dst) { std::memcpy(dst, why.data(), n); });
+  }
   committed_cv_.notify_all();
 }
 

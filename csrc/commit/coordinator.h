@@ -34,6 +34,9 @@
 //   6. Reads: Get(at_step) is served once committed_step >= at_step, with the rows of the
 //      committed step current when it is served; deferred reads are served under the same
 //      lock hold that advanced the step, before any later step can be applied.
+//   7. Every attached rank hears of what it cannot see otherwise: each periodic checkpoint's
+//      outcome (kNotifyCheckpoint, failures included) and the shard draining
+//      (kNotifyShutdown).
 #pragma once
 
 #include <condition_variable>
@@ -144,7 +147,8 @@ class CommitCoordinator {
   // committed_step and table). Returns the step saved. Throws IOError / ValueError.
   int64_t Checkpoint(const std::string& dir);
 
-  // Fails every deferred read and the session with kShuttingDown semantics (drain).
+  // Drain: fails every deferred read (kShuttingDown), tells every attached rank
+  // (wire::kNotifyShutdown with `why`), and refuses new work. Idempotent.
   void Shutdown(const std::string& why);
 
   int64_t committed_step() const;
@@ -182,6 +186,8 @@ class CommitCoordinator {
 
   void FailLocked(const std::string& why);
   void CheckpointLocked(const std::string& dir);
+  // Tells every attached rank how the periodic checkpoint of committed_ went (error "" : ok).
+  void NotifyCheckpointLocked(const std::string& error);
   void ApplyLocked();
   void ServeLocked(const Waiter& w);
   void ServeReadyWaitersLocked();

@@ -57,6 +57,8 @@ const char* MsgTypeName(uint16_t type) {
     case MsgType::kError: return "Error";
     case MsgType::kNotifyCommitted: return "NotifyCommitted";
     case MsgType::kNotifyFailed: return "NotifyFailed";
+    case MsgType::kNotifyShutdown: return "NotifyShutdown";
+    case MsgType::kNotifyCheckpoint: return "NotifyCheckpoint";
   }
   return "Unknown";
 }
@@ -78,7 +80,7 @@ const char* StatusName(Status status) {
 
 bool IsKnownType(uint16_t type) {
   return type >= static_cast<uint16_t>(MsgType::kHello) &&
-         type <= static_cast<uint16_t>(MsgType::kNotifyFailed);
+         type <= static_cast<uint16_t>(MsgType::kNotifyCheckpoint);
 }
 
 bool IsRequestType(MsgType type) {
@@ -118,6 +120,8 @@ size_t FixedBodyBytes(MsgType type) {
     case MsgType::kError: return sizeof(MessageBody);
     case MsgType::kNotifyCommitted: return sizeof(StepBody);
     case MsgType::kNotifyFailed: return sizeof(MessageBody);
+    case MsgType::kNotifyShutdown: return sizeof(MessageBody);
+    case MsgType::kNotifyCheckpoint: return sizeof(CheckpointNoteBody);
   }
   return 0;
 }

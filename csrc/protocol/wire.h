@@ -64,6 +64,9 @@ enum class MsgType : uint16_t {
   kError = 17,           // S->C  MessageBody + text; header.status says which error
   kNotifyCommitted = 18, // S->C  StepBody (pushed to every attached rank after each commit)
   kNotifyFailed = 19,    // S->C  MessageBody + text (the session failed)
+  kNotifyShutdown = 20,  // S->C  MessageBody + text (the shard is draining: new work is refused)
+  kNotifyCheckpoint = 21,  // S->C  CheckpointNoteBody + text: a periodic checkpoint's outcome
+                           //       (header.status kOk, or kInternal with the error text)
 };
 
 // Reply status, carried in FrameHeader::status. Maps 1:1 onto the Python exception a client
@@ -231,6 +234,14 @@ struct MessageBody {
   uint32_t reserved;
 };
 static_assert(sizeof(MessageBody) == 16);
+
+struct CheckpointNoteBody {
+  uint64_t session;
+  int64_t step;       // the committed step the checkpoint holds (or failed to hold)
+  uint32_t text_len;  // <= kMaxMessageBytes; the text follows (the error, or the directory)
+  uint32_t reserved;
+};
+static_assert(sizeof(CheckpointNoteBody) == 24);
 
 // Size of the fixed body struct of `type`; 0 for empty bodies (Ping/Pong).
 size_t FixedBodyBytes(MsgType type);

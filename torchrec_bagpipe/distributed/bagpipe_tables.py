@@ -49,7 +49,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, FusedGroup
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
-from torchrec_bagpipe.distributed.job import job_for
+from torchrec_bagpipe.distributed.agreement import agree_before_open, describe
+from torchrec_bagpipe.distributed.grad_check import check_finite_grad
+from torchrec_bagpipe.distributed.job import BagPipeJob, job_for
 from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
 from torchrec_bagpipe.distributed.lookup import BatchRows, eval_rows, train_step
 from torchrec_bagpipe.distributed.table_io import TableIO
@@ -58,7 +60,7 @@ from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
 if TYPE_CHECKING:
     from torchrec_bagpipe.runtime.controller import Step
 
-__all__ = ["BagPipeTables", "PSTableView"]
+__all__ = ["BagPipeTables", "PSTableView", "agreed_layout"]
 
 
 class PSTableView(nn.Module):
@@ -110,41 +112,29 @@ class BagPipeTables:
     """The BagPipe tables of one sharded module (see module docstring).
 
     Args:
+        job, layout: the process's job and these tables' layout, as `agreed_layout` returns
+            them (every rank agreed on them; nothing is open on the PS yet).
         configs: the BagPipe tables' configs, in module order.
-        embedding_names: per table, its features' output keys as the whole module names
-            them (a feature shared with a stock table is still `feature@table`).
         weights: the unsharded module's weight of each table (`meta` when not materialised).
-        optimizers: each table's optimizer and initial learning rate
-            (`table_optimizer.table_optimizer`, read before TorchRec's sharders see the
-            module: see sharded_module.py).
         param_prefix: the collection attribute the tables' parameters live under
             (`embedding_bags` for an EBC, `embeddings` for an EC).
-        weighted: whether bags take per-id weights (an unweighted module drops them).
-        where: names the module in error messages.
     """
 
     def __init__(
         self,
+        job: BagPipeJob,
+        layout: FusedLayout,
         configs: Sequence[BaseEmbeddingConfig],
-        embedding_names: Sequence[Sequence[str]],
         weights: Mapping[str, torch.Tensor],
-        optimizers: Mapping[str, TableOptimizer],
         *,
-        env: ShardingEnv,
         device: torch.device,
         config: BagPipeConfig,
-        module_fqn: str,
         param_prefix: str,
-        weighted: bool,
-        where: str,
     ) -> None:
         self.config = config
         self._device = device
-        self._job = job_for(config, env, device)
-        self.layout = FusedLayout(
-            table_specs(configs, optimizers), embedding_names, session=self._job.next_session_id(),
-            module_fqn=module_fqn, weighted=weighted, where=where,
-        )
+        self._job = job
+        self.layout = layout
         fused = self.layout.fused
         self.runtimes: list[FusedTableRuntime] = []
         try:
@@ -365,6 +355,10 @@ class BagPipeTables:
     def _finish(self, g: int, step: Step, grad: torch.Tensor, lr: float) -> None:
         pending = self._pending[g]
         assert pending and pending[0] is step
+        if self.config.check_finite_grads:
+            # Before anything is committed; the step stays pending if it raises.
+            check_finite_grad(grad, self._job.control, table=self.runtimes[g].name,
+                              step=step.step)
         pending.popleft()
         self.runtimes[g].finish_step(step, grad, lr)
 
@@ -376,6 +370,63 @@ class BagPipeTables:
                 step = pending[0]
                 self.optimizer.finish(g, step, torch.zeros_like(
                     step.rows.detach(), memory_format=torch.contiguous_format))
+
+
+def agreed_layout(
+    configs: Sequence[BaseEmbeddingConfig],
+    embedding_names: Sequence[Sequence[str]],
+    optimizers: Mapping[str, TableOptimizer],
+    *,
+    env: ShardingEnv,
+    device: torch.device,
+    config: BagPipeConfig,
+    module_fqn: str,
+    weighted: bool,
+    where: str,
+    problem: BaseException | None,
+) -> tuple[BagPipeJob, FusedLayout]:
+    """The job and the layout of a module's BagPipe tables, agreed by every rank before
+    anything opens on the PS (a collective on the job's control group, agreement.py).
+
+    `embedding_names`: per table, its features' output keys as the whole module names them
+    (a feature shared with a stock table is still `feature@table`); `optimizers`: each
+    table's optimizer and initial learning rate (`table_optimizer.table_optimizer`, read
+    before TorchRec's sharders see the module: see sharded_module.py); `weighted`: whether
+    bags take per-id weights; `where`: names the module in error messages.
+
+    `problem`: this rank's own set-up error so far (a bad plan, an unsupported optimizer), or
+    None. A rank's own mistakes are not raised alone: every rank hears of them through the
+    agreement and raises together (`SpecMismatchError` naming the rank and its error), as it
+    does on any difference in tables, settings or deployment.
+    """
+    try:
+        job = job_for(config, env, device)
+    except ValueError as e:
+        # This module's deployment differs from the process's job: the other ranks hear of
+        # it (or of this rank's earlier mistake) through the job's control group.
+        current = BagPipeJob.current()
+        if current is None:
+            raise (problem or e) from None
+        agree_before_open(current.control, None, where=where, error=problem or e)
+        raise
+    layout: FusedLayout | None = None
+    if problem is None:
+        try:
+            layout = FusedLayout(
+                table_specs(configs, optimizers), embedding_names,
+                session=job.next_session_id(), module_fqn=module_fqn, weighted=weighted,
+                where=where,
+            )
+        except Exception as e:
+            problem = e
+    agree_before_open(
+        job.control,
+        None if layout is None else describe(layout.tables, layout.fused, config,
+                                             job.deployment()),
+        where=where, error=problem,
+    )
+    assert layout is not None
+    return job, layout
 
 
 @dataclass

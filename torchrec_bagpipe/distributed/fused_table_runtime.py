@@ -19,10 +19,14 @@ Invariants:
    the writes) must run before the next step reads rows.
 3. Direct reads and writes name fused keys in `[0, spec.num_keys)` and at most a bounded
    range per call (table_io.py chunks whole tables).
+4. Every failed periodic PS checkpoint the shards report reaches the rank: one warning on
+   its log per failure, the counters in `metrics()`, and `PSCheckpointError` from
+   `finish_step` once a shard has failed `ps_checkpoint_max_failures` in a row.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -36,17 +40,25 @@ if TYPE_CHECKING:
     from torchrec_bagpipe.ps.client import PSClient
     from torchrec_bagpipe.runtime.controller import BagPipeController, Step
 
-__all__ = ["FusedTableRuntime", "build_fused_table"]
+__all__ = ["FusedTableRuntime", "PSCheckpointError", "build_fused_table"]
+
+_log = logging.getLogger("torchrec_bagpipe")
+
+
+class PSCheckpointError(RuntimeError):
+    """A PS shard failed too many periodic checkpoints in a row: the recovery point lags."""
 
 
 class FusedTableRuntime:
     """One fused table's runtime on this rank: training steps and direct PS access."""
 
     def __init__(self, spec: FusedTableSpec, client: PSClient,
-                 controller: BagPipeController) -> None:
+                 controller: BagPipeController, *, max_checkpoint_failures: int = 3) -> None:
         self._spec = spec
         self._client = client
         self._controller = controller
+        self._max_checkpoint_failures = max_checkpoint_failures
+        self._checkpoints_seen = 0  # failed periodic checkpoints already reported
 
     @property
     def spec(self) -> FusedTableSpec:
@@ -74,8 +86,33 @@ class FusedTableRuntime:
 
     def finish_step(self, step: Step, grad: torch.Tensor, lr: float) -> None:
         """Commits `step`'s row gradient (|U| x dim fp32) at learning rate `lr` (the step's;
-        Adam: its bias-corrected step size). REQUIRES: `step` is the running step."""
+        Adam: its bias-corrected step size), then reports what the shards said about their
+        periodic checkpoints (invariant 4). REQUIRES: `step` is the running step."""
         self._controller.finish_step(step, grad, lr=lr)
+        self.check_checkpoints()
+
+    def checkpoint_report(self) -> dict[str, object]:
+        """The shards' periodic checkpoints of this table (`PSClient.checkpoint_report`)."""
+        return self._client.checkpoint_report()
+
+    def check_checkpoints(self) -> None:
+        """Warns once per new failed periodic checkpoint; raises PSCheckpointError once a
+        shard failed `ps_checkpoint_max_failures` in a row (invariant 4)."""
+        report = self._client.checkpoint_report()
+        failed = int(report["failed"])  # type: ignore[arg-type]
+        if failed <= self._checkpoints_seen:
+            return
+        self._checkpoints_seen = failed
+        run = int(report["consecutive_failures"])  # type: ignore[arg-type]
+        _log.warning("BagPipe fused table %r: %s (%d failed in a row; the PS recovery point "
+                     "lags the committed step)", self.name, report["last_error"], run)
+        limit = self._max_checkpoint_failures
+        if limit and run >= limit:
+            raise PSCheckpointError(
+                f"BagPipe fused table {self.name!r}: {run} periodic PS checkpoints failed in a "
+                f"row (BagPipeConfig.ps_checkpoint_max_failures={limit}); the last: "
+                f"{report['last_error']}"
+            )
 
     def flush(self) -> None:
         """Waits until every commit submitted so far is applied (bounded by ps_timeout).
@@ -88,8 +125,18 @@ class FusedTableRuntime:
         self._controller.invalidate_all()
 
     def metrics(self) -> dict[str, float]:
-        """The controller's counters and timings (plain dict)."""
-        return self._controller.metrics()
+        """The controller's counters and timings, plus the shards' periodic checkpoints
+        (ps_checkpoints, ps_checkpoint_failures, ps_checkpoint_failures_in_a_row)."""
+        m = self._controller.metrics()
+        try:
+            report = self._client.checkpoint_report()
+        except RuntimeError:  # the client is closed: its counters are gone
+            return m
+        m["ps_checkpoints"] = float(report["succeeded"])  # type: ignore[arg-type]
+        m["ps_checkpoint_failures"] = float(report["failed"])  # type: ignore[arg-type]
+        m["ps_checkpoint_failures_in_a_row"] = float(
+            report["consecutive_failures"])  # type: ignore[arg-type]
+        return m
 
     # ---- direct PS access, outside the step sequence ---------------------------------------
     def eval_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,4 +236,5 @@ def build_fused_table(
     except BaseException:
         client.close()
         raise
-    return FusedTableRuntime(spec, client, controller)
+    return FusedTableRuntime(spec, client, controller,
+                             max_checkpoint_failures=config.ps_checkpoint_max_failures)

@@ -25,6 +25,13 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.agreement import (
+    PER_RANK_FIELDS,
+    agree_before_open,
+    config_fields,
+    flatten,
+    redact,
+)
 from torchrec_bagpipe.distributed.process_group_collectives import (
     TorchDistCollectives,
     new_runtime_group,
@@ -71,6 +78,13 @@ class BagPipeJob:
                 f"BagPipe needs the sharding env to span the default process group "
                 f"(env world size {self.world_size}, default group {self.collectives.world_size})"
             )
+        # The ranks agree on the deployment before deploying it (a rank hosting a shard the
+        # others do not expect would leave them waiting for its address): every rank fails
+        # together, naming the field (agreement.py; the token compared by digest only).
+        agree_before_open(self.control,
+                          flatten(config_fields(config, [f for f in _DEPLOYMENT_FIELDS
+                                                         if f not in PER_RANK_FIELDS])),
+                          where="BagPipe job (the PS deployment)")
         self._modules: weakref.WeakSet[JobMember] = weakref.WeakSet()
         self._next_session = 0
         self.closed = False
@@ -142,7 +156,14 @@ class BagPipeJob:
         return endpoints
 
     def _key(self, name: str) -> str:
-        return f"torchrec_bagpipe/{self.job_token}/{name}"
+        # The token's digest, not the token: a key can appear in a store error message.
+        return f"torchrec_bagpipe/{redact(self.job_token)}/{name}"
+
+    def deployment(self) -> dict[str, Any]:
+        """What every rank's sessions depend on beyond its config: the shard count, the
+        world size and the resolved gradient division (agreement.py compares them)."""
+        return {"ps_shards": len(self.endpoints), "world_size": self.world_size,
+                "gradient_division": self.config.resolved_gradient_division()}
 
     # ---- sessions ---------------------------------------------------------------------------
     def next_session_id(self) -> int:
@@ -229,6 +250,8 @@ def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> Ba
     for name in _DEPLOYMENT_FIELDS:
         mine, theirs = getattr(config, name), getattr(job.config, name)
         if mine != theirs:
+            if name == "job_token":
+                mine, theirs = "<token>", "<another token>"  # never in a message
             raise ValueError(
                 f"BagPipeConfig.{name}={mine!r} differs from {theirs!r}, which the first "
                 "BagPipe module of this process fixed; every module of a process shares one "

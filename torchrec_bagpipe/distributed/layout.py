@@ -21,7 +21,8 @@ Invariants:
 2. Every slot belongs to exactly one fused table; `FusedTableSpec.slots` lists them in
    module order, and the per-slot tensors below follow that order.
 3. `fused_keys` returns keys in `[0, num_keys)` only; any id outside its table's range is a
-   `ValueError` naming the feature, the table and the id.
+   `ValueError` naming the feature, the table and the id; a malformed KJT (non-integer ids,
+   negative or inconsistent lengths/offsets: input_check.py) is refused before that.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torchrec.modules.embedding_configs import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_bagpipe.distributed.input_check import check_kjt
 from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
 from torchrec_bagpipe.distributed.types import (
     BAGPIPE_KERNEL,
@@ -70,6 +72,11 @@ def split_plan(configs: Sequence[BaseEmbeddingConfig],
     ours: list[BaseEmbeddingConfig] = []
     stock: list[BaseEmbeddingConfig] = []
     for cfg in configs:
+        if int(cfg.num_embeddings) < 1 or int(cfg.embedding_dim) < 1:
+            raise ValueError(
+                f"{where}: table {cfg.name!r} has {cfg.num_embeddings} rows of dim "
+                f"{cfg.embedding_dim}; a BagPipe table needs at least one row and dim >= 1"
+            )
         ps = plan.get(cfg.name)
         if ps is None:
             raise ValueError(
@@ -235,6 +242,7 @@ class FusedLayout:
                 "kernels (ParameterConstraints(compute_kernels=[...]) without "
                 "'customized_kernel')"
             )
+        check_kjt(features)
         if self._weighted and features.weights_or_none() is None:
             raise ValueError(f"{self._where} is weighted but the KJT has no weights")
         perms = self._perms.get(tuple(features.keys()))

@@ -107,6 +107,15 @@ class TorchDistCollectives:
         token = torch.zeros(1)
         dist.all_reduce(token, group=self._group)
 
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's picklable object, in rank order (small metadata only)."""
+        out: list[object] = [None] * self.world_size
+        if self.world_size == 1:
+            out[0] = obj
+        else:
+            dist.all_gather_object(out, obj, group=self._group)
+        return out
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Broadcasts a picklable object from `src` (used for small metadata only)."""
         box = [obj]

@@ -58,10 +58,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.bagpipe_tables import BagPipeTables
+from torchrec_bagpipe.distributed.bagpipe_tables import BagPipeTables, agreed_layout
 from torchrec_bagpipe.distributed.layout import split_plan
 from torchrec_bagpipe.distributed.stock_part import StockPart, build_stock_part
-from torchrec_bagpipe.distributed.table_optimizer import table_optimizer
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.distributed.types import BagPipeContext
 
 __all__ = ["BagPipeShardedModule"]
@@ -113,23 +113,39 @@ class BagPipeShardedModule(ShardedModule[KJTList, _Computed, Any, BagPipeContext
         self._embedding_names = [n for table in self._table_order for n in names[table]]
         self._embedding_dims = [int(cfg.embedding_dim) for cfg in configs
                                 for _ in names[cfg.name]]
-        ours, stock = split_plan(configs, plan, self._where)
-        if not ours:
-            raise ValueError(
-                f"{self._where}: the plan places no table on the BagPipe kernel; shard this "
-                "module with TorchRec's own sharder (the BagPipe sharders do that themselves)"
-            )
-        tables = getattr(module, self._COLLECTION)
-        weights = {cfg.name: tables[cfg.name].weight for cfg in ours}
-        # Each BagPipe table's optimizer, read before TorchRec's stock sharder sees the
-        # module: it rewrites the `_optimizer_kwargs` that `apply_optimizer_in_backward`
-        # shares between tables in place (adds its EmbOptimType, renames lr; the parser
-        # reads that form too, for tables of modules sharded earlier).
-        optimizers = {
-            cfg.name: table_optimizer(weights[cfg.name], fused_params,
-                                      f"{self._where}, table {cfg.name!r}")
-            for cfg in ours
-        }
+        # A rank's own mistakes are collected, not raised: every rank hears of them in the
+        # BagPipe part's agreement (bagpipe_tables.agreed_layout) and raises together.
+        problem: BaseException | None = None
+        ours: list[BaseEmbeddingConfig] = []
+        stock: list[BaseEmbeddingConfig] = []
+        optimizers: dict[str, TableOptimizer] = {}
+        weights: dict[str, torch.Tensor] = {}
+        try:
+            ours, stock = split_plan(configs, plan, self._where)
+            if not ours:
+                raise ValueError(
+                    f"{self._where}: the plan places no table on the BagPipe kernel; shard "
+                    "this module with TorchRec's own sharder (the BagPipe sharders do that "
+                    "themselves)"
+                )
+            tables = getattr(module, self._COLLECTION)
+            weights = {cfg.name: tables[cfg.name].weight for cfg in ours}
+            # Each BagPipe table's optimizer, read before TorchRec's stock sharder sees the
+            # module: it rewrites the `_optimizer_kwargs` that `apply_optimizer_in_backward`
+            # shares between tables in place (adds its EmbOptimType, renames lr; the parser
+            # reads that form too, for tables of modules sharded earlier).
+            optimizers = {
+                cfg.name: table_optimizer(weights[cfg.name], fused_params,
+                                          f"{self._where}, table {cfg.name!r}")
+                for cfg in ours
+            }
+        except Exception as e:
+            problem = e
+        job, layout = agreed_layout(
+            ours, [names[cfg.name] for cfg in ours], optimizers, env=env, device=self._device,
+            config=self._config, module_fqn=self._module_fqn, weighted=weighted,
+            where=self._where, problem=problem,
+        )
 
         # The stock part first: it holds no PS resources if the BagPipe part then fails.
         self._stock_part: StockPart | None = None
@@ -141,10 +157,8 @@ class BagPipeShardedModule(ShardedModule[KJTList, _Computed, Any, BagPipeContext
             )
             self.add_module(_STOCK, self._stock_part.module)
         self._bagpipe = BagPipeTables(
-            ours, [names[cfg.name] for cfg in ours], weights, optimizers,
-            env=env, device=self._device, config=self._config, module_fqn=self._module_fqn,
-            param_prefix=self._COLLECTION, weighted=weighted,
-            where=self._where,
+            job, layout, ours, weights, device=self._device, config=self._config,
+            param_prefix=self._COLLECTION,
         )
         self.add_module(self._COLLECTION, nn.ModuleDict(self._bagpipe.views))
         if self._stock_part is None:

@@ -279,8 +279,9 @@ def table_optimizer(param: torch.Tensor | None, fused_params: Mapping[str, Any] 
             "fused_params={'learning_rate': lr, ...} to the BagPipe sharder or "
             "apply_optimizer_in_backward(<optimizer>, params, {'lr': lr}) before sharding"
         )
-    if chosen.lr < 0.0:
-        raise ValueError(f"{where}: the embedding learning rate must be >= 0, got {chosen.lr}")
+    if not chosen.lr > 0.0:
+        # The configured rate; a schedule may later take a step's rate down to 0.
+        raise ValueError(f"{where}: the embedding learning rate must be > 0, got {chosen.lr}")
     return chosen
 
 

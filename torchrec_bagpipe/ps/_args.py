@@ -48,6 +48,24 @@ def float_arg(value: Any, name: str) -> float:
     return value
 
 
+def lr_arg(value: Any, name: str = "lr") -> float:
+    """A configured learning rate: a finite float > 0 (0 or less would not train, or would
+    train backwards)."""
+    value = float_arg(value, name)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def step_lr_arg(value: Any, name: str = "lr") -> float:
+    """One step's learning rate under a schedule: a finite float >= 0 (a warm-up may start
+    at 0; a negative rate would train backwards)."""
+    value = float_arg(value, name)
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
 def tensor_arg(t: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")

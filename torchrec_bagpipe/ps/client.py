@@ -23,12 +23,11 @@ import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import rdma
-from torchrec_bagpipe.ps._args import float_arg, int_arg, keys_arg, rows_arg
+from torchrec_bagpipe.ps._args import float_arg, int_arg, keys_arg, rows_arg, step_lr_arg
 from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.ps.options import (
     PSClientOptions,
     default_session_id,
-    lr_arg,
     ps_client_options,
 )
 from torchrec_bagpipe.ps.partitioner import Partitioner
@@ -262,7 +261,7 @@ class PSClient:
         session fails: "conflicting lr"). The handle completes when every shard has committed
         `step`."""
         step = int_arg(step, "step", minimum=0)
-        lr = self.lr if lr is None else lr_arg(lr)
+        lr = self.lr if lr is None else step_lr_arg(lr)
         if isinstance(grads, torch.Tensor) and grads.is_cuda:
             return self._commit_async_device(step, keys, grads, lr)
         k = keys_arg(keys)
@@ -382,6 +381,13 @@ class PSClient:
     def failure(self) -> str | None:
         """The error that failed this client, if any."""
         return self._live().failure()
+
+    def checkpoint_report(self) -> dict[str, Any]:
+        """What the shards reported about their periodic checkpoints of this table (shards
+        started with a checkpoint interval tell every attached rank how each one went):
+        succeeded, failed, consecutive_failures (the longest current run of failures on one
+        shard), last_step (per shard, -1: none yet), last_error ("" if none)."""
+        return dict(self._live().checkpoint_report())
 
     def close(self, timeout: float | None = None) -> None:
         """Drains pending work, closes the session on every reachable shard and releases the

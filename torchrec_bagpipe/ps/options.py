@@ -25,7 +25,7 @@ from typing import Any
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, optional_path
+from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, lr_arg, optional_path
 from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.ps.partitioner import KINDS as PARTITIONERS
 
@@ -39,7 +39,6 @@ __all__ = [
     "default_session_id",
     "init_spec",
     "load_overrides",
-    "lr_arg",
     "optimizer_spec",
     "ps_client_options",
     "ps_shard_options",
@@ -304,8 +303,9 @@ def ps_shard_options(
     return PSShardOptions(s, store)
 
 
-def _server_address(host: Any, port: Any, job_token: Any, handshake_timeout: Any,
-                    max_connections: Any, target: Any) -> Any:
+def _server_options(host: Any, port: Any, job_token: Any, allow_no_token: Any,
+                    handshake_timeout: Any, max_connections: Any, max_unauthenticated: Any,
+                    max_unauthenticated_per_host: Any, io_threads: Any, target: Any) -> Any:
     if not isinstance(host, str) or not host:
         raise TypeError("host must be a non-empty str")
     port = int_arg(port, "port", minimum=0)
@@ -313,14 +313,24 @@ def _server_address(host: Any, port: Any, job_token: Any, handshake_timeout: Any
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if not isinstance(job_token, str):
         raise TypeError("job_token must be a str")
+    if not isinstance(allow_no_token, bool):
+        raise TypeError("allow_no_token must be a bool")
     handshake_timeout = float_arg(handshake_timeout, "handshake_timeout")
     if not handshake_timeout > 0:
         raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
     target.host = host
     target.port = port
     target.job_token = job_token
+    target.allow_no_token = allow_no_token
     target.handshake_timeout = handshake_timeout
     target.max_connections = int_arg(max_connections, "max_connections", minimum=1)
+    target.max_unauthenticated = int_arg(max_unauthenticated, "max_unauthenticated", minimum=1)
+    target.max_unauthenticated_per_host = int_arg(
+        max_unauthenticated_per_host, "max_unauthenticated_per_host", minimum=1)
+    io_threads = int_arg(io_threads, "io_threads", minimum=1)
+    if io_threads > 64:
+        raise ValueError(f"io_threads must be in [1, 64], got {io_threads}")
+    target.io_threads = io_threads
     return target
 
 
@@ -329,12 +339,31 @@ def tcp_server_options(
     port: int = 0,
     *,
     job_token: str = "",
+    allow_no_token: bool = False,
     handshake_timeout: float = 10.0,
+    idle_timeout: float = 300.0,
     max_connections: int = 1024,
+    max_unauthenticated: int = 256,
+    max_unauthenticated_per_host: int = 32,
+    io_threads: int = 4,
 ) -> Any:
-    """A TCP shard server's options (a ``C.TcpServerOptions``)."""
-    return _server_address(host, port, job_token, handshake_timeout, max_connections,
-                           C.TcpServerOptions())
+    """A TCP shard server's options (a ``C.TcpServerOptions``; csrc/server/tcp_server.h).
+
+    `handshake_timeout`: seconds from accept to a completed Hello (an absolute deadline).
+    `idle_timeout`: seconds an authenticated connection may send nothing (clients send
+    keep-alives every 30 s; 0: no limit). At most `max_unauthenticated` connections (and
+    `max_unauthenticated_per_host` from one address) may not have authenticated yet: a new
+    one sheds the oldest. `io_threads` loop threads serve every connection. An empty
+    `job_token` on a non-loopback `host` is refused unless `allow_no_token`.
+    """
+    o = _server_options(host, port, job_token, allow_no_token, handshake_timeout,
+                        max_connections, max_unauthenticated, max_unauthenticated_per_host,
+                        io_threads, C.TcpServerOptions())
+    idle_timeout = float_arg(idle_timeout, "idle_timeout")
+    if not idle_timeout >= 0:
+        raise ValueError(f"idle_timeout must be >= 0 (0: no limit), got {idle_timeout}")
+    o.idle_timeout = idle_timeout
+    return o
 
 
 def ucx_server_options(
@@ -342,32 +371,37 @@ def ucx_server_options(
     port: int = 0,
     *,
     job_token: str = "",
+    allow_no_token: bool = False,
     ucx_tls: str | None = None,
     ucx_devices: str | None = None,
     handshake_timeout: float = 10.0,
     max_connections: int = 1024,
+    max_unauthenticated: int = 256,
+    max_unauthenticated_per_host: int = 32,
+    io_threads: int = 2,
+    progress_threads: int = 2,
 ) -> Any:
     """A UCX shard server's options (a ``C.UcxServerOptions``; REQUIRES: a build with UCX).
-    `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server."""
+    `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server; the
+    other arguments are `tcp_server_options`' (for the bootstrap connections;
+    `io_threads` loop threads run the bootstraps); `progress_threads` threads drive every
+    established connection (csrc/transport/ucx_progress.h)."""
     for name, value in (("ucx_tls", ucx_tls or ""), ("ucx_devices", ucx_devices or "")):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str")
-    o = _server_address(host, port, job_token, handshake_timeout, max_connections,
-                        C.UcxServerOptions())
+    o = _server_options(host, port, job_token, allow_no_token, handshake_timeout,
+                        max_connections, max_unauthenticated, max_unauthenticated_per_host,
+                        io_threads, C.UcxServerOptions())
     o.ucx_tls = ucx_tls or ""
     o.ucx_devices = ucx_devices or ""
+    progress_threads = int_arg(progress_threads, "progress_threads", minimum=1)
+    if progress_threads > 64:
+        raise ValueError(f"progress_threads must be in [1, 64], got {progress_threads}")
+    o.progress_threads = progress_threads
     return o
 
 
 # ---- clients -----------------------------------------------------------------------------------
-def lr_arg(lr: Any, name: str = "lr") -> float:
-    """A learning rate: a finite float >= 0 (0: a warm-up may start there)."""
-    lr = float_arg(lr, name)
-    if lr < 0.0:
-        raise ValueError(f"{name} must be >= 0, got {lr}")
-    return lr
-
-
 def ps_client_options(
     *,
     table: str,
@@ -396,7 +430,7 @@ def ps_client_options(
     c = C.ClientOptions()
     c.table = table
     c.dim = int_arg(dim, "dim", minimum=1)
-    c.lr = lr_arg(lr)
+    c.lr = lr_arg(lr, "lr")
     c.optimizer = optimizer_spec(optimizer)
     world_size = int_arg(world_size, "world_size", minimum=1)
     rank = int_arg(rank, "rank", minimum=0)

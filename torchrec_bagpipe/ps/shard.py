@@ -229,21 +229,13 @@ class PSShard:
         return dict(self._core.checkpoint(optional_path(directory, "directory")))
 
     # ---- serving -------------------------------------------------------------------------
-    def serve(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        job_token: str = "",
-        handshake_timeout: float = 10.0,
-        max_connections: int = 1024,
-    ) -> ShardServer:
+    def serve(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> ShardServer:
         """Serves this shard over TCP on background native threads (port 0: any free port;
-        see `ShardServer.port`). Only 127.0.0.1 unless told otherwise."""
-        options = tcp_server_options(host, port, job_token=job_token,
-                                     handshake_timeout=handshake_timeout,
-                                     max_connections=max_connections)
-        core = self._core.serve(options)
+        see `ShardServer.port`). Only 127.0.0.1 unless told otherwise. `options` are
+        `torchrec_bagpipe.ps.options.tcp_server_options`' keyword arguments (``job_token``,
+        ``allow_no_token``, ``handshake_timeout``, ``idle_timeout``, ``max_connections``,
+        ``max_unauthenticated``, ``max_unauthenticated_per_host``, ``io_threads``)."""
+        core = self._core.serve(tcp_server_options(host, port, **options))
         server = ShardServer(core, self)
         self._servers.append(server)
         return server
@@ -265,13 +257,22 @@ class PSShard:
         """frames, rejected, unauthorized."""
         return dict(self._core.stats())
 
+    def begin_shutdown(self, why: str) -> None:
+        """Starts draining: every attached client is told (it fails with a
+        `torchrec_bagpipe.ShuttingDownError` naming this shard and `why`), new work is refused,
+        closing sessions still works. Idempotent."""
+        if not isinstance(why, str):
+            raise TypeError("why must be a str")
+        self._core.begin_shutdown(why)
+
     def close(self, drain_timeout: float = 0.0) -> None:
-        """Stops this shard's servers (draining up to `drain_timeout` s), then refuses new
-        work. In-process clients should be closed first."""
+        """Drains (clients are told, new work is refused), stops this shard's servers (waiting
+        up to `drain_timeout` s for clients to disconnect). In-process clients should be
+        closed first."""
+        self._core.begin_shutdown("closed")
         for s in self._servers:
             s.stop(drain_timeout)
         self._servers.clear()
-        self._core.begin_shutdown("closed")
 
     def __enter__(self) -> PSShard:
         return self

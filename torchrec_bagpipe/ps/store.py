@@ -23,6 +23,7 @@ from torchrec_bagpipe.ps._args import (
     out_arg,
     path_arg,
     rows_arg,
+    step_lr_arg,
 )
 from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.ps.options import (
@@ -89,7 +90,7 @@ def initial_state(
 
 
 def _step_args(lr: Any, grad_divisor: Any) -> tuple[float, int]:
-    lr = float_arg(lr, "lr")
+    lr = step_lr_arg(lr, "lr")
     grad_divisor = int_arg(grad_divisor, "grad_divisor", minimum=1)
     if grad_divisor > 2**31 - 1:
         raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")

@@ -120,7 +120,11 @@ def simulate(
     else:
         if init is None:
             init = np.random.default_rng(seed).uniform(-0.5, 0.5, (num_keys, dim))
-        ps = backend(num_keys, dim, W, lr0, divide, np.asarray(init, dtype=np.float32), timeout,
+        # A PS table is opened with a configured lr > 0; a schedule may be 0 for a while
+        # (warm-up). Every commit carries its step's lr, so the configured one is only a default.
+        open_lr = max([lr_of(t) for t in range(len(trace))] + [lr0])
+        open_lr = open_lr if open_lr > 0 else 1.0
+        ps = backend(num_keys, dim, W, open_lr, divide, np.asarray(init, dtype=np.float32), timeout,
                      optimizer=spec)
     clients = [ps.client(r) for r in range(W)]
     group = ThreadGroup(W, timeout=timeout)
