@@ -29,6 +29,25 @@ run's deterministic counters (see `model_step`), all-reduce and ID-exchange traf
 included. ``--compute-ms`` adds the same predictions for assumed step times (e.g. an
 accelerator-class DLRM step), tagged ``compute_source: "assumed"``. Baselines are measured
 in the same run. A PNG plots samples/s and hit rate per configuration.
+
+``--shaped-link``: a real network instead of (and checking) the model. The PS shards run as
+separate server processes over TCP (`dlrm_ranks.PSServers`, one per rank, each on its own
+port) and `link_shaping.ShapedLink` shapes their traffic on loopback with ``tc`` (prio, or
+htb where the kernel has no prio, + u32 port filters + one tbf per shard and direction: a
+full-duplex link per shard; with as many shards as ranks each rank's traffic gets one link's
+bandwidth) to the rate that moves as many bytes per compute step as a 25 GbE link
+(``--link-gbps``) does under a 2 ms accelerator step (``--link-step-ms``): rate = 25 Gb/s x
+2 ms / (the stock configuration's measured median step on this machine). For the no-cache
+PS, LRU and BagPipe prescan (``--shaped-configs``), each repeat runs every configuration over
+the servers unshaped, then shaped; it reports the measured samples/s on the shaped link
+(baseline: the no-cache PS on the same link), and the link model's prediction for the same
+run: `model_step` with the configuration's own unshaped median step as compute, the shaped
+run's counters and the link as measured through a shaped calibration port (payload bytes/s,
+round trip), against the shaped runs' measured median step (``shaped_model_step_ms``,
+``model_error`` = |modelled - measured| / measured; the target is within 15%). Where
+shaping is impossible (no root, no tc, lo already shaped by someone else, the kernel refuses)
+it says so in a ``shaped_link`` line and reports only the model's predictions. The shaping is
+removed when the section ends, also on errors and on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -43,7 +63,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_ranks import REPO, run_dlrm
+from dlrm_ranks import REPO, PSServers, free_port, run_dlrm
+from link_shaping import ShapedLink, ShapingUnavailable, link_rate, measure_link
 
 BENCH = "e2e_dlrm"
 
@@ -167,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
                                         "bagpipe_collective,bagpipe_mixed")
     p.add_argument("--png", default=None, help="plot path (default: benchmarks/e2e_dlrm.png)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--shaped-link", action="store_true",
+                   help="also run PS shards as TCP servers on a tc-shaped loopback link and "
+                        "check the link model against it (module docstring)")
+    p.add_argument("--shaped-configs", default="ps_nocache,lru,bagpipe_prescan",
+                   help="configurations run on the shaped link")
+    p.add_argument("--link-gbps", type=float, default=25.0,
+                   help="reference link of the shaped run (Gb/s)")
+    p.add_argument("--link-step-ms", type=float, default=2.0,
+                   help="the accelerator step the reference link serves (ms)")
     p.add_argument("--compute-ms", type=str, default=None,
                    help="comma-separated assumed compute times per step (ms) for the link "
                         "model, e.g. an accelerator-class DLRM step; predictions for each "
@@ -217,9 +247,12 @@ def main(argv: list[str] | None = None) -> int:
                           *lookahead],
     }
     chosen = [c for c in args.configs.split(",") if c]
-    for c in chosen:
-        if c not in configs:
+    shaped_names = [c for c in args.shaped_configs.split(",") if c] if args.shaped_link else []
+    for c in chosen + shaped_names:
+        if c not in configs or (c in shaped_names and c == "stock"):
             p.error(f"unknown configuration {c!r}")
+    if args.shaped_link and "stock" not in chosen:
+        chosen.insert(0, "stock")  # its step sets the shaped link's rate
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
@@ -292,9 +325,99 @@ def main(argv: list[str] | None = None) -> int:
                      baseline_config="ps_nocache", **tag, **extra)
                 if link is PRESETS[0] and source == "measured":
                     modelled_25g[name] = world * batch / t
+    if args.shaped_link and base:
+        shaped_section(args, common, configs, shaped_names, world, batch, repeats,
+                       base["step_s"], extra={"dim": args.dim, "world_size": world,
+                                              "batch_size": batch, "rows_per_table": rows,
+                                              "cache_units": cache_units})
     emit("wall_s", time.perf_counter() - started, "s", None, config="all")
     _plot(results, modelled_25g, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
     return 0
+
+
+def _median_step(runs: list[dict[str, Any]]) -> float:
+    meds = [statistics.median(r["step_times"]) for r in runs if r["step_times"]]
+    return statistics.median(meds) if meds else float("nan")
+
+
+def shaped_section(args: argparse.Namespace, common: list[str], configs: dict[str, list[str]],
+                   names: list[str], world: int, batch: int, repeats: int, stock_step_s: float,
+                   extra: dict[str, Any]) -> None:
+    """The --shaped-link runs and their lines (module docstring)."""
+    rate = link_rate(args.link_gbps, args.link_step_ms, stock_step_s)
+    ports = [free_port() for _ in range(world)]
+    calib_port = free_port()
+    token = secrets.token_hex(16)
+    unshaped: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    shaped: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    probes: list[tuple[float, float, float]] = []
+    reason: str | None = None
+    recipe: str | None = None
+
+    def run_on_servers(name: str) -> dict[str, Any]:
+        with PSServers(ports, token) as servers, tempfile.TemporaryDirectory() as tmp:
+            return run_config([*common, *configs[name], "--ps-type", "tcp", "--ps-addresses",
+                               *servers.addresses, "--job-token", token,
+                               "--metrics_json", os.path.join(tmp, "m.json")],
+                              world, args.timeout)
+
+    for _ in range(repeats):
+        for name in names:
+            unshaped[name].append(run_on_servers(name))
+        if reason is not None:
+            continue
+        try:
+            with ShapedLink([*ports, calib_port], rate) as link:
+                recipe = link.recipe
+                probes.append(measure_link(calib_port, nbytes=max(1 << 20, int(rate / 4))))
+                for name in names:
+                    shaped[name].append(run_on_servers(name))
+        except ShapingUnavailable as e:
+            reason = str(e)
+    common_extra = {**extra, "transport": "tcp", "link_rate_bytes_per_s": rate,
+                    "reference_link": f"{args.link_gbps:g} Gb/s under a "
+                                      f"{args.link_step_ms:g} ms step",
+                    "stock_step_ms": 1e3 * stock_step_s}
+    if probes:
+        up = statistics.median(p[0] for p in probes)
+        down = statistics.median(p[1] for p in probes)
+        rtt = statistics.median(p[2] for p in probes)
+        link = Link("shaped", rtt_s=rtt, bytes_per_s=min(up, down), window=8)
+        emit("shaped_link", rate, "bytes/s", None, config="all", shaping=f"tc {recipe}",
+             measured_up_bytes_per_s=up, measured_down_bytes_per_s=down, measured_rtt_us=1e6 * rtt,
+             **common_extra)
+    else:
+        link = Link("shaped (not installed)", rtt_s=PRESETS[0].rtt_s, bytes_per_s=rate, window=8)
+        emit("shaped_link", rate, "bytes/s", None, config="all",
+             shaping=f"unavailable, link model only: {reason}", **common_extra)
+    measured = {n: statistics.median(r["samples_per_s"] for r in shaped[n])
+                for n in names if shaped[n]}
+    nocache = measured.get("ps_nocache")
+    for name in names:
+        tag = {"config": name, **common_extra, "link": link.name}
+        compute_s = _median_step(unshaped[name])
+        unshaped_sps = statistics.median(r["samples_per_s"] for r in unshaped[name])
+        runs = shaped[name] or unshaped[name]
+        counters = runs[-1]["bagpipe"].get("counters", {})
+        _, t = model_step(compute_s, counters, runs[-1]["steps"], world, link)
+        model_sps = world * batch / t
+        if name in measured:
+            m = measured[name]
+            step_s = _median_step(shaped[name])
+            emit("shaped_samples_per_s", m, "samples/s", nocache, baseline_config="ps_nocache",
+                 unshaped_samples_per_s=unshaped_sps, **tag)
+            # Like with like: the model adds the exposed network time to the unshaped median
+            # step, so it is checked against the shaped runs' median step.
+            emit("shaped_model_step_ms", 1e3 * t, "ms", 1e3 * step_s,
+                 baseline_config=f"{name}: median step measured on the shaped link",
+                 model_error=abs(t / step_s - 1.0), target_error=0.15,
+                 model_samples_per_s=model_sps, compute_ms=1e3 * compute_s, **tag)
+        else:
+            emit("shaped_model_samples_per_s", model_sps, "samples/s", None,
+                 unshaped_samples_per_s=unshaped_sps, compute_ms=1e3 * compute_s, **tag)
+    if nocache and "bagpipe_prescan" in measured:
+        emit("shaped_prescan_vs_nocache", measured["bagpipe_prescan"] / nocache, "ratio", None,
+             config="bagpipe_prescan", baseline_config="ps_nocache", target=1.5, **common_extra)
 
 
 def _plot(results: dict[str, dict[str, Any]], modelled: dict[str, float], path: str) -> None:

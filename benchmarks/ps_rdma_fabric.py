@@ -9,7 +9,8 @@ over TCP) on this machine against its raw loopback baselines. This script is the
   ``UCX_NET_DEVICES`` on both sides, e.g. ``rc,sm,self`` and ``mlx5_0:1``); baseline: the
   line rate of ``--link`` (not measured), ratio = measured / line rate.
 * without it: the same measurements over in-process shards (``--transports``, default
-  tcp,rdma-sm,rdma-tcp), baseline the in-run raw loopback TCP stream as in ps_transport.py.
+  tcp,rdma-sm,rdma-tcp), baseline the in-run raw loopback TCP stream of ps_transport.py
+  (at its best write size).
 * either way, ``model_*`` lines: a link model (round trip + bytes / bandwidth; rounds of at
   most ``inflight_packets`` packets per shard; two round trips per round for one-sided writes:
   the flush that makes them visible, then doorbell + ACK) fed with the measured per-step
@@ -37,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torchrec_bagpipe._native import C
+from ps_transport import raw_gbps  # the same raw loopback baseline
+
 from torchrec_bagpipe.ps import PSClient, PSShard, rdma
 
 BENCH = "ps_rdma_fabric"
@@ -181,8 +183,7 @@ def main() -> int:
             baseline, unit = LINKS[args.link][1] / GB, f"GB/s (line rate of {args.link})"
         else:
             nbytes = rows * dim * 4
-            secs = [C.raw_loopback_seconds(nbytes, 1 << 20) for _ in range(repeats)]
-            baseline, unit = nbytes / statistics.median(secs) / GB, "GB/s (raw loopback TCP)"
+            baseline, unit = raw_gbps(nbytes, repeats), "GB/s (raw loopback TCP)"
             emit(bench=BENCH, metric="raw_loopback_gbps", value=baseline, unit="GB/s",
                  baseline=None, ratio=None, dim=dim, transport="raw-tcp", bytes=nbytes)
         for transport in transports:

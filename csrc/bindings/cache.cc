@@ -1,12 +1,15 @@
 // Python bindings of the BagPipe cache metadata and step planner (torchrec_bagpipe._C).
 //
 // Every call borrows its input arrays (1-D, C-contiguous numpy; torch CPU tensors cross as
-// tensor.numpy(), zero-copy) and returns compact numpy arrays that own their memory.
-// The per-step calls (query, admit, lookup, ... and unique_keys) keep the GIL: they run for
-// microseconds to a fraction of a millisecond, and releasing the GIL for that long hands it to
-// another Python thread of the trainer (the communication worker) and makes the caller queue
-// to get it back, which costs more than it lets run in parallel. Planning whole steps
-// (add_step, add_steps) releases it.
+// tensor.numpy(), zero-copy) and returns compact numpy arrays that own their memory. The
+// metadata's batch calls write straight into numpy arrays allocated here (sized for every
+// key, shrunk in place to the count), so nothing is copied on the way out.
+//
+// GIL: a metadata call on at least kReleaseGilKeys keys releases the GIL around the native
+// work (a fraction of a millisecond and up: the other Python threads of the trainer run
+// meanwhile); smaller calls keep it, since giving the GIL away for a few microseconds makes
+// the caller queue to get it back (up to the interpreter's switch interval) for nothing.
+// Planning whole steps (add_step, add_steps) always releases it.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -44,6 +47,27 @@ py::array_t<T> CopyArray(const std::vector<T>& v) {
   return ToArray(std::vector<T>(v));
 }
 
+// Metadata calls on at least this many keys release the GIL (see the file comment).
+constexpr size_t kReleaseGilKeys = 16384;
+
+// Runs fn() with the GIL released when n keys make it worth it.
+template <typename Fn>
+auto MaybeWithoutGil(size_t n, Fn&& fn) {
+  if (n < kReleaseGilKeys) return fn();
+  py::gil_scoped_release release;
+  return fn();
+}
+
+py::array_t<int64_t> NewIndexArray(size_t n) {
+  return py::array_t<int64_t>(static_cast<py::ssize_t>(n));
+}
+
+// Shrinks a fresh array (one reference: ours) to its first k entries in place.
+py::array_t<int64_t> Shrunk(py::array_t<int64_t> a, int64_t k) {
+  if (k != a.size()) a.resize({static_cast<py::ssize_t>(k)}, false);
+  return a;
+}
+
 void SameLength(size_t n, size_t m, const char* a, const char* b) {
   if (n != m) {
     throw ValueError(std::string(b) + " must have the length of " + a + " (" +
@@ -51,21 +75,53 @@ void SameLength(size_t n, size_t m, const char* a, const char* b) {
   }
 }
 
-py::tuple PlaceTuple(cache::PlaceResult&& r) {
-  return py::make_tuple(ToArray(std::move(r.pos)), ToArray(std::move(r.slots)),
-                        ToArray(std::move(r.evicted_keys)), ToArray(std::move(r.bypassed)));
+struct Triple {
+  ConstVec<int64_t> keys, versions, next_uses;
+};
+
+// Checks three equally long int64 arrays.
+Triple CheckTriple(const py::array& keys, const py::array& versions,
+                   const py::array& next_uses) {
+  Triple t{Vec<int64_t>(keys, "keys"), Vec<int64_t>(versions, "versions"),
+           Vec<int64_t>(next_uses, "next_uses")};
+  SameLength(t.keys.size, t.versions.size, "keys", "versions");
+  SameLength(t.keys.size, t.next_uses.size, "keys", "next_uses");
+  return t;
 }
 
-// Runs fn over three equally long int64 arrays (the GIL stays held: a per-step call).
-template <typename Fn>
-auto WithTriple(const py::array& a, const char* an, const py::array& b, const char* bn,
-                const py::array& c, const char* cn, Fn&& fn) {
-  auto va = Vec<int64_t>(a, an);
-  auto vb = Vec<int64_t>(b, bn);
-  auto vc = Vec<int64_t>(c, cn);
-  SameLength(va.size, vb.size, an, bn);
-  SameLength(va.size, vc.size, an, cn);
-  return fn(va.data, vb.data, vc.data, va.size);
+py::tuple QueryCall(CacheMetadata& c, const py::array& keys, const py::array& versions,
+                    const py::array& next_uses) {
+  const Triple t = CheckTriple(keys, versions, next_uses);
+  const size_t n = t.keys.size;
+  auto hit_pos = NewIndexArray(n);
+  auto hit_slots = NewIndexArray(n);
+  auto miss_pos = NewIndexArray(n);
+  const cache::QueryOut out{hit_pos.mutable_data(), hit_slots.mutable_data(),
+                            miss_pos.mutable_data()};
+  const auto r = MaybeWithoutGil(n, [&] {
+    return c.QueryInto(t.keys.data, t.versions.data, t.next_uses.data, n, out);
+  });
+  return py::make_tuple(Shrunk(std::move(hit_pos), r.hits),
+                        Shrunk(std::move(hit_slots), r.hits),
+                        Shrunk(std::move(miss_pos), r.misses), r.stale);
+}
+
+py::tuple AdmitCall(CacheMetadata& c, const py::array& keys, const py::array& versions,
+                    const py::array& next_uses) {
+  const Triple t = CheckTriple(keys, versions, next_uses);
+  const size_t n = t.keys.size;
+  auto pos = NewIndexArray(n);
+  auto slots = NewIndexArray(n);
+  auto evicted = NewIndexArray(n);
+  auto bypassed = NewIndexArray(n);
+  const cache::AdmitOut out{pos.mutable_data(), slots.mutable_data(), evicted.mutable_data(),
+                            bypassed.mutable_data()};
+  const auto r = MaybeWithoutGil(n, [&] {
+    return c.AdmitInto(t.keys.data, t.versions.data, t.next_uses.data, n, out);
+  });
+  return py::make_tuple(Shrunk(std::move(pos), r.placed), Shrunk(std::move(slots), r.placed),
+                        Shrunk(std::move(evicted), r.evicted),
+                        Shrunk(std::move(bypassed), r.bypassed));
 }
 
 py::dict StatsDict(const cache::MetadataStats& s) {
@@ -127,51 +183,34 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
       .def(
           "advance",
           [](CacheMetadata& c, int64_t step) {
-            c.Advance(step);
+            // Expiring a step's pins touches every row the step pinned.
+            MaybeWithoutGil(static_cast<size_t>(c.pin_entries()), [&] { c.Advance(step); });
           },
           py::arg("step"), "Moves to `step`: expired pins are released, stale next uses cleared.")
-      .def(
-          "query",
-          [](CacheMetadata& c, const py::array& keys, const py::array& versions,
-             const py::array& next_uses) {
-            auto r = WithTriple(keys, "keys", versions, "versions", next_uses, "next_uses",
-                                [&](const int64_t* k, const int64_t* v, const int64_t* nu,
-                                    size_t n) { return c.Query(k, v, nu, n); });
-            return py::make_tuple(ToArray(std::move(r.hit_pos)), ToArray(std::move(r.hit_slots)),
-                                  ToArray(std::move(r.miss_pos)), r.stale);
-          },
-          py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
-          "-> (hit_pos, hit_slots, miss_pos, stale)")
-      .def(
-          "admit",
-          [](CacheMetadata& c, const py::array& keys, const py::array& versions,
-             const py::array& next_uses) {
-            return PlaceTuple(WithTriple(keys, "keys", versions, "versions", next_uses,
-                                         "next_uses",
-                                         [&](const int64_t* k, const int64_t* v,
-                                             const int64_t* nu,
-                                             size_t n) { return c.Admit(k, v, nu, n); }));
-          },
-          py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
-          "-> (pos, slots, evicted_keys, bypassed): pos[i] is the source row of slots[i]")
+      .def("query", &QueryCall, py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
+           "-> (hit_pos, hit_slots, miss_pos, stale)")
+      .def("admit", &AdmitCall, py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
+           "-> (pos, slots, evicted_keys, bypassed): pos[i] is the source row of slots[i]")
       .def(
           "lookup",
-          [](CacheMetadata& c, const py::array& keys) {
+          [](const CacheMetadata& c, const py::array& keys) {
             auto v = Vec<int64_t>(keys, "keys");
-            std::vector<int64_t> out(v.size);
-            c.Lookup(v.data, v.size, out.data());
-            return ToArray(std::move(out));
+            auto out = NewIndexArray(v.size);
+            int64_t* o = out.mutable_data();
+            MaybeWithoutGil(v.size, [&] { c.Lookup(v.data, v.size, o); });
+            return out;
           },
           py::arg("keys"), "-> slot of each key, else -1")
       .def(
           "resident",
-          [](CacheMetadata& c, const py::array& keys, const py::array& versions) {
+          [](const CacheMetadata& c, const py::array& keys, const py::array& versions) {
             auto k = Vec<int64_t>(keys, "keys");
             auto v = Vec<int64_t>(versions, "versions");
             SameLength(k.size, v.size, "keys", "versions");
-            std::vector<int64_t> out(k.size);
-            c.Resident(k.data, v.data, k.size, out.data());
-            return ToArray(std::move(out));
+            auto out = NewIndexArray(k.size);
+            int64_t* o = out.mutable_data();
+            MaybeWithoutGil(k.size, [&] { c.Resident(k.data, v.data, k.size, o); });
+            return out;
           },
           py::arg("keys"), py::arg("versions"),
           "-> slot of each key if resident at that version, else -1 (no state change)")
@@ -179,28 +218,28 @@ Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
           "set_version",
           [](CacheMetadata& c, const py::array& slots, int64_t version) {
             auto v = Vec<int64_t>(slots, "slots");
-            c.SetVersion(v.data, v.size, version);
+            MaybeWithoutGil(v.size, [&] { c.SetVersion(v.data, v.size, version); });
           },
           py::arg("slots"), py::arg("version"))
       .def(
           "pin",
           [](CacheMetadata& c, const py::array& slots, int64_t pin_step) {
             auto v = Vec<int64_t>(slots, "slots");
-            c.Pin(v.data, v.size, pin_step);
+            MaybeWithoutGil(v.size, [&] { c.Pin(v.data, v.size, pin_step); });
           },
           py::arg("slots"), py::arg("pin_step"))
       .def(
           "note_uses",
           [](CacheMetadata& c, const py::array& keys, int64_t step) {
             auto v = Vec<int64_t>(keys, "keys");
-            c.NoteUses(v.data, v.size, step);
+            MaybeWithoutGil(v.size, [&] { c.NoteUses(v.data, v.size, step); });
           },
           py::arg("keys"), py::arg("step"))
       .def(
           "invalidate",
           [](CacheMetadata& c, const py::array& keys) {
             auto v = Vec<int64_t>(keys, "keys");
-            return ToArray(c.Invalidate(v.data, v.size));
+            return ToArray(MaybeWithoutGil(v.size, [&] { return c.Invalidate(v.data, v.size); }));
           },
           py::arg("keys"), "-> slots freed")
       .def("clear", &CacheMetadata::Clear)

@@ -24,14 +24,27 @@
 //      the candidate's (Belady with bypass), except that a candidate with no known next use
 //      replaces a victim with none (LRU among the unknown); a free slot is always taken.
 //   6. Every failing call validates before it mutates: a call that throws changed nothing.
+//   7. Steps, versions, pin steps and finite next uses are stored in 32 bits: a call that
+//      would store a value outside [INT32_MIN, INT32_MAX) throws ValueError (invariant 6).
+//
+// Layout (what makes a step's metadata cost a few random memory accesses per key): a slot is
+// one 32-byte record; the key->slot map holds 8-byte tagged cells (slot_map.h); both live in
+// huge-page mappings. Eviction queues are lazy FIFOs (lazy_queue.h): a slot's generation
+// changes whenever it joins or leaves a queue or the pin list, so removal never touches a
+// neighbour. Batch calls probe the map in a software-pipelined loop (hash, prefetch the cell,
+// probe it and prefetch the record, verify) and validate in a first pass before mutating in
+// a second, into caller-provided output arrays; no call allocates once its scratch has grown.
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <vector>
 
-#include "cache/flat_map.h"
+#include "cache/eviction_buckets.h"
+#include "cache/huge_array.h"
+#include "cache/key_set.h"
+#include "cache/lazy_queue.h"
+#include "cache/slot_map.h"
 
 namespace bagpipe::cache {
 
@@ -59,6 +72,31 @@ struct PlaceResult {
   std::vector<int64_t> bypassed;       // input positions that wanted a slot and got none
 };
 
+// Output arrays of QueryInto: each has room for n entries.
+struct QueryOut {
+  int64_t* hit_pos;
+  int64_t* hit_slots;
+  int64_t* miss_pos;
+};
+struct QueryCounts {
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t stale = 0;
+};
+
+// Output arrays of AdmitInto: each has room for n entries.
+struct AdmitOut {
+  int64_t* pos;
+  int64_t* slots;
+  int64_t* evicted_keys;
+  int64_t* bypassed;
+};
+struct AdmitCounts {
+  int64_t placed = 0;
+  int64_t evicted = 0;
+  int64_t bypassed = 0;
+};
+
 struct MetadataStats {
   int64_t capacity_rows = 0;
   int64_t resident = 0;
@@ -68,35 +106,44 @@ struct MetadataStats {
   int64_t evictions = 0;
   int64_t invalidations = 0;
   int64_t stale = 0;
-  int64_t memory_bytes = 0;  // slot table + key map
+  int64_t memory_bytes = 0;  // slot table + key map + queues + scratch
 };
 
 class CacheMetadata {
  public:
-  // REQUIRES: capacity_units >= 1 (ValueError otherwise).
+  // REQUIRES: 1 <= capacity_units, capacity_rows <= 2^31 - 1 (ValueError otherwise).
   CacheMetadata(int64_t capacity_units, EvictionPolicy policy);
 
   int64_t capacity_rows() const { return capacity_rows_; }
   EvictionPolicy policy() const { return policy_; }
   int64_t current_step() const { return step_; }
   int64_t size() const { return static_cast<int64_t>(map_.size()); }
+  // Entries of the pin list: an upper bound on the slots Advance unpins (its cost).
+  int64_t pin_entries() const { return static_cast<int64_t>(pinned_.size()); }
 
   // Moves to `step`: pins with pin_step < step expire and finite next uses <= step become
-  // kNever.  REQUIRES: step >= current_step().
+  // kNever.  REQUIRES: current_step() <= step < 2^31 - 1.
   void Advance(int64_t step);
 
   // Classifies n unique keys.  A slot whose version differs from versions[i] is stale: it is
   // freed and the key reported as a miss.  Hits are touched: their next use becomes
   // next_uses[i] (< 0 means kNever) and they become most recent.
-  // REQUIRES: keys unique and >= 0 (ValueError otherwise).
+  // REQUIRES: keys unique and >= 0, next_uses < 2^31 - 1 (ValueError otherwise).
   QueryResult Query(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
                     size_t n);
+  // Query into caller-provided arrays (each with room for n); returns the counts.
+  QueryCounts QueryInto(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
+                        size_t n, const QueryOut& out);
 
   // Gives ready slots, pinned through the current step, to keys in input order, evicting per
   // policy; candidates that find no slot are bypassed (not in the result).
-  // REQUIRES: keys unique, >= 0 and not resident (ValueError otherwise).
+  // REQUIRES: keys unique, >= 0 and not resident; versions in [INT32_MIN, INT32_MAX);
+  // next_uses < 2^31 - 1 (ValueError otherwise).
   PlaceResult Admit(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
                     size_t n);
+  // Admit into caller-provided arrays (each with room for n); returns the counts.
+  AdmitCounts AdmitInto(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
+                        size_t n, const AdmitOut& out);
 
   // For each key: its slot, or -1.
   void Lookup(const int64_t* keys, size_t n, int64_t* out_slots) const;
@@ -105,14 +152,17 @@ class CacheMetadata {
   void Resident(const int64_t* keys, const int64_t* versions, size_t n,
                 int64_t* out_slots) const;
 
-  // Sets the version of resident slots (after a local SGD update).  REQUIRES: each resident.
+  // Sets the version of resident slots (after a local SGD update).
+  // REQUIRES: each resident; version in [INT32_MIN, INT32_MAX).
   void SetVersion(const int64_t* slots, size_t n, int64_t version);
 
-  // Extends the pin of resident slots through `pin_step`.  REQUIRES: each resident.
+  // Extends the pin of resident slots through `pin_step`.
+  // REQUIRES: each resident; pin_step in [INT32_MIN, INT32_MAX).
   void Pin(const int64_t* slots, size_t n, int64_t pin_step);
 
   // Oracle bookkeeping when a step enters the window: a resident key whose next use is later
   // than `step` (or kNever) gets next use `step`.  No-op under lru.
+  // REQUIRES: step in [INT32_MIN, INT32_MAX).
   void NoteUses(const int64_t* keys, size_t n, int64_t step);
 
   // Frees the slots of the given keys; returns them (absent keys are ignored).
@@ -135,50 +185,110 @@ class CacheMetadata {
   // Unpinned resident slots in victim order (first = next victim).  For tests and debugging.
   std::vector<int64_t> VictimOrder() const;
 
+  // Tests only: stale queue entries are purged whenever a slot's generation crosses a
+  // multiple of `period` (default 2^31). REQUIRES: a power of two in [2, 2^31].
+  void SetGenerationPeriodForTest(uint32_t period);
+
  private:
-  struct SlotRec {
-    int64_t key = kEmptyKey;
-    int64_t version = -1;
-    int64_t next_use = kNever;
-    int64_t pin_step = -1;  // pinned while pin_step >= step_
-    int64_t bucket = 0;     // key of the eviction bucket while queued
-    uint64_t pin_seq = 0;   // matches the live entry of pinned_
-    int32_t prev = -1;
-    int32_t next = -1;
-    SlotState state = SlotState::kFree;
-    bool queued = false;    // in an eviction bucket (resident and unpinned)
-    bool pinned = false;
+  static constexpr int32_t kNever32 = INT32_MAX;
+
+  // 32 bytes: two records per cache line, one random access per key.
+  struct alignas(32) SlotRec {
+    int64_t key;        // kEmptyKey when free
+    int32_t version;
+    int32_t next_use;   // kNever32: no known next use
+    int32_t pin_step;   // pinned while pinned && pin_step >= step32_
+    uint32_t gen;       // a new value each time the slot joins a queue or the pin list
+    uint32_t mark;      // scratch: the Query call that last saw the slot (duplicates)
+    SlotState state;
+    bool queued;        // in the eviction bucket of its next use (resident and unpinned)
+    bool pinned;
   };
-  struct List {
-    int32_t head = -1;
-    int32_t tail = -1;
+  static_assert(sizeof(SlotRec) == 32);
+
+  // Liveness of queue entries (eviction buckets) and of pin-list entries: the entry's
+  // generation is the slot's and the slot is still a member.
+  struct QueuedLive {
+    const SlotRec* s;
+    bool operator()(QueueEntry e) const { return s[e.slot].gen == e.gen && s[e.slot].queued; }
+    void Prefetch(QueueEntry e) const { __builtin_prefetch(&s[e.slot]); }
+  };
+  struct PinnedLive {
+    const SlotRec* s;
+    bool operator()(QueueEntry e) const { return s[e.slot].gen == e.gen && s[e.slot].pinned; }
+    void Prefetch(QueueEntry e) const { __builtin_prefetch(&s[e.slot]); }
   };
 
-  bool IsPinned(const SlotRec& s) const { return s.pinned && s.pin_step >= step_; }
-  int64_t BucketOf(int64_t next_use) const;
-  void Enqueue(int32_t slot);
-  void Dequeue(int32_t slot);
-  void PinSlot(int32_t slot, int64_t pin_step);
+  QueuedLive queued_live() const { return QueuedLive{slots_.data()}; }
+  PinnedLive pinned_live() const { return PinnedLive{slots_.data()}; }
+  bool IsPinned(const SlotRec& s) const { return s.pinned && s.pin_step >= step32_; }
+  int32_t BucketOf(int32_t next_use) const {
+    return policy_ == EvictionPolicy::kLru ? 0 : next_use;
+  }
+  uint32_t Bump(SlotRec& s);  // a new generation (for a new queue / pin-list entry)
+  void FinishCall();          // compaction of the queues, when due
+  void CompactQueues();
+  void Enqueue(int32_t slot);  // at the tail of the bucket of its next use
+  void Unqueue(SlotRec& s) {
+    s.queued = false;
+    --queued_;
+  }
+  void SetNextUse(int32_t slot, int32_t next_use);  // a queued slot moves to the tail
+  void PinSlot(int32_t slot, int32_t pin_step);
   void FreeSlot(int32_t slot);
-  // Victim slot for a candidate with `next_use`, or -1 (bypass).
-  int32_t PickSlot(int64_t next_use);
-  void Place(int32_t slot, int64_t key, int64_t version, int64_t next_use, int64_t pin_step,
-             SlotState state);
-  void CheckUniqueKeys(const int64_t* keys, size_t n, const char* what);
+  // Admit's victims: the live queue entries in victim order (buckets by descending key,
+  // FIFO within), gathered ahead of their use in a streaming pass. Nothing is pushed to a
+  // queue during Admit, so this order is fixed for the call; a placement consumes the next
+  // victim, a bypass none.
+  struct Victim {
+    int32_t slot;
+    int32_t next_use;
+    uint64_t hash;     // of the victim's key (its map cell is erased)
+    LazyQueue* queue;  // where the entry sits ...
+    size_t pos;        // ... and at which position
+  };
+  void StartVictims();
+  void GatherVictims(size_t want);  // until victims_.size() >= want or none are left
+  void FinishVictims(size_t consumed);  // drops the consumed entries from their queues
+
+  // Probes the map for keys[0, n) in a software-pipelined loop and calls
+  // sink(i, slot or -1, hash) in input order; pre(hash) runs when a key is hashed, well
+  // before its sink call (prefetches of the caller's own tables).
+  template <typename Sink, typename Pre>
+  void Probe(const int64_t* keys, size_t n, Sink&& sink, Pre&& pre) const;
+  template <typename Sink>
+  void Probe(const int64_t* keys, size_t n, Sink&& sink) const {
+    Probe(keys, n, sink, [](uint64_t) {});
+  }
 
   const int64_t capacity_rows_;
   const EvictionPolicy policy_;
   int64_t step_ = -1;
+  int32_t step32_ = -1;
+  uint32_t gen_period_mask_ = (1u << 31) - 1;
 
   // Owned by this object; mutated only under the owner's serialization.
-  std::vector<SlotRec> slots_;
-  FlatMap<int32_t> map_;               // key -> slot
-  std::vector<int32_t> free_;          // stack of free slots (top = back)
-  std::map<int64_t, List> buckets_;    // eviction queues by next use (lru: one bucket)
-  std::vector<std::pair<int32_t, uint64_t>> pinned_;  // (slot, pin_seq), lazily pruned
-  uint64_t pin_seq_ = 0;
-  StampedMap<uint8_t> seen_;           // scratch for uniqueness checks
+  HugeArray<SlotRec> slots_;
+  SlotMap map_;                          // key -> slot
+  std::vector<int32_t> free_;            // stack of free slots (top = back)
+  EvictionBuckets buckets_;              // eviction queues by next use (lru: one bucket)
+  std::vector<QueueEntry> pinned_;       // pin events, stale ones skipped (PinnedLive)
+  int64_t queued_ = 0;                   // live queue entries (queued slots)
+  int64_t pushes_ = 0;                   // queue entries pushed since the last compaction
+  bool purge_pending_ = false;           // a generation crossed a period: purge at call end
   MetadataStats stats_;
+
+  // Scratch, reused by every call.
+  std::vector<Victim> victims_;
+  LazyQueue* gather_queue_ = nullptr;    // the bucket GatherVictims scans ...
+  int32_t gather_bucket_ = 0;            // ... its key ...
+  size_t gather_pos_ = 0;                // ... and the next position to look at
+  uint32_t mark_ = 0;
+  KeySet seen_;
+  std::vector<int32_t> found_;
+  std::vector<uint64_t> hash_;
+  std::vector<int64_t> hits_;
+  std::vector<int64_t> stale_;
 };
 
 }  // namespace bagpipe::cache

@@ -14,8 +14,8 @@
 #include "store/checkpoint.h"
 #include "store/splitmix64.h"
 #include "store/key_map.h"
+#include "common/os_memory.h"
 #include "store/optimizer_kernels.h"
-#include "store/os_memory.h"
 #include "store/page_arena.h"
 
 namespace bagpipe::store {

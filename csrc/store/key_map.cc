@@ -4,7 +4,7 @@
 #include <new>
 
 #include "store/splitmix64.h"
-#include "store/os_memory.h"
+#include "common/os_memory.h"
 
 namespace bagpipe::store {
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "common/errors.h"
-#include "store/os_memory.h"
+#include "common/os_memory.h"
 
 namespace bagpipe::store {
 

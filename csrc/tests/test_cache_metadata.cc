@@ -1,10 +1,12 @@
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <set>
 #include <vector>
 
 #include "cache/cache_metadata.h"
+#include "tests/cache_metadata_reference.h"
 #include "common/errors.h"
 #include "tests/test_harness.h"
 
@@ -292,4 +294,211 @@ TEST_CASE(cache_metadata_randomized_operations_keep_invariants) {
       CheckConsistent(m);
     }
   }
+}
+
+// ---- the optimized metadata against the reference implementation, call by call ----------
+
+namespace {
+
+using bagpipe::cache::reference::ReferenceCacheMetadata;
+
+template <typename T>
+void CheckSameVector(const std::vector<T>& a, const std::vector<T>& b) {
+  CHECK_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) CHECK_EQ(a[i], b[i]);
+}
+
+// Every slot, the victim order and the counters agree.
+void CheckSameState(const CacheMetadata& m, const ReferenceCacheMetadata& r) {
+  CHECK_EQ(m.size(), r.size());
+  for (int64_t s = 0; s < m.capacity_rows(); ++s) {
+    const auto a = m.Slot(s);
+    const auto b = r.Slot(s);
+    CHECK_EQ(a.key, b.key);
+    CHECK(a.state == b.state);
+    if (a.state != SlotState::kFree) {
+      CHECK_EQ(a.version, b.version);
+      CHECK_EQ(a.next_use, b.next_use);
+      CHECK_EQ(a.pin_step, b.pin_step);
+    }
+  }
+  CheckSameVector(m.VictimOrder(), r.VictimOrder());
+  const auto x = m.Stats();
+  const auto y = r.Stats();
+  CHECK_EQ(x.resident, y.resident);
+  CHECK_EQ(x.pinned, y.pinned);
+  CHECK_EQ(x.admitted, y.admitted);
+  CHECK_EQ(x.bypassed, y.bypassed);
+  CHECK_EQ(x.evictions, y.evictions);
+  CHECK_EQ(x.invalidations, y.invalidations);
+  CHECK_EQ(x.stale, y.stale);
+}
+
+// A random workload shaped like the controller's (query, then admit of the misses in
+// soonest-next-use order or as they come; advances; note_uses; local updates; pins;
+// invalidations; rare clears), run on `ms` (optimized, possibly with tiny generation
+// periods) and on the reference, comparing every answer.
+void RunAgainstReference(EvictionPolicy policy, int64_t units, int64_t universe, int ops,
+                         uint64_t seed, std::vector<CacheMetadata*> ms) {
+  std::mt19937_64 rng(seed);
+  ReferenceCacheMetadata ref(units, policy);
+  int64_t step = 0;
+  ref.Advance(step);
+  for (auto* m : ms) m->Advance(step);
+  std::vector<int64_t> version(static_cast<size_t>(universe), -1);
+  auto draw_keys = [&](size_t n) {
+    std::vector<int64_t> keys;
+    std::set<int64_t> seen;
+    while (keys.size() < n) {
+      // Skewed: low keys are hot.
+      const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+      const int64_t k = static_cast<int64_t>(std::pow(u, 2.5) * static_cast<double>(universe));
+      if (seen.insert(k).second) keys.push_back(k);
+    }
+    return keys;
+  };
+  const int64_t cap = units * 64;
+  for (int op = 0; op < ops; ++op) {
+    const int kind = static_cast<int>(rng() % 100);
+    if (kind < 15) {
+      step += 1 + static_cast<int64_t>(rng() % 2);
+      ref.Advance(step);
+      for (auto* m : ms) m->Advance(step);
+    } else if (kind < 60) {
+      const size_t n = 1 + rng() % static_cast<size_t>(2 * cap);
+      auto keys = draw_keys(std::min<size_t>(n, static_cast<size_t>(universe)));
+      std::vector<int64_t> vers(keys.size()), nus(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) {
+        vers[i] = version[static_cast<size_t>(keys[i])] + (rng() % 10 == 0 ? 1 : 0);
+        nus[i] = rng() % 3 == 0 ? -1 : step + 1 + static_cast<int64_t>(rng() % 8);
+      }
+      const auto want = ref.Query(keys.data(), vers.data(), nus.data(), keys.size());
+      for (auto* m : ms) {
+        const auto got = m->Query(keys.data(), vers.data(), nus.data(), keys.size());
+        CheckSameVector(got.hit_pos, want.hit_pos);
+        CheckSameVector(got.hit_slots, want.hit_slots);
+        CheckSameVector(got.miss_pos, want.miss_pos);
+        CHECK_EQ(got.stale, want.stale);
+      }
+      std::vector<int64_t> order(want.miss_pos.begin(), want.miss_pos.end());
+      if (rng() % 4 != 0) {
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+          const int64_t x = nus[a] < 0 ? INT64_MAX : nus[a];
+          const int64_t y = nus[b] < 0 ? INT64_MAX : nus[b];
+          return x < y;
+        });
+      }
+      std::vector<int64_t> mk, mv, mn;
+      for (int64_t p : order) {
+        mk.push_back(keys[p]);
+        mv.push_back(vers[p]);
+        mn.push_back(nus[p]);
+      }
+      const auto wa = ref.Admit(mk.data(), mv.data(), mn.data(), mk.size());
+      for (auto* m : ms) {
+        const auto ga = m->Admit(mk.data(), mv.data(), mn.data(), mk.size());
+        CheckSameVector(ga.pos, wa.pos);
+        CheckSameVector(ga.slots, wa.slots);
+        CheckSameVector(ga.evicted_keys, wa.evicted_keys);
+        CheckSameVector(ga.bypassed, wa.bypassed);
+      }
+      for (size_t i = 0; i < wa.pos.size(); ++i) {
+        version[static_cast<size_t>(mk[static_cast<size_t>(wa.pos[i])])] =
+            mv[static_cast<size_t>(wa.pos[i])];
+      }
+    } else if (kind < 72) {
+      // The local update: lookup, set_version, sometimes a pin through the next step.
+      auto keys = draw_keys(1 + rng() % static_cast<size_t>(cap));
+      std::vector<int64_t> want(keys.size()), got(keys.size());
+      ref.Lookup(keys.data(), keys.size(), want.data());
+      for (auto* m : ms) {
+        m->Lookup(keys.data(), keys.size(), got.data());
+        CheckSameVector(got, want);
+      }
+      std::vector<int64_t> slots;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (want[i] >= 0) {
+          slots.push_back(want[i]);
+          version[static_cast<size_t>(keys[i])] = step;
+        }
+      }
+      ref.SetVersion(slots.data(), slots.size(), step);
+      for (auto* m : ms) m->SetVersion(slots.data(), slots.size(), step);
+      if (rng() % 2 == 0) {
+        ref.Pin(slots.data(), slots.size(), step + 1);
+        for (auto* m : ms) m->Pin(slots.data(), slots.size(), step + 1);
+      }
+    } else if (kind < 82) {
+      auto keys = draw_keys(1 + rng() % static_cast<size_t>(cap));
+      const int64_t use = step + 1 + static_cast<int64_t>(rng() % 8);
+      ref.NoteUses(keys.data(), keys.size(), use);
+      for (auto* m : ms) m->NoteUses(keys.data(), keys.size(), use);
+    } else if (kind < 90) {
+      auto keys = draw_keys(1 + rng() % static_cast<size_t>(cap / 2 + 1));
+      std::vector<int64_t> vers(keys.size());
+      for (size_t i = 0; i < keys.size(); ++i) vers[i] = version[static_cast<size_t>(keys[i])];
+      std::vector<int64_t> want(keys.size()), got(keys.size());
+      ref.Resident(keys.data(), vers.data(), keys.size(), want.data());
+      for (auto* m : ms) {
+        m->Resident(keys.data(), vers.data(), keys.size(), got.data());
+        CheckSameVector(got, want);
+      }
+    } else if (kind < 99) {
+      auto keys = draw_keys(1 + rng() % static_cast<size_t>(cap / 4 + 1));
+      keys.push_back(keys.front());  // a repeated key is freed once
+      const auto want = ref.Invalidate(keys.data(), keys.size());
+      for (auto* m : ms) CheckSameVector(m->Invalidate(keys.data(), keys.size()), want);
+    } else {
+      ref.Clear();
+      for (auto* m : ms) m->Clear();
+    }
+    if (op % 8 == 0) {
+      for (auto* m : ms) CheckSameState(*m, ref);
+    }
+  }
+  for (auto* m : ms) CheckSameState(*m, ref);
+}
+
+}  // namespace
+
+TEST_CASE(cache_metadata_matches_the_reference_call_by_call) {
+  for (auto policy : {EvictionPolicy::kLru, EvictionPolicy::kOracle}) {
+    for (int64_t units : {1, 3, 16}) {
+      // Generation periods 2 and 4 purge stale queue entries every few bumps; the default
+      // almost never does: all three must answer alike.
+      CacheMetadata plain(units, policy);
+      CacheMetadata period2(units, policy);
+      CacheMetadata period4(units, policy);
+      period2.SetGenerationPeriodForTest(2);
+      period4.SetGenerationPeriodForTest(4);
+      RunAgainstReference(policy, units, units * 64 * 3, 600, 7 + static_cast<uint64_t>(units),
+                          {&plain, &period2, &period4});
+    }
+  }
+}
+
+TEST_CASE(cache_metadata_keeps_the_reference_order_through_many_compactions) {
+  // A cache of 4096 rows over many steps: the queues are compacted many times over.
+  CacheMetadata m(64, EvictionPolicy::kOracle);
+  RunAgainstReference(EvictionPolicy::kOracle, 64, 64 * 64 * 4, 400, 99, {&m});
+}
+
+TEST_CASE(cache_metadata_rejects_values_beyond_32_bits_without_change) {
+  CacheMetadata m(1, EvictionPolicy::kOracle);
+  m.Advance(0);
+  int64_t k = 5, v = -1, big = int64_t{1} << 31, huge_version = int64_t{1} << 40;
+  CHECK_THROWS(bagpipe::ValueError, m.Admit(&k, &v, &big, 1));
+  CHECK_THROWS(bagpipe::ValueError, m.Admit(&k, &huge_version, &v, 1));
+  CHECK_THROWS(bagpipe::ValueError, m.Query(&k, &v, &big, 1));
+  CHECK_THROWS(bagpipe::ValueError, m.Advance(int64_t{1} << 31));
+  CHECK_EQ(m.size(), 0);
+  m.Admit(&k, &v, &v, 1);
+  int64_t slot = 0;
+  CHECK_THROWS(bagpipe::ValueError, m.SetVersion(&slot, 1, huge_version));
+  CHECK_THROWS(bagpipe::ValueError, m.Pin(&slot, 1, huge_version));
+  CHECK_EQ(m.Slot(0).version, -1);
+  // A query version outside 32 bits is simply not the stored one: the row is stale.
+  auto q = m.Query(&k, &huge_version, &v, 1);
+  CHECK_EQ(q.stale, 1);
+  CHECK_EQ(m.size(), 0);
 }

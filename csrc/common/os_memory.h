@@ -1,13 +1,14 @@
-// Anonymous memory mappings for the key maps and the arena: zero-filled, 4 KiB aligned, and
-// 2 MiB aligned with MADV_HUGEPAGE when large enough, so random row and bucket accesses
-// do not pay a TLB miss per key where the kernel grants transparent huge pages.
+// Anonymous memory mappings for large randomly accessed tables (the store's key maps and
+// arena, the cache metadata's slot table and key map): zero-filled, 4 KiB aligned, and
+// 2 MiB aligned with MADV_HUGEPAGE when large enough, so random accesses do not pay a TLB
+// miss per key where the kernel grants transparent huge pages.
 //
 // Thread safety: stateless functions.
 #pragma once
 
 #include <cstddef>
 
-namespace bagpipe::store {
+namespace bagpipe {
 
 inline constexpr size_t kOsPageBytes = 4096;
 inline constexpr size_t kHugePageBytes = size_t{2} << 20;
@@ -25,4 +26,4 @@ void UnmapMemory(void* p, size_t bytes);
 // Bytes of RAM the process may use: min(cgroup memory limit, physical memory).
 size_t DetectMemoryLimit();
 
-}  // namespace bagpipe::store
+}  // namespace bagpipe

@@ -1,4 +1,4 @@
-#include "store/os_memory.h"
+#include "common/os_memory.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 #include <new>
 #include <string>
 
-namespace bagpipe::store {
+namespace bagpipe {
 
 void* MapAnonymous(size_t bytes) {
   if (bytes < kHugePageBytes) {
@@ -61,4 +61,4 @@ size_t DetectMemoryLimit() {
   return limit;
 }
 
-}  // namespace bagpipe::store
+}  // namespace bagpipe
