@@ -328,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.shaped_link and base:
         shaped_section(args, common, configs, shaped_names, world, batch, repeats,
                        base["step_s"], extra={"dim": args.dim, "world_size": world,
-                                              "batch_size": batch, "rows_per_table": rows,
-                                              "cache_units": cache_units})
+                                              "batch_size": batch,
+                                              "table_sizes": args.table_sizes,
+                                              "largest_table": rows,
+                                              "cache_units": units(sum(sizes))})
     emit("wall_s", time.perf_counter() - started, "s", None, config="all")
     _plot(results, modelled_25g, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
     return 0
