@@ -21,7 +21,8 @@ step sequence.
   row-wise Adagrad's momentum1 is 1-D): live row-wise ShardedTensors of PS views (reads
   and in-place writes go to the PS in bounded chunks: table_state.py), plus
   ``"<table>.step"`` for Adam (the step count of its bias correction, a 0-d tensor: a value
-  written into it in place, e.g. by DCP's load, takes effect when the module settles).
+  written into it in place, e.g. by DCP's load, takes effect at the next `state` read, the
+  end of a load or the module's next batch).
   ``load_state_dict`` takes TorchRec's sharded values or plain whole tensors (each rank
   writes its rows; a collective, as a module's ``load_state_dict``). SGD tables have empty
   state, as in stock TorchRec.
@@ -99,7 +100,8 @@ class BagPipeFusedOptimizer(FusedOptimizer):
             {"params": list(g.params), "lr": g.lr, "fused_table": g.name} for g in groups
         ]
         self._groups: list[FusedGroup] = []  # no state until constructed (KeyedOptimizer
-        super().__init__(params, {}, param_groups)  # reads it in its __init__)
+        self._step_tensors: list[tuple[int, str, torch.Tensor, int]] = []  # reads it in
+        super().__init__(params, {}, param_groups)  # its __init__)
         self._groups = list(groups)
         self._steps = [0] * len(groups)  # invariant 1
         self._finish_fn = finish_fn
@@ -107,7 +109,7 @@ class BagPipeFusedOptimizer(FusedOptimizer):
         self._io = state_io
         # Adam's step tensors handed out by `state` since the last settle: (group, table,
         # tensor, the count it was made with).
-        self._step_tensors: list[tuple[int, str, torch.Tensor, int]] = []
+        self._step_tensors = []
         self._plain: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- the learning rate of a step ----------------------------------------------------------
@@ -148,6 +150,7 @@ class BagPipeFusedOptimizer(FusedOptimizer):
     def state(self) -> dict[Any, dict[str, Any]]:
         """param -> its table's state entries: live sharded tensors of the PS, and Adam's
         step count (module docstring)."""
+        self.settle_steps()  # counts written into the tensors handed out before
         out: dict[Any, dict[str, Any]] = {}
         for g, group in enumerate(self._groups):
             for table, param in zip(group.tables, group.params):
@@ -203,6 +206,8 @@ class BagPipeFusedOptimizer(FusedOptimizer):
         """Takes the Adam step counts written into the tensors `state` handed out (every
         rank, when the module settles; unchanged tensors keep the counts)."""
         records, self._step_tensors = self._step_tensors, []
+        if not records:
+            return
         steps = list(self._steps)
         loaded: dict[int, tuple[str, int]] = {}
         for g, table, tensor, made in records:

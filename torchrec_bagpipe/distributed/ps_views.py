@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -46,9 +47,31 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 from torch.utils._pytree import tree_map
 
-__all__ = ["PSTensor", "RowStore", "row_blocks", "row_wise_sharded"]
+__all__ = ["PSTensor", "RowStore", "ViewStats", "row_blocks", "row_wise_sharded", "view_stats"]
 
 _aten = torch.ops.aten
+
+
+@dataclass
+class ViewStats:
+    """This process's `PSTensor` accounting: the most rows one read held at once (a chunk
+    streamed, or a whole view materialised) since the last `reset`."""
+
+    peak_rows: int = 0
+
+    def note(self, rows: int) -> None:
+        self.peak_rows = max(self.peak_rows, rows)
+
+    def reset(self) -> None:
+        self.peak_rows = 0
+
+
+_STATS = ViewStats()
+
+
+def view_stats() -> ViewStats:
+    """The process's `ViewStats` (tests bound the memory a state-dict path holds with it)."""
+    return _STATS
 
 
 class RowStore(Protocol):
@@ -110,11 +133,13 @@ class PSTensor(torch.Tensor):
     def _read_block(self, lo: int, hi: int) -> torch.Tensor:
         """Store rows [r0 + lo, r0 + hi) restricted to the columns, as [hi - lo, c1 - c0]."""
         rows = self._store.read(self._r0 + lo, self._r0 + hi)
+        _STATS.note(hi - lo)
         return rows[:, self._c0:self._c1]
 
     def materialize(self) -> torch.Tensor:
         """The values now, as a plain tensor of this shape (read in bounded chunks)."""
         n = self._r1 - self._r0
+        _STATS.note(n)
         out = torch.empty(n, self._c1 - self._c0, dtype=torch.float32)
         for lo in range(0, n, self._store.chunk_rows):
             hi = min(n, lo + self._store.chunk_rows)
@@ -141,6 +166,7 @@ class PSTensor(torch.Tensor):
                 rows = block.contiguous()
             else:
                 rows = self._store.read(self._r0 + lo, self._r0 + hi).clone()
+                _STATS.note(hi - lo)
                 rows[:, self._c0:self._c1] = block
             self._store.write(self._r0 + lo, rows)
 
