@@ -175,8 +175,7 @@ def _bounded(rank: int, world: int, tmp: str) -> list[str]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_bagpipe import BagPipeConfig
-    from torchrec_bagpipe.distributed import bagpipe_plan, bagpipe_sharders, close_model
-    from torchrec_bagpipe.distributed import table_io
+    from torchrec_bagpipe.distributed import bagpipe_plan, bagpipe_sharders, close_model, table_io
     from torchrec_bagpipe.distributed.ps_views import view_stats
 
     table_io.TABLE_CHUNK_ROWS = CHUNK
