@@ -528,6 +528,26 @@ def full_state(dmp: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def whole_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict as whole tensors on every rank (a collective): each sharded
+    tensor's local shards (BagPipe tables, stock sharded tables) summed across the ranks."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for k, v in module.state_dict().items():
+        if isinstance(v, ShardedTensor):
+            full = torch.zeros(v.size())
+            for shard in v.local_shards():
+                rows = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
+                                                              shard.metadata.shard_sizes))
+                full[rows] = shard.tensor.clone()
+            if dist.is_initialized():
+                dist.all_reduce(full)
+            v = full
+        out[k] = v.detach().clone()
+    return out
+
+
 def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None
                     ) -> dict[str, torch.Tensor]:
     model = build_model(case.kind, case.seed)

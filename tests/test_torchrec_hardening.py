@@ -13,6 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import _scenarios as S
 import pytest
 import torch
 from _dist import run_world
@@ -165,7 +166,7 @@ def _fuzz(rank: int, world: int) -> dict[str, int]:
     reference = _ebc()
     dmp = _shard(ebc, world)
     sharded = dmp.module
-    reference.load_state_dict({k: v.clone() for k, v in sharded.state_dict().items()})
+    reference.load_state_dict(S.whole_state(sharded))
     rows = [40, 30]
     seen = {"refused": 0, "accepted": 0}
 
