@@ -528,6 +528,26 @@ def full_state(dmp: nn.Module, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def whole_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict as whole tensors on every rank (a collective): each sharded
+    tensor's local shards (BagPipe tables, stock sharded tables) summed across the ranks."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for k, v in module.state_dict().items():
+        if isinstance(v, ShardedTensor):
+            full = torch.zeros(v.size())
+            for shard in v.local_shards():
+                rows = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets,
+                                                              shard.metadata.shard_sizes))
+                full[rows] = shard.tensor.clone()
+            if dist.is_initialized():
+                dist.all_reduce(full)
+            v = full
+        out[k] = v.detach().clone()
+    return out
+
+
 def train_reference(case: Case, world: int, init: dict[str, torch.Tensor] | None = None
                     ) -> dict[str, torch.Tensor]:
     model = build_model(case.kind, case.seed)
@@ -623,6 +643,8 @@ def _is_table(name: str) -> bool:
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str,
             rtol: float = 1e-5, atol: float = 1e-6) -> list[str]:
+    """Problems of `got` against `want`, by key. A ShardedTensor (a BagPipe table's live
+    state-dict tensor, a stock sharded table) is compared by this rank's local shards."""
     problems = []
     if set(got) != set(want):
         problems.append(f"{label}: keys differ: {sorted(set(got) ^ set(want))}")
@@ -631,8 +653,33 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: 
         if a.shape != b.shape:
             problems.append(f"{label}: {k} shape {tuple(a.shape)} != {tuple(b.shape)}")
             continue
-        if not torch.allclose(a, b, rtol=rtol, atol=atol):
-            err = (a - b).abs().max().item()
-            problems.append(f"{label}: {k} differs (max abs err {err:.3g})")
+        for x, y in _local_pairs(a, b):
+            if not torch.allclose(x, y, rtol=rtol, atol=atol):
+                err = (x - y).abs().max().item()
+                problems.append(f"{label}: {k} differs (max abs err {err:.3g})")
+                break
     return problems
 
+
+def _local_pairs(a: torch.Tensor, b: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Plain tensor pairs to compare: whole tensors, or the local shards of a sharded one
+    with the same block of the other (sharded the same way, or whole)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    def shards(t: torch.Tensor) -> dict[tuple[int, ...], torch.Tensor]:
+        return {tuple(s.metadata.shard_offsets): s.tensor.detach().clone()
+                for s in t.local_shards()}  # type: ignore[attr-defined]
+
+    def block(t: torch.Tensor, offsets: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return t[tuple(slice(o, o + n) for o, n in zip(offsets, like.shape))]
+
+    if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
+        sa, sb = shards(a), shards(b)
+        if set(sa) != set(sb):
+            return [(torch.zeros(1), torch.ones(1))]  # differently sharded: a difference
+        return [(sa[o], sb[o]) for o in sa]
+    if isinstance(a, ShardedTensor):
+        return [(x, block(b, o, x)) for o, x in shards(a).items()]
+    if isinstance(b, ShardedTensor):
+        return [(block(a, o, y), y) for o, y in shards(b).items()]
+    return [(a, b)]

@@ -13,6 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import _scenarios as S
 import pytest
 import torch
 from _dist import run_world
@@ -165,7 +166,7 @@ def _fuzz(rank: int, world: int) -> dict[str, int]:
     reference = _ebc()
     dmp = _shard(ebc, world)
     sharded = dmp.module
-    reference.load_state_dict({k: v.clone() for k, v in sharded.state_dict().items()})
+    reference.load_state_dict(S.whole_state(sharded))
     rows = [40, 30]
     seen = {"refused": 0, "accepted": 0}
 
@@ -256,10 +257,14 @@ def _non_finite(rank: int, world: int) -> dict[str, Any]:
     committed = {k: m["committed_step"] for k, m in bagpipe_metrics(dmp).items()}
     sharded.flush()  # the pending step is finished with a zero gradient on every rank
     after = {k: m["committed_step"] for k, m in bagpipe_metrics(dmp).items()}
-    weights = {k: v.clone() for k, v in sharded.state_dict().items()}
+    # The tables' live sharded tensors: each rank checks its local shards' rows.
+    weights = [s.tensor.clone() for v in sharded.state_dict().values()
+               for s in (v.local_shards() if hasattr(v, "local_shards") else [])]
+    weights += [v.clone() for v in sharded.state_dict().values()
+                if not hasattr(v, "local_shards")]
     close_model(dmp)
     return {"error": error, "committed": committed, "after": after,
-            "finite": all(bool(torch.isfinite(w).all()) for w in weights.values())}
+            "finite": all(bool(torch.isfinite(w).all()) for w in weights)}
 
 
 def test_a_non_finite_gradient_fails_the_step_on_every_rank_before_it_is_committed() -> None:

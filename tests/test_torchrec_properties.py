@@ -123,7 +123,7 @@ def _property_worker(rank: int, world: int, max_examples: int) -> str:
             assert list(after) == list(ebc.state_dict()), (list(after), stock)
             for k, v in ebc.state_dict().items():
                 got_v = after[k]
-                if isinstance(got_v, ShardedTensor):  # a stock table: one shard in world 1
+                if isinstance(got_v, ShardedTensor):  # one shard in world 1 (stock or BagPipe)
                     got_v = got_v.local_shards()[0].tensor
                 torch.testing.assert_close(got_v, v, rtol=1e-6, atol=1e-6, msg=k)
             # Eval forwards read the updated rows straight from the PS.

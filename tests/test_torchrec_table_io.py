@@ -3,9 +3,10 @@
 One spawned rank (world size 1: the PS shard is hosted in that process) lays out three
 tables in two fused tables, opens their runtimes and drives `TableIO` with Hypothesis:
 random row ranges written and read in chunks of random size (chunk boundaries inside and
-across ranges), compared with a reference tensor per table; after `finish_load` a training
+across ranges), compared with a reference tensor per table; after `settle` a training
 step through the runtime sees exactly the written rows; bad ranges and shapes are refused
-before anything is written.
+before anything is written. The optimizer state and loads go through `TableState` (its live
+sharded tensors, one rank: every shard local).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
     from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
     from torchrec_bagpipe.distributed.table_io import TableIO
     from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
+    from torchrec_bagpipe.distributed.table_state import TableState
     from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 
     configs = [
@@ -52,6 +54,13 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
     )
     assert [sorted(t.name for t in spec.tables) for spec in layout.fused] == [["a", "b"], ["c"]]
     runtimes = [build_fused_table(spec, job=job, config=config) for spec in layout.fused]
+
+    def whole(sharded):  # a live sharded tensor's values (world 1: every shard is local)
+        shards = sorted(sharded.local_shards(), key=lambda s: s.metadata.shard_offsets[0])
+        return torch.cat([s.tensor.clone() for s in shards])
+
+    def states(table_io):
+        return TableState(layout, table_io, runtimes, job, drain=lambda: None)
     try:
         io = TableIO(layout, runtimes, job)
         # The reference starts from the PS's lazy default init and initial optimizer state,
@@ -95,12 +104,13 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
                 got = chunked.read_rows(c.name, 0, c.num_embeddings, with_state=True)
                 assert torch.equal(got, ref[c.name]), (c.name, chunk)
             # The state in TorchRec's layout.
-            st_a = chunked.optimizer_state("a")
-            assert list(st_a) == ["momentum1"] and torch.equal(st_a["momentum1"], ref["a"][:, 4:])
-            st_c = chunked.optimizer_state("c")
+            st_a = states(chunked).optimizer_state("a")
+            assert list(st_a) == ["momentum1"]
+            assert torch.equal(whole(st_a["momentum1"]), ref["a"][:, 4:])
+            st_c = states(chunked).optimizer_state("c")
             assert list(st_c) == ["momentum1", "exp_avg_sq"]
-            assert torch.equal(torch.cat([st_c["momentum1"], st_c["exp_avg_sq"]], 1),
-                               ref["c"][:, 3:])
+            assert torch.equal(torch.cat([whole(st_c["momentum1"]), whole(st_c["exp_avg_sq"])],
+                                         1), ref["c"][:, 3:])
 
         prop()
 
@@ -119,19 +129,20 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
         # An optimizer-state load keeps the weights; a misshapen entry is refused, naming it.
         new_state = {"momentum1": torch.rand(41, 3, generator=torch.Generator().manual_seed(3)),
                      "exp_avg_sq": torch.rand(41, 3, generator=torch.Generator().manual_seed(4))}
+        state = states(io)
         with pytest.raises(ValueError, match="'exp_avg_sq' must have shape"):
-            io.load_optimizer_state("c", {**new_state, "exp_avg_sq": torch.zeros(41)})
-        io.load_optimizer_state("c", new_state)
-        io.finish_load()
+            state.load_optimizer_state("c", {**new_state, "exp_avg_sq": torch.zeros(41)})
+        state.load_optimizer_state("c", new_state)
+        state.settle()
         assert torch.equal(io.read_rows("c", 0, 41), before["c"])
-        got = io.optimizer_state("c")
-        assert all(torch.equal(got[k], new_state[k]) for k in new_state)
+        got = state.optimizer_state("c")
+        assert all(torch.equal(whole(got[k]), new_state[k]) for k in new_state)
 
         # A state-dict style load, then a training step through the runtime: the step's
         # rows are the loaded rows (caches invalidated), and a zero gradient changes nothing.
         loaded = torch.randn(23, 4, generator=torch.Generator().manual_seed(7))
-        io.load_table("b", loaded)
-        io.finish_load()
+        state.load_weight("b", loaded)
+        state.settle()
         rt = runtimes[0]
         start_b = layout.fused_start("b")
         keys = torch.tensor([start_b + 3, start_b + 3, start_b + 22, 5], dtype=torch.int64)

@@ -221,19 +221,19 @@ def test_optimizer_sources_and_unsupported_optimizers():
         of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "beta1": 1.5})
 
 
-def test_state_layout_round_trips():
-    from torchrec_bagpipe.distributed.table_optimizer import state_columns, state_tensors
+def test_state_entries_tile_the_state_columns():
+    from torchrec_bagpipe.distributed.table_optimizer import state_entries
     from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 
-    for kind, keys, shape in (("adagrad", ["momentum1"], (5, 3)),
-                              ("rowwise_adagrad", ["momentum1"], (5,)),
-                              ("adam", ["momentum1", "exp_avg_sq"], (5, 3)),
-                              ("sgd", [], None)):
+    for kind, want in (("adagrad", {"momentum1": (0, 3, False)}),
+                       ("rowwise_adagrad", {"momentum1": (0, 1, True)}),
+                       ("adam", {"momentum1": (0, 3, False), "exp_avg_sq": (3, 6, False)}),
+                       ("sgd", {})):
         spec = OptimizerSpec(kind=kind)
-        cols = torch.randn(5, spec.state_dim(3))
-        tensors = state_tensors(spec, 3, cols)
-        assert list(tensors) == keys and all(t.shape == shape for t in tensors.values())
-        assert torch.equal(state_columns(spec, 3, tensors, 5, "t"), cols)
+        entries = state_entries(spec, 3)
+        assert entries == want, kind
+        # The entries cover the row's state columns exactly, in order.
+        assert sum(b - a for a, b, _ in entries.values()) == spec.state_dim(3), kind
 
 
 def test_storage_estimate_counts_the_optimizer_state():

@@ -5,16 +5,18 @@ Shared by the sharded EmbeddingBagCollection (embeddingbag.py) and EmbeddingColl
 of the rows a batch reads (pooled bags or one embedding per id). It owns
 
 * the layout (layout.py): tables, slots, fused tables, KJT -> fused keys;
-* one `FusedTableRuntime` per fused table (the one path to the PS) and the `TableIO` over
-  them, through which every state-dict read and write of these tables goes;
+* one `FusedTableRuntime` per fused table (the one path to the PS), the `TableIO` over
+  them and the `TableState` (table_state.py) through which every state-dict read and write
+  of these tables goes: live row-wise sharded tensors of PS views;
 * the fused optimizer (fused_optimizer.py), one param group per fused table, and its
   optimizer state in TorchRec's layout (`read_optimizer_state` / `load_optimizer_state`,
-  through `TableIO`);
+  the same live tensors);
 * the step lifecycle: lookahead submissions (`presubmit`, `hold_submissions`), the batch
   entering `input_dist` (`enter`), the rows a batch reads (`rows`: the runtime's next step
   in training, the PS in eval), pending steps and their zero-gradient finishes;
 * `PSTableView`, the `<table>` submodules that carry the placeholder parameters and the
-  state-dict access of each table.
+  state-dict access of each table;
+* the end of a state-dict write phase (`TableState.settle`) before the next batch enters.
 
 Thread-safety: one training thread per rank (the autograd thread runs the backward hook
 while that thread waits in backward).
@@ -25,9 +27,10 @@ Invariants:
 2. At most one step per fused table is in flight between `rows` and its gradient; a new
    `rows` first finishes a step that received no gradient with a zero gradient; every
    finish goes through the fused optimizer, which gives it the step's learning rate.
-3. The PS is the only owner of row values and their optimizer state; the views (and the
-   fused optimizer's state) read them back through `TableIO` after a flush and a load writes
-   them, then invalidates every rank's cache.
+3. The PS is the only owner of row values and their optimizer state; the state-dict
+   tensors (and the fused optimizer's state) are live views that read and write them
+   through `TableIO` after pending steps finished; the next batch (or the end of a load)
+   settles the ranks, dropping every cache when any rank wrote.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
 from torchrec_bagpipe.distributed.lookup import BatchRows, eval_rows, train_step
 from torchrec_bagpipe.distributed.table_io import TableIO
 from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
+from torchrec_bagpipe.distributed.table_state import TableState
 
 if TYPE_CHECKING:
     from torchrec_bagpipe.runtime.controller import Step
@@ -86,7 +90,8 @@ class PSTableView(nn.Module):
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
                             keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self._owner.read_table(self._table)
+        # A row-wise ShardedTensor of live PS views (table_state.py): nothing is read here.
+        destination[prefix + "weight"] = self._owner.table_weight(self._table)
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
@@ -165,6 +170,9 @@ class BagPipeTables:
             pending_fn=self.finish_pending,
             state_io=self,
         )
+        self.state = TableState(self.layout, self._io, self.runtimes, self._job,
+                                drain=self._drain_for_state,
+                                on_settle=self.optimizer.settle_steps)
 
         self._presubmitted: deque[_Ahead] = deque()
         self._held: list[list[torch.Tensor]] | None = None
@@ -179,6 +187,7 @@ class BagPipeTables:
         keys. A training batch enters the runtime's window: it is submitted, or checked to
         be the batch `presubmit` submitted ahead, or held (`hold_submissions`)."""
         self.check_open()
+        self.state.settle()
         ahead = self._presubmitted[0] if training and self._presubmitted else None
         if ahead is not None and _same_data(ahead.signature, _signature(features)):
             # The very tensors submitted ahead (not modified since): reuse their split.
@@ -204,6 +213,7 @@ class BagPipeTables:
         """Submits a future training batch to the runtime's lookahead window; `enter` of the
         same batch, later, then only checks it matches."""
         self.check_open()
+        self.state.settle()
         per_group, keys = self.layout.split(features)
         self._submit(keys)
         self._presubmitted.append(_Ahead(_signature(features), per_group, keys))
@@ -269,43 +279,44 @@ class BagPipeTables:
         if self._closed:
             raise RuntimeError("this BagPipe module was closed; its PS sessions are gone")
 
-    # ---- state dict access (every read and write goes through TableIO) ----------------------
+    # ---- state dict access (every read and write goes through TableState) ---------------------
     def table_shape(self, table: str) -> tuple[int, int]:
         return self._io.shape(table)
 
-    def read_table(self, table: str) -> torch.Tensor:
-        """The table's current values, read from the PS after draining pending commits."""
+    def table_weight(self, table: str) -> torch.Tensor:
+        """The table's weights: a row-wise ShardedTensor of live PS views (table_state.py)."""
         self.check_open()
-        self.finish_pending()
-        return self._io.read_rows(table, 0, self._io.shape(table)[0])
+        return self.state.weight(table)
 
     def write_table(self, table: str, value: torch.Tensor) -> None:
-        """Writes a whole table into the PS (rank 0 writes; `finish_load` synchronises)."""
-        self.check_open()
-        self.finish_pending()
-        self._io.load_table(table, value)
+        """A state-dict load of one table: this rank's rows of `value` (plain or sharded)
+        into the PS; `finish_load` settles the ranks."""
+        self._drain_for_state()
+        self.state.load_weight(table, value)
 
     def finish_load(self) -> None:
-        """After a state-dict load: every rank waits for rank 0's writes, then drops its
+        """After a state-dict load: every rank waits for the others' writes, then drops its
         cached rows (a collective)."""
-        self._io.finish_load()
+        self.state.settle()
+
+    def _drain_for_state(self) -> None:
+        """Before a state-dict read or write: the module is open and no step is pending."""
+        self.check_open()
+        self.finish_pending()
 
     # ---- optimizer state (the fused optimizer's OptimizerStateIO) -------------------------------
     def read_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
-        """The table's optimizer state in TorchRec's layout, read from the PS after draining
-        pending commits."""
+        """The table's optimizer state in TorchRec's layout: live row-wise ShardedTensors."""
         self.check_open()
-        self.finish_pending()
-        return self._io.optimizer_state(table)
+        return dict(self.state.optimizer_state(table))
 
     def load_optimizer_state(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Writes tables' optimizer states into the PS (rank 0 writes; every rank calls it
-        with the same values), then every rank drops its cached rows."""
-        self.check_open()
-        self.finish_pending()
+        """Writes this rank's rows of tables' optimizer states (plain or sharded values; every
+        rank calls it), then settles the ranks."""
+        self._drain_for_state()
         for table, tensors in states.items():
-            self._io.load_optimizer_state(table, tensors)
-        self._io.finish_load()
+            self.state.load_optimizer_state(table, tensors)
+        self.state.settle()
 
     # ---- step lifecycle -----------------------------------------------------------------------
     def _submit(self, keys: list[torch.Tensor]) -> None:

@@ -18,10 +18,14 @@ step sequence.
   of the group's step count t (`ps.optimizers.adam_step_size`), so the PS stays step-agnostic.
 * ``state`` / ``state_dict()`` / ``load_state_dict()``: the optimizer state in TorchRec's
   key layout, ``state[param]["<table>.momentum1"]`` (and ``"<table>.exp_avg_sq"`` for Adam;
-  row-wise Adagrad's momentum1 is 1-D), read from the PS when asked for (bounded chunked
-  reads through `TableIO`), plus ``"<table>.step"`` for Adam (the step count of its bias
-  correction). Loading writes the state back to the PS (rank 0 writes; a collective, as a
-  module's ``load_state_dict``). SGD tables have empty state, as in stock TorchRec.
+  row-wise Adagrad's momentum1 is 1-D): live row-wise ShardedTensors of PS views (reads
+  and in-place writes go to the PS in bounded chunks: table_state.py), plus
+  ``"<table>.step"`` for Adam (the step count of its bias correction, a 0-d tensor: a value
+  written into it in place, e.g. by DCP's load, takes effect at the next `state` read, the
+  end of a load or the module's next batch).
+  ``load_state_dict`` takes TorchRec's sharded values or plain whole tensors (each rank
+  writes its rows; a collective, as a module's ``load_state_dict``). SGD tables have empty
+  state, as in stock TorchRec.
 
 Thread-safety: driven by the rank's training thread and its autograd thread, which never
 run concurrently for one rank.
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.optim.fused import FusedOptimizer
 
 from torchrec_bagpipe.distributed.table_optimizer import UnsupportedOptimizerError
@@ -66,13 +71,12 @@ class OptimizerStateIO(Protocol):
     """Where the optimizer state lives (the sharded module, through its TableIO)."""
 
     def read_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
-        """TorchRec's state entries of `table` ("momentum1", ...), read from the PS after
-        every pending step."""
+        """TorchRec's state entries of `table` ("momentum1", ...): live tensors of the PS."""
         ...
 
     def load_optimizer_state(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Writes the state entries of the tables named (a collective: every rank calls it
-        with the same values)."""
+        """Writes this rank's rows of the state entries of the tables named, then settles the
+        ranks (a collective: every rank calls it)."""
         ...
 
 
@@ -96,13 +100,17 @@ class BagPipeFusedOptimizer(FusedOptimizer):
             {"params": list(g.params), "lr": g.lr, "fused_table": g.name} for g in groups
         ]
         self._groups: list[FusedGroup] = []  # no state until constructed (KeyedOptimizer
-        super().__init__(params, {}, param_groups)  # reads it in its __init__)
+        self._step_tensors: list[tuple[int, str, torch.Tensor, int]] = []  # reads it in
+        super().__init__(params, {}, param_groups)  # its __init__)
         self._groups = list(groups)
         self._steps = [0] * len(groups)  # invariant 1
         self._finish_fn = finish_fn
         self._pending_fn = pending_fn
         self._io = state_io
-        self._materialized: dict[Any, dict[str, Any]] = {}
+        # Adam's step tensors handed out by `state` since the last settle: (group, table,
+        # tensor, the count it was made with).
+        self._step_tensors = []
+        self._plain: dict[str, dict[str, torch.Tensor]] = {}
 
     # ---- the learning rate of a step ----------------------------------------------------------
     def step_lr(self, group: int) -> float:
@@ -140,7 +148,9 @@ class BagPipeFusedOptimizer(FusedOptimizer):
     # ---- state, in TorchRec's layout -------------------------------------------------------------
     @property  # type: ignore[override]
     def state(self) -> dict[Any, dict[str, Any]]:
-        """param -> its table's state entries, read from the PS now (module docstring)."""
+        """param -> its table's state entries: live sharded tensors of the PS, and Adam's
+        step count (module docstring)."""
+        self.settle_steps()  # counts written into the tensors handed out before
         out: dict[Any, dict[str, Any]] = {}
         for g, group in enumerate(self._groups):
             for table, param in zip(group.tables, group.params):
@@ -148,11 +158,10 @@ class BagPipeFusedOptimizer(FusedOptimizer):
                     f"{table}.{k}": v for k, v in self._io.read_optimizer_state(table).items()
                 }
                 if group.optimizer.kind == "adam":
-                    entries[f"{table}.step"] = torch.tensor(self._steps[g], dtype=torch.int64)
+                    step = torch.tensor(self._steps[g], dtype=torch.int64)
+                    self._step_tensors.append((g, table, step, self._steps[g]))
+                    entries[f"{table}.step"] = step
                 out[param] = entries
-        # KeyedOptimizer.load_state_dict copies the loaded values into these tensors, then
-        # calls post_load_state_dict, which writes them to the PS.
-        self._materialized = out
         return out
 
     @state.setter
@@ -160,27 +169,60 @@ class BagPipeFusedOptimizer(FusedOptimizer):
         if value:
             raise AttributeError("the state of BagPipe's fused optimizer lives in the PS")
 
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """TorchRec's `KeyedOptimizer.load_state_dict` (values copied into the live state
+        tensors, param groups replaced), also taking plain whole tensors for the sharded
+        entries: each rank writes its rows of them."""
+        current = self.state
+        new_state = dict(state_dict["state"])
+        plain: dict[str, dict[str, torch.Tensor]] = {}
+        for key, param in self.params.items():
+            entries = new_state.get(key)
+            if param not in current or not isinstance(entries, Mapping):
+                continue
+            fixed = dict(entries)
+            for name, value in entries.items():
+                ours = current[param].get(name)
+                if (isinstance(ours, ShardedTensor) and isinstance(value, torch.Tensor)
+                        and not isinstance(value, ShardedTensor)):
+                    table, _, _ = name.rpartition(".")
+                    plain[table] = {
+                        n.rpartition(".")[2]: v for n, v in entries.items()
+                        if n.rpartition(".")[0] == table and n.rpartition(".")[2] != "step"
+                    }
+                    fixed[name] = ours  # the same views: the copy into them is a no-op
+            new_state[key] = fixed
+        self._plain = plain
+        super().load_state_dict({**state_dict, "state": new_state})
+
     def post_load_state_dict(self) -> None:
-        """Writes the loaded state (copied into the tensors `state` returned) to the PS."""
-        states: dict[str, dict[str, torch.Tensor]] = {}
+        """After `load_state_dict` copied the values into the `state` tensors: the step
+        counts, then the plain entries written and the ranks settled."""
+        plain, self._plain = self._plain, {}
+        self.settle_steps()
+        self._io.load_optimizer_state(plain)
+
+    def settle_steps(self) -> None:
+        """Takes the Adam step counts written into the tensors `state` handed out (every
+        rank, when the module settles; unchanged tensors keep the counts)."""
+        records, self._step_tensors = self._step_tensors, []
+        if not records:
+            return
         steps = list(self._steps)
-        for g, group in enumerate(self._groups):
-            for table, param in zip(group.tables, group.params):
-                entries = self._materialized.get(param)
-                if entries is None:
-                    continue
-                prefix = f"{table}."
-                plain = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
-                if group.optimizer.kind == "adam" and "step" in plain:
-                    value = int(plain.pop("step"))
-                    if table != group.tables[0] and value != steps[g]:
-                        raise ValueError(
-                            f"BagPipe fused table {group.name!r}: the loaded Adam step counts "
-                            f"of its tables differ ({steps[g]} and {value} for {table!r})"
-                        )
-                    steps[g] = value
-                if plain:
-                    states[table] = plain
-        self._io.load_optimizer_state(states)
+        loaded: dict[int, tuple[str, int]] = {}
+        for g, table, tensor, made in records:
+            value = int(tensor.item())
+            if value == made:
+                continue
+            if value < 0:
+                raise ValueError(f"BagPipe table {table!r}: a loaded Adam step count must be "
+                                 f">= 0, got {value}")
+            if g in loaded and loaded[g][1] != value:
+                raise ValueError(
+                    f"BagPipe fused table {self._groups[g].name!r}: the loaded Adam step "
+                    f"counts of its tables differ ({loaded[g][1]} for {loaded[g][0]!r}, "
+                    f"{value} for {table!r})"
+                )
+            loaded[g] = (table, value)
+            steps[g] = value
         self._steps = steps
-        self._materialized = {}

@@ -49,6 +49,11 @@ class TorchDistCollectives:
         self.world_size: int = dist.get_world_size(group)
         self._width = 0  # payload bytes per rank the next all_gather sends in one collective
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group (e.g. for sharded tensors whose shards live on the CPU)."""
+        return self._group
+
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Gathers a 1-D tensor of any length from every rank, in rank order.
 

@@ -24,8 +24,8 @@ The module is one TorchRec `ShardedModule` over both (ARCHITECTURE §5):
   `state_dict()` / `load_state_dict()` see both.
 * One state dict, keyed as the unsharded module keys it (`<collection>.<table>.weight`, in
   table order): the stock part's entries are TorchRec's (sharded tensors, renamed from
-  `_stock.<collection>...`), the BagPipe part's are read through `TableIO`; loads route each
-  entry to its part.
+  `_stock.<collection>...`), the BagPipe part's are row-wise sharded tensors of live PS
+  views (table_state.py); loads route each entry to its part.
 
 Thread-safety: one training thread per rank.
 """
@@ -296,19 +296,6 @@ class BagPipeShardedModule(ShardedModule[KJTList, _Computed, Any, BagPipeContext
     def close(self) -> None:
         """Drains pending commits and closes the PS sessions (idempotent)."""
         self._bagpipe.close()
-
-    # ---- state dict access (the views call these through the BagPipe part) -----------------
-    def table_shape(self, table: str) -> tuple[int, int]:
-        return self._bagpipe.table_shape(table)
-
-    def read_table(self, table: str) -> torch.Tensor:
-        """A BagPipe table's current values, read from the PS after pending commits."""
-        return self._bagpipe.read_table(table)
-
-    def write_table(self, table: str, value: torch.Tensor) -> None:
-        """Writes a whole BagPipe table (a state-dict load: rank 0 writes, every rank
-        synchronises when the load ends)."""
-        self._bagpipe.write_table(table, value)
 
 
 # ---- state-dict hooks ------------------------------------------------------------------------

@@ -7,24 +7,18 @@ to the PS in requests of at most `chunk_rows` rows, through each fused table's
 * `read_rows(table, start, stop)` / `write_rows(table, start, rows)`: one range, after every
   pending commit (fused_table_runtime.py invariant 1), weights only or with each row's
   optimizer state (`with_state`);
-* `optimizer_state(table)`: the table's optimizer state in TorchRec's layout
-  (`table_optimizer.state_tensors`), read in bounded chunks (issue 12 turns this into live,
-  PS-backed state-dict tensors);
-* `load_table` / `load_optimizer_state` / `finish_load`: a state-dict load (weights, or
-  optimizer state: each row's weights are read back and written with the new state); rank 0
-  writes the values every rank was given, then every rank meets in a barrier and drops its
-  cached rows;
 * `write_initial_weights`: the unsharded module's weights into the PS at sharding (rank 0
   writes), except fused tables whose every table is on `meta` with TorchRec's default init:
   the PS initialises those itself, lazily and deterministically.
 
-Thread-safety: the rank's training thread; `load_table`, `finish_load` and
-`write_initial_weights` are collectives (every rank calls them in the same order).
+The state dict's live tensors and loads (table_state.py) read and write through it.
+
+Thread-safety: the rank's training thread; `write_initial_weights` is a collective (every
+rank calls it in the same order).
 
 Invariants:
 1. No PS request moves more than `chunk_rows` rows.
-2. After `finish_load` (or `write_initial_weights`) returns on any rank, every write it
-   covers is in the PS and no rank's cache holds a row older than it.
+2. After `write_initial_weights` returns on any rank, every write it covers is in the PS.
 """
 
 from __future__ import annotations
@@ -39,12 +33,12 @@ import torch
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime
 from torchrec_bagpipe.distributed.job import BagPipeJob
 from torchrec_bagpipe.distributed.layout import FusedLayout
-from torchrec_bagpipe.distributed.table_optimizer import state_columns, state_tensors
 from torchrec_bagpipe.distributed.types import TableSpec
 
 __all__ = ["TABLE_CHUNK_ROWS", "TableIO", "default_uniform"]
 
-# Rows per PS request when reading or writing table ranges.
+# Rows per PS request when reading or writing table ranges (read when a TableIO is built:
+# also the largest local shard of a table's live state-dict tensors).
 TABLE_CHUNK_ROWS = 1 << 16
 
 
@@ -64,14 +58,15 @@ class TableIO:
     """Reads and writes the module's tables in the PS (see module docstring)."""
 
     def __init__(self, layout: FusedLayout, runtimes: Sequence[FusedTableRuntime],
-                 job: BagPipeJob, chunk_rows: int = TABLE_CHUNK_ROWS) -> None:
+                 job: BagPipeJob, chunk_rows: int | None = None) -> None:
+        if chunk_rows is None:
+            chunk_rows = TABLE_CHUNK_ROWS
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         self._layout = layout
         self._runtimes = list(runtimes)
         self._job = job
-        self._chunk = chunk_rows
-        self._loaded = False
+        self.chunk_rows = chunk_rows
 
     def shape(self, table: str) -> tuple[int, int]:
         t = self._layout.table(table)
@@ -87,8 +82,8 @@ class TableIO:
         rt = self._runtimes[self._layout.group_of(table)]
         base = self._layout.fused_start(table)
         parts = [
-            rt.read_rows(base + lo, base + min(stop, lo + self._chunk), with_state=with_state)
-            for lo in range(start, stop, self._chunk)
+            rt.read_rows(base + lo, base + min(stop, lo + self.chunk_rows), with_state=with_state)
+            for lo in range(start, stop, self.chunk_rows)
         ]
         width = t.dim + (rt.state_dim if with_state else 0)
         return torch.cat(parts) if parts else torch.empty(0, width)
@@ -102,59 +97,9 @@ class TableIO:
         rt = self._runtimes[self._layout.group_of(table)]
         base = self._layout.fused_start(table)
         n = int(rows.shape[0])
-        for lo in range(0, n, self._chunk):
-            hi = min(n, lo + self._chunk)
+        for lo in range(0, n, self.chunk_rows):
+            hi = min(n, lo + self.chunk_rows)
             rt.write_rows(base + start + lo, rows[lo:hi], with_state=with_state)
-
-    # ---- optimizer state ------------------------------------------------------------------------
-    def optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
-        """The table's optimizer state in TorchRec's layout ({} for SGD), read in chunks of at
-        most `chunk_rows` rows after every pending commit. REQUIRES: no step running."""
-        t = self._layout.table(table)
-        rt = self._runtimes[self._layout.group_of(table)]
-        if rt.state_dim == 0:
-            return {}
-        rows = self.read_rows(table, 0, t.num_embeddings, with_state=True)
-        return state_tensors(t.optimizer, t.dim, rows[:, t.dim:])
-
-    def load_optimizer_state(self, table: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """One table's optimizer state of a state-dict load (every rank, same values; TorchRec's
-        layout): rank 0 writes it, keeping the rows' weights; the load ends with
-        `finish_load`. REQUIRES: no step running."""
-        t = self._layout.table(table)
-        rt = self._runtimes[self._layout.group_of(table)]
-        where = f"BagPipe table {table!r}"
-        columns = state_columns(t.optimizer, t.dim, tensors, t.num_embeddings, where)
-        if rt.state_dim == 0:
-            return
-        rt.flush()
-        if self._job.rank == 0:
-            for lo in range(0, t.num_embeddings, self._chunk):
-                hi = min(t.num_embeddings, lo + self._chunk)
-                rows = self.read_rows(table, lo, hi, with_state=True)
-                rows[:, t.dim:] = columns[lo:hi]
-                self.write_rows(table, lo, rows, with_state=True)
-        self._loaded = True
-
-    # ---- state-dict loads ---------------------------------------------------------------------
-    def load_table(self, table: str, value: torch.Tensor) -> None:
-        """One table of a state-dict load (every rank, same values): rank 0 writes it; the
-        load ends with `finish_load`. REQUIRES: no step running; `value` has the table's shape."""
-        self._runtimes[self._layout.group_of(table)].flush()
-        if self._job.rank == 0:
-            self.write_rows(table, 0, value)
-        self._loaded = True
-
-    def finish_load(self) -> None:
-        """After the tables (or optimizer states) of a load: every rank waits until rank 0's
-        writes are in, then drops its cached rows (a no-op when nothing was loaded since the
-        last call)."""
-        if not self._loaded:
-            return
-        self._loaded = False
-        self._job.control.barrier()
-        for rt in self._runtimes:
-            rt.invalidate()
 
     # ---- initial weights --------------------------------------------------------------------
     def write_initial_weights(

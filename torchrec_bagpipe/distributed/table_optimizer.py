@@ -18,7 +18,7 @@ Weight decay is L2 (added to the gradient), as torch's optimizers and fbgemm's
 ``lr_decay``, AMSGrad, decoupled weight decay, ``maximize``, ...) is an
 `UnsupportedOptimizerError` at sharding time, naming what is supported.
 
-It also knows TorchRec's optimizer-state layout (`state_tensors` / `state_columns`): stock
+It also knows TorchRec's optimizer-state layout (`state_keys` / `state_entries`): stock
 TorchRec's fused optimizer exposes a table's state as ``state[param]["<table>.momentum1"]``
 (Adagrad: rows x dim; row-wise Adagrad: one value per row, 1-D) and, for Adam,
 ``"<table>.exp_avg_sq"`` (fbgemm's second moment); the PS keeps them as the row's state
@@ -43,10 +43,9 @@ __all__ = [
     "SUPPORTED",
     "TableOptimizer",
     "UnsupportedOptimizerError",
-    "state_columns",
+    "state_entries",
     "state_floats",
     "state_keys",
-    "state_tensors",
     "table_optimizer",
 ]
 
@@ -306,27 +305,10 @@ def state_keys(spec: OptimizerSpec) -> tuple[str, ...]:
             "adam": ("momentum1", "exp_avg_sq")}[spec.kind]
 
 
-def state_tensors(spec: OptimizerSpec, dim: int, columns: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The PS's state columns of a table's rows ([n, state_dim]) as TorchRec's tensors:
-    ``momentum1`` ([n, dim], row-wise Adagrad [n]) and, for Adam, ``exp_avg_sq`` ([n, dim])."""
+def state_entries(spec: OptimizerSpec, dim: int) -> dict[str, tuple[int, int, bool]]:
+    """Where TorchRec's state entries of a table sit among the PS's state columns of a row:
+    entry -> (first column, end column, vector). ``momentum1`` is [rows, dim] (row-wise
+    Adagrad: one value per row, a vector [rows]); Adam's ``exp_avg_sq`` [rows, dim] follows."""
     if spec.kind == "rowwise_adagrad":
-        return {"momentum1": columns[:, 0].contiguous()}
-    keys = state_keys(spec)
-    return {k: columns[:, i * dim:(i + 1) * dim].contiguous() for i, k in enumerate(keys)}
-
-
-def state_columns(spec: OptimizerSpec, dim: int, tensors: Mapping[str, torch.Tensor],
-                  rows: int, where: str) -> torch.Tensor:
-    """The inverse of `state_tensors`: [rows, state_dim] float32 from TorchRec's tensors
-    (ValueError naming a missing or misshapen entry)."""
-    parts = []
-    for key in state_keys(spec):
-        value = tensors.get(key)
-        want = (rows,) if spec.kind == "rowwise_adagrad" else (rows, dim)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{where}: optimizer state {key!r} must have shape {want}, got {got}")
-        parts.append(value.detach().to("cpu", torch.float32).reshape(rows, -1))
-    if not parts:
-        return torch.empty(rows, 0)
-    return torch.cat(parts, dim=1).contiguous()
+        return {"momentum1": (0, 1, True)}
+    return {k: (i * dim, (i + 1) * dim, False) for i, k in enumerate(state_keys(spec))}
