@@ -213,7 +213,7 @@ def _interrupted_run(directory: Path, launch: tuple[str, ...], seed: int) -> int
         while read_manifest(directory) is None and proc.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.5))
+        time.sleep(rng.uniform(0.0, 0.6))
         if proc.poll() is not None:
             assert proc.returncode == 0
             return kills
@@ -234,7 +234,7 @@ def test_kill_9_everything_and_resume_is_bitwise_the_uninterrupted_run(tmp_path,
     for seed in (1, 2):
         d = tmp_path / f"killed-{seed}"
         kills = _interrupted_run(d, launch, seed)
-        assert kills >= 0
+        assert kills == 1  # killed once mid-run, then resumed from its last set
         _assert_bitwise(_final_state(d), want)
 
 
