@@ -201,6 +201,7 @@ def save_job_checkpoint(model: nn.Module, directory: str | os.PathLike[str] | No
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path))
     job.control.barrier()  # every trainer's state is on disk
+    tables = dict(job.control.broadcast_object(tables if job.rank == 0 else None, src=0))
     manifest = Manifest(label=label, step=int(step), tables=tables, world_size=job.world_size,
                         ps_shards=len(job.endpoints))
     if job.rank == 0:
