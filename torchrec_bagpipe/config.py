@@ -212,6 +212,29 @@ class BagPipeConfig:
             "in a row on one shard raise PSCheckpointError (0: never)"
         ),
     )
+    checkpoint_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "directory of whole-job checkpoints (PS shards' tables and every trainer's state "
+            "at one committed step, a manifest written last); unset: $BAGPIPE_CHECKPOINT_DIR, "
+            "else the --resume directory, else none"
+        ),
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata=_help(
+            "take a whole-job checkpoint every N training steps (needs a checkpoint "
+            "directory; 0: unset: $BAGPIPE_CHECKPOINT_EVERY, else only when asked)"
+        ),
+    )
+    resume: str | None = field(
+        default=None,
+        metadata=_help(
+            "resume from the whole-job checkpoint in this directory (hosted PS shards restore "
+            "its tables, trainers its state, training continues after its step); unset: "
+            "$BAGPIPE_RESUME, else a fresh job"
+        ),
+    )
     check_finite_grads: bool = field(
         default=False,
         metadata=_help(
@@ -273,6 +296,8 @@ class BagPipeConfig:
         for name in ("ps_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"BagPipeConfig.{name} must be > 0 seconds")
+        if self.checkpoint_every < 0:
+            raise ValueError("BagPipeConfig.checkpoint_every must be >= 0 (0: only when asked)")
         if self.ps_checkpoint_max_failures < 0:
             raise ValueError("BagPipeConfig.ps_checkpoint_max_failures must be >= 0 (0: never)")
 

@@ -298,7 +298,8 @@ BAGPIPE_BINDING(ps) {
              return c.AssignAsync(k.data, k.size, r.data, with_state);
            },
            py::arg("keys"), py::arg("rows"), py::arg("with_state") = false)
-      .def("checkpoint_async", &PSClient::CheckpointAsync, py::call_guard<py::gil_scoped_release>())
+      .def("checkpoint_async", &PSClient::CheckpointAsync, py::arg("label") = std::string(),
+           py::call_guard<py::gil_scoped_release>())
       .def("committed_step", &PSClient::CommittedStep)  // a locked read: GIL held
       .def("shard_committed_steps", &PSClient::ShardCommittedSteps,
            py::call_guard<py::gil_scoped_release>())

@@ -389,8 +389,13 @@ std::shared_ptr<ClientOp> PSClient::AssignAsync(const int64_t* keys, size_t n, c
   return Enqueue(std::move(op));
 }
 
-std::shared_ptr<ClientOp> PSClient::CheckpointAsync() {
+std::shared_ptr<ClientOp> PSClient::CheckpointAsync(const std::string& label) {
+  if (!label.empty() && !wire::ValidTableName(label)) {
+    throw ValueError("checkpoint label '" + label +
+                     "' must be 1-128 characters of [A-Za-z0-9_.:-], not . or ..");
+  }
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCheckpoint, -1));
+  op->label_ = label;
   op->shard_steps_.assign(channels_.size(), -1);
   return Enqueue(std::move(op));
 }
@@ -698,7 +703,8 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
     uint8_t* f = ch.SlotBuffer(slot);
     wire::SessionBody b{options_.session};
     std::memcpy(f + kHeaderBytes, &b, sizeof(b));
-    const size_t len = kHeaderBytes + sizeof(b);
+    std::memcpy(f + kHeaderBytes + sizeof(b), op->label_.data(), op->label_.size());
+    const size_t len = kHeaderBytes + sizeof(b) + op->label_.size();
     WriteHeader(f, MsgType::kCheckpoint, len);
     ch.Post(slot, len, std::make_shared<ChunkRequest>(this, op, j));
     ch.Flush();

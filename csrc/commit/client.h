@@ -120,6 +120,7 @@ class ClientOp {
   bool staged_ = false;           // every packet posted
   bool finished_ = false;
   std::vector<int64_t> shard_steps_;
+  std::string label_;             // checkpoint: the subdirectory ("" : the shard's directory)
 };
 
 struct ClientStats {
@@ -183,8 +184,10 @@ class PSClient {
   // rows keep their optimizer state), or n x (dim + state_dim()) with their state.
   std::shared_ptr<ClientOp> AssignAsync(const int64_t* keys, size_t n, const float* rows,
                                         bool with_state = false);
-  // Checkpoints this table on every shard at its committed step.
-  std::shared_ptr<ClientOp> CheckpointAsync();
+  // Checkpoints this table on every shard at its committed step, into the shard's checkpoint
+  // directory, or its subdirectory `label` when not empty.
+  // REQUIRES: label empty or a valid table name (wire::ValidTableName); else ValueError.
+  std::shared_ptr<ClientOp> CheckpointAsync(const std::string& label = "");
 
   // Minimum over shards of the committed step this client knows (-1 before any commit).
   int64_t CommittedStep();

@@ -399,9 +399,9 @@ bool PSShard::OnClose(const Request& r) {
 
 bool PSShard::OnCheckpoint(const Request& r) {
   const LinkSession& ls = r.session;
-  wire::SessionBody sb;
+  wire::CheckpointView cp;
   std::string why;
-  if (!wire::ParseSession(r.body, r.len, &sb, &why)) {
+  if (!wire::ParseCheckpoint(r.body, r.len, &cp, &why)) {
     return Reject(r, Status::kProtocolError, why, true);
   }
   if (!ls.open) return Reject(r, Status::kNotOpen, "Checkpoint before Open on this connection", true);
@@ -412,7 +412,11 @@ bool PSShard::OnCheckpoint(const Request& r) {
   }
   int64_t step;
   try {
-    step = ls.coordinator->Checkpoint(TableDir(options_.checkpoint_dir, ls.table));
+    const std::string dir =
+        cp.label.empty()
+            ? options_.checkpoint_dir
+            : (std::filesystem::path(options_.checkpoint_dir) / std::string(cp.label)).string();
+    step = ls.coordinator->Checkpoint(TableDir(dir, ls.table));
   } catch (const std::exception& e) {
     return Reject(r, Status::kInternal, std::string("checkpoint failed: ") + e.what(), true);
   }

@@ -282,9 +282,18 @@ bool ParseClose(const uint8_t* body, size_t len, CloseBody* out, std::string* wh
   return true;
 }
 
-bool ParseSession(const uint8_t* body, size_t len, SessionBody* out, std::string* why) {
-  if (len != sizeof(SessionBody)) return Fail(why, "Checkpoint: body_len must be 8");
-  *out = Load<SessionBody>(body);
+bool ParseCheckpoint(const uint8_t* body, size_t len, CheckpointView* out, std::string* why) {
+  if (len < sizeof(SessionBody) || len > sizeof(SessionBody) + kMaxTableName) {
+    return Fail(why, "Checkpoint: body_len must be 8 plus a label of at most " +
+                         std::to_string(kMaxTableName) + " bytes");
+  }
+  out->body = Load<SessionBody>(body);
+  out->label = std::string_view(reinterpret_cast<const char*>(body) + sizeof(SessionBody),
+                                len - sizeof(SessionBody));
+  if (!out->label.empty() && !ValidTableName(out->label)) {
+    return Fail(why, "Checkpoint: a label must be 1-128 characters of [A-Za-z0-9_.:-], "
+                     "not . or ..");
+  }
   return true;
 }
 

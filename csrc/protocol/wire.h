@@ -57,7 +57,7 @@ enum class MsgType : uint16_t {
   kAssignOk = 10,        // S->C  StepBody
   kClose = 11,           // C->S  CloseBody
   kCloseOk = 12,         // S->C  StepBody
-  kCheckpoint = 13,      // C->S  SessionBody
+  kCheckpoint = 13,      // C->S  SessionBody + optional label (a subdirectory, table-name rules)
   kCheckpointOk = 14,    // S->C  StepBody (the checkpointed step)
   kPing = 15,            // C->S  empty
   kPong = 16,            // S->C  empty
@@ -323,7 +323,14 @@ bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* 
 bool ParseGet(const uint8_t* body, size_t len, GetView* out, std::string* why);
 bool ParseAssign(const uint8_t* body, size_t len, AssignView* out, std::string* why);
 bool ParseClose(const uint8_t* body, size_t len, CloseBody* out, std::string* why);
-bool ParseSession(const uint8_t* body, size_t len, SessionBody* out, std::string* why);
+// A Checkpoint: the session, then an optional label (0..kMaxTableName bytes following
+// ValidTableName's rules; empty: the shard's checkpoint directory itself, else its
+// subdirectory of that name).
+struct CheckpointView {
+  SessionBody body;
+  std::string_view label;
+};
+bool ParseCheckpoint(const uint8_t* body, size_t len, CheckpointView* out, std::string* why);
 
 // Valid table names: 1..kMaxTableName characters from [A-Za-z0-9_.:-] (they become
 // checkpoint directory names).

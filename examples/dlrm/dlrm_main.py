@@ -77,8 +77,11 @@ from torchrec_bagpipe.distributed import (
     BagPipeShardingPlanner,
     BagPipeTrainPipeline,
     bagpipe_metrics,
+    checkpoint_due,
     close_model,
     flush_model,
+    load_job_checkpoint,
+    save_job_checkpoint,
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
 
@@ -467,10 +470,18 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     def epoch_batches() -> Iterator[Any]:
         return itertools.islice(iter(loaders["train"]), args.limit_train_batches)
 
+    # A resumed job (--resume): the trainer state of the checkpoint's set, and the number of
+    # training batches already done (skipped below, so the data continues where it stopped).
+    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer)
+                      if config is not None else (0, None))
+    if extra is not None:
+        lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
     if config is not None:
         prescan = None
         if config.optimization_prescan:
-            prescan = itertools.chain.from_iterable(epoch_batches() for _ in range(args.epochs))
+            prescan = itertools.islice(itertools.chain.from_iterable(
+                epoch_batches() for _ in range(args.epochs)), resumed, None)
         pipeline: TrainPipelineSparseDist = BagPipeTrainPipeline(
             model, optimizer, device, prescan_batches=prescan)
     else:
@@ -483,12 +494,18 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     train_time = prescan_s = 0.0
     samples = 0
     step_times: list[float] = []
-    step = 0
+    step = skip = resumed
     for epoch in range(args.epochs):
+        batches = epoch_batches()
+        it = 0  # steps within the epoch (--print_lr and --validation_freq_within_epoch count them)
+        if skip:
+            it = sum(1 for _ in itertools.islice(batches, skip))
+            skip -= it
+            if skip:
+                continue  # this whole epoch was trained before the checkpoint
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         start = time.perf_counter()
-        it = 0  # steps within the epoch (--print_lr and --validation_freq_within_epoch count them)
-        for chunk in _chunks(epoch_batches(), args.validation_freq_within_epoch):
+        for chunk in _chunks(batches, args.validation_freq_within_epoch):
             while True:
                 lrs = [float(g["lr"]) for g in optimizer.param_groups]  # this step's rates
                 before = getattr(pipeline, "prescan_seconds", 0.0)
@@ -512,6 +529,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
                 results["train_losses"].append(float(loss))
                 results["lrs"].append(lrs)
                 bar.update(1)
+                if config is not None and checkpoint_due(step):  # --checkpoint-every
+                    save_job_checkpoint(model, step=step, optimizer=optimizer,
+                                        extra={"lr_scheduler": lr_scheduler.state_dict()})
             if args.validation_freq_within_epoch and it % args.validation_freq_within_epoch == 0:
                 train_time += time.perf_counter() - start
                 _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show)

@@ -33,6 +33,11 @@ _LAZY = {
     "prescan_model": "torchrec_bagpipe.distributed.utils",
     "close_model": "torchrec_bagpipe.distributed.utils",
     "flush_model": "torchrec_bagpipe.distributed.utils",
+    "save_job_checkpoint": "torchrec_bagpipe.distributed.job_checkpoint",
+    "load_job_checkpoint": "torchrec_bagpipe.distributed.job_checkpoint",
+    "checkpoint_due": "torchrec_bagpipe.distributed.job_checkpoint",
+    "resumed_step": "torchrec_bagpipe.distributed.job_checkpoint",
+    "read_manifest": "torchrec_bagpipe.distributed.checkpoint_manifest",
 }
 
 

@@ -22,13 +22,17 @@ Invariants:
 4. Every failed periodic PS checkpoint the shards report reaches the rank: one warning on
    its log per failure, the counters in `metrics()`, and `PSCheckpointError` from
    `finish_step` once a shard has failed `ps_checkpoint_max_failures` in a row.
+5. The controller numbers its steps from 0; PS step = controller step + `start_step` + 1,
+   where `start_step` is the table's committed step when the session opened, checked to be
+   the job's expectation (-1 for a fresh job, the checkpoint's step for a resumed one;
+   `PSClient.start_step`): a fresh job never meets a table the PS already advanced.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
     from torchrec_bagpipe.ps.client import PSClient
     from torchrec_bagpipe.runtime.controller import BagPipeController, Step
 
-__all__ = ["FusedTableRuntime", "PSCheckpointError", "build_fused_table"]
+__all__ = ["FusedTableRuntime", "PSCheckpointError", "StepOffsetClient", "build_fused_table"]
 
 _log = logging.getLogger("torchrec_bagpipe")
 
@@ -49,16 +53,45 @@ class PSCheckpointError(RuntimeError):
     """A PS shard failed too many periodic checkpoints in a row: the recovery point lags."""
 
 
+class StepOffsetClient:
+    """The PS client as the controller sees it (a `runtime.ps_port.PSClientLike`): the
+    controller's step t is PS step ``t + base + 1`` and its "no dependency" -1 is ``base``
+    (invariant 5). With base -1 every step passes through unchanged."""
+
+    def __init__(self, client: PSClient, base: int) -> None:
+        self._client = client
+        self.base = base
+        self.dim = client.dim
+        self.state_dim = client.state_dim
+
+    def get_async(self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None, *,
+                  with_state: bool = False) -> Any:
+        return self._client.get_async(keys, at_step + self.base + 1, out,
+                                      with_state=with_state)
+
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
+                     lr: float | None = None) -> Any:
+        return self._client.commit_async(step + self.base + 1, keys, grads, lr)
+
+    def committed_step(self) -> int:
+        return self._client.committed_step() - self.base - 1
+
+    def close(self) -> None:
+        self._client.close()
+
+
 class FusedTableRuntime:
     """One fused table's runtime on this rank: training steps and direct PS access."""
 
     def __init__(self, spec: FusedTableSpec, client: PSClient,
-                 controller: BagPipeController, *, max_checkpoint_failures: int = 3) -> None:
+                 controller: BagPipeController, *, max_checkpoint_failures: int = 3,
+                 start_step: int = -1) -> None:
         self._spec = spec
         self._client = client
         self._controller = controller
         self._max_checkpoint_failures = max_checkpoint_failures
         self._checkpoints_seen = 0  # failed periodic checkpoints already reported
+        self.start_step = start_step  # the PS step this session started after (invariant 5)
 
     @property
     def spec(self) -> FusedTableSpec:
@@ -90,6 +123,24 @@ class FusedTableRuntime:
         periodic checkpoints (invariant 4). REQUIRES: `step` is the running step."""
         self._controller.finish_step(step, grad, lr=lr)
         self.check_checkpoints()
+
+    def committed_step(self) -> int:
+        """The table's committed PS step (the minimum over its shards, as this rank saw it)."""
+        return self._client.committed_step()
+
+    def checkpoint(self, label: str) -> int:
+        """Checkpoints the table on every shard into the shard's checkpoint directory's
+        subdirectory `label`, at its committed step (after every pending commit); returns
+        that step. Raises RuntimeError if the shards saved different steps (a rank still
+        committing). REQUIRES: no step running, every rank's commits drained."""
+        self._controller.flush()
+        steps = self._client.checkpoint(label=label)
+        if len(set(steps)) != 1:
+            raise RuntimeError(
+                f"BagPipe fused table {self.name!r}: its shards checkpointed different steps "
+                f"{steps} (a rank was still committing)"
+            )
+        return int(steps[0])
 
     def checkpoint_report(self) -> dict[str, object]:
         """The shards' periodic checkpoints of this table (`PSClient.checkpoint_report`)."""
@@ -201,7 +252,10 @@ def build_fused_table(
 
     Rows never written read as TorchRec's default init, uniform in ±bound of their own
     table (deterministic, computed on the PS); tables with other initial weights are
-    written by the caller right after (table_io.py).
+    written by the caller right after (table_io.py). The table must be at the committed
+    step the job expects (`BagPipeJob.expected_step`: -1, or the step of the checkpoint it
+    resumes from), else `ps.client.StartStepError` names the table and the steps; the
+    controller's steps follow it (invariant 5).
     """
     from torchrec_bagpipe.ps.client import PSClient
     from torchrec_bagpipe.ps.options import client_options
@@ -221,6 +275,7 @@ def build_fused_table(
         optimizer=spec.optimizer,
     ))
     try:
+        start = client.start_step(job.expected_step(spec.name))
         controller = BagPipeController(
             config,
             rank=job.rank,
@@ -228,7 +283,7 @@ def build_fused_table(
             dim=spec.dim,
             num_keys=spec.num_keys,
             lr=spec.lr,
-            ps=client,
+            ps=StepOffsetClient(client, start),
             collectives=job.collectives,
             device=job.device,
             optimizer=spec.optimizer,
@@ -237,4 +292,5 @@ def build_fused_table(
         client.close()
         raise
     return FusedTableRuntime(spec, client, controller,
-                             max_checkpoint_failures=config.ps_checkpoint_max_failures)
+                             max_checkpoint_failures=config.ps_checkpoint_max_failures,
+                             start_step=start)

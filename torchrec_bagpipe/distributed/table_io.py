@@ -110,7 +110,10 @@ class TableIO:
         """Puts the unsharded module's weights (by table; `meta` tensors for tables not
         materialised) into the PS. A `meta` table is left to the PS's lazy init when every
         table of its fused table is `meta` with TorchRec's default init; otherwise it is
-        materialised with its `init_fn` on rank 0, like DMP would."""
+        materialised with its `init_fn` on rank 0, like DMP would. A job resuming from a
+        whole-job checkpoint writes nothing: the PS restored the tables' rows."""
+        if self._job.resumed is not None:
+            return
         wrote = False
         for spec in self._layout.fused:
             lazy = all(weights[t.name].is_meta and default_uniform(init_fns[t.name], t)

@@ -9,6 +9,7 @@ _LAZY = {
     "OptimizerSpec": "torchrec_bagpipe.ps.optimizers",
     "PSClient": "torchrec_bagpipe.ps.client",
     "PSHandle": "torchrec_bagpipe.ps.client",
+    "StartStepError": "torchrec_bagpipe.ps.client",
     "PSClientOptions": "torchrec_bagpipe.ps.options",
     "PSShard": "torchrec_bagpipe.ps.shard",
     "PSShardOptions": "torchrec_bagpipe.ps.options",

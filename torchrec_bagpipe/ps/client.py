@@ -33,7 +33,14 @@ from torchrec_bagpipe.ps.options import (
 from torchrec_bagpipe.ps.partitioner import Partitioner
 from torchrec_bagpipe.ps.shard import PSShard
 
-__all__ = ["PSClient", "PSClientOptions", "PSHandle", "default_session_id"]
+__all__ = ["PSClient", "PSClientOptions", "PSHandle", "StartStepError", "default_session_id"]
+
+
+class StartStepError(ValueError):
+    """A table's committed step on the PS is not the step a job expects to start from: a
+    restored shard or a long-lived server reached by a fresh job (whose steps up to the
+    committed one would be acknowledged without being applied), or shards of one table at
+    different steps (not one consistent checkpoint)."""
 
 
 def _num_endpoints(endpoints: Any) -> int:
@@ -226,6 +233,32 @@ class PSClient:
         )
         self.state_dim = self.optimizer.state_dim(self.dim)
         self._core = C.PSClientCore(eps, o, options.connect)
+        # Each shard's committed step when the session opened (OpenOk): -1 for a new table.
+        self.opened_steps: list[int] = list(self._core.shard_committed_steps())
+
+    def start_step(self, expected: int = -1) -> int:
+        """Checks that every shard held this table at committed step `expected` when the
+        session opened (-1: a fresh table; a resumed job: the step of the checkpoint it
+        resumes from) and returns it; the caller numbers its steps from `expected + 1`.
+        Raises StartStepError naming the table and the shards' steps otherwise."""
+        expected = int_arg(expected, "expected", minimum=-1)
+        steps = self.opened_steps
+        if all(s == expected for s in steps):
+            return expected
+        if len(set(steps)) > 1:
+            why = (f"its shards hold it at different committed steps {steps} (not one "
+                   "consistent checkpoint): restore every shard from one checkpoint set")
+        elif expected == -1:
+            why = (f"the PS already committed steps up to {steps[0]} (a restored shard, or a "
+                   "server of an earlier job with the same token), and this job starts at "
+                   f"step 0: the PS would acknowledge steps 0..{steps[0]} without applying "
+                   "them. Resume from that step's checkpoint (--resume), or start fresh "
+                   "shards")
+        else:
+            why = (f"the job resumes after step {expected}, but the shards hold it at "
+                   f"committed steps {steps}: restore every shard from the same checkpoint "
+                   "set as the trainers")
+        raise StartStepError(f"PS table {self.table!r}: {why}")
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -360,10 +393,13 @@ class PSClient:
         `with_state` as `get_async`)."""
         return self.get_async(keys, -1, with_state=with_state).wait(timeout)
 
-    def checkpoint(self, timeout: float | None = None) -> list[int]:
-        """Checkpoints this table on every shard (each into its own checkpoint directory) at
-        its committed step; returns the step saved per shard."""
-        op = self._live().checkpoint_async()
+    def checkpoint(self, timeout: float | None = None, *, label: str = "") -> list[int]:
+        """Checkpoints this table on every shard (each into its own checkpoint directory, or
+        its subdirectory `label`: 1-128 characters of [A-Za-z0-9_.:-]) at its committed
+        step; returns the step saved per shard."""
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a str, got {type(label).__name__}")
+        op = self._live().checkpoint_async(label)
         return self._track(PSHandle(op, "checkpoint", None, (), self)).wait(timeout)
 
     # ---- accounting and shutdown ---------------------------------------------------------------

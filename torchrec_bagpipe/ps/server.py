@@ -44,9 +44,11 @@ learning rate, dimension and world size.
 
 Checkpoints: with --checkpoint-dir each table is saved to DIR/table-NAME (crash-safe, with its
 committed step in the checkpoint's meta) every --checkpoint-every committed steps and when
-the server drains. A restarted server restores them (--restore, the default when DIR holds
-checkpoints); trainers then replay from the committed step: steps the shard already
-committed are acknowledged without being applied again.
+the server drains; a trainer's checkpoint request with a label (a whole-job checkpoint)
+saves into DIR/LABEL/table-NAME. A restarted server restores them (--restore, the default
+when DIR holds checkpoints; --restore-from DIR/LABEL for a labelled set). A training job
+opening a table whose committed step is past -1 must resume from exactly that step (its
+steps are numbered after it); a fresh job is refused, naming the table and the steps.
 
 Examples:
   torchrec-bagpipe-ps --shard-id 0 --num-shards 2 --port 0 --checkpoint-dir /ckpt/ps0
@@ -125,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--restore", action=argparse.BooleanOptionalAction, default=None,
                    help="load the checkpoints in --checkpoint-dir at start (default: when "
                         "there are any)")
+    g.add_argument("--restore-from", default=None, metavar="DIR",
+                   help="load the table checkpoints in DIR at start instead (e.g. one set of "
+                        "a whole-job checkpoint, CHECKPOINT_DIR/step-N, which a trainer's "
+                        "checkpoint request with a label wrote)")
     g = p.add_argument_group("logging")
     g.add_argument("--quiet", action="store_true", help="no per-session log lines")
     return p
@@ -192,8 +198,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if token is None:
         token = os.environ.get("BAGPIPE_JOB_TOKEN", "")
     prefix = f"bagpipe-ps shard {args.shard_id}/{args.num_shards}"
-    restore = args.restore if args.restore is not None else _has_checkpoints(args.checkpoint_dir)
-    if restore and not args.checkpoint_dir:
+    restore: bool | str = (args.restore if args.restore is not None
+                           else _has_checkpoints(args.checkpoint_dir))
+    if args.restore_from is not None:
+        if args.restore:
+            print("torchrec-bagpipe-ps: --restore and --restore-from exclude each other",
+                  file=sys.stderr)
+            return 2
+        if not _has_checkpoints(args.restore_from):
+            print(f"torchrec-bagpipe-ps: --restore-from {args.restore_from}: no table "
+                  "checkpoints there", file=sys.stderr)
+            return 2
+        restore = args.restore_from
+    if restore is True and not args.checkpoint_dir:
         print("torchrec-bagpipe-ps: --restore needs --checkpoint-dir", file=sys.stderr)
         return 2
     try:
@@ -208,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             max_frame_bytes=args.max_frame_bytes,
         )
-        shard = PSShard.from_options(options, restore=bool(restore), verbose=not args.quiet)
+        shard = PSShard.from_options(
+            options, restore=restore if isinstance(restore, str) else bool(restore),
+            verbose=not args.quiet)
         limits = {
             "job_token": token,
             "allow_no_token": bool(args.allow_no_token),
