@@ -45,9 +45,9 @@ def _tables_only(sd):
 
 
 def _between_forward_and_backward(rank: int, world: int) -> list[str]:
+    import _scenarios as S
     import torch
 
-    import _scenarios as S
     from torchrec_bagpipe.distributed import close_model
 
     torch.manual_seed(0)
@@ -87,9 +87,9 @@ def _between_forward_and_backward(rank: int, world: int) -> list[str]:
                                 f"({(got - want).abs().max()})")
             # A load and a second training forward (the next batch) are refused: nothing is
             # written or committed; the next batch stays submitted.
-            problems.append(_expect_raises(lambda: dmp.load_state_dict(
+            problems.append(_expect_raises(lambda before=before: dmp.load_state_dict(
                 {**dmp.state_dict(), **before}), RuntimeError, "waits for its backward"))
-            problems.append(_expect_raises(lambda: dmp(batches[t + 1]), RuntimeError,
+            problems.append(_expect_raises(lambda t=t: dmp(batches[t + 1]), RuntimeError,
                                            "waits for its backward", "stays submitted"))
         loss.backward()
         opt.step()
@@ -110,10 +110,9 @@ def test_reads_eval_and_second_forward_between_forward_and_backward():
 
 
 def _all_fused_tables_or_none(rank: int, world: int) -> list[str]:
-    import torch
+    import _scenarios as S
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    import _scenarios as S
     from torchrec_bagpipe.distributed import close_model, prescan_model
 
     problems: list[str | None] = []
@@ -157,6 +156,7 @@ def test_a_batch_reaches_every_fused_table_or_none():
 
 def _close_with_submitted_batches(rank: int, world: int) -> list[str]:
     import _scenarios as S
+
     from torchrec_bagpipe.distributed import bagpipe_metrics, bagpipe_modules, close_model
 
     problems: list[str | None] = []
@@ -196,9 +196,9 @@ def test_close_with_batches_submitted_but_never_run():
 
 
 def _different_local_batch_sizes(rank: int, world: int, kind: str) -> list[str]:
+    import _scenarios as S
     import torch
 
-    import _scenarios as S
     from torchrec_bagpipe.distributed import close_model
 
     case = S.Case(kind=kind, steps=5, seed=8, batch=7)

@@ -73,9 +73,9 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.agreement import agree_before_open, describe
 from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, FusedGroup
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
-from torchrec_bagpipe.distributed.agreement import agree_before_open, describe
 from torchrec_bagpipe.distributed.grad_check import check_finite_grad
 from torchrec_bagpipe.distributed.job import BagPipeJob, job_for
 from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs

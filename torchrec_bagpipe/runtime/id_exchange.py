@@ -12,9 +12,10 @@ lookahead window after it. They come one of two ways:
 
 Thread safety: `prescan`, `check`, `submit`, `absorb`, `plan`, `complete` and `cancel` are
 called by the training thread; `_exchange_and_plan` runs on the communication worker;
-`plan_seconds` and `memory_bytes` may be called from any thread. `_plan_lock` guards the online planner (the
-worker adds steps while the training thread reads plans and releases steps); the prescan
-planner is written once, by `prescan`, before any submit, and only read afterwards.
+`plan_seconds` and `memory_bytes` may be called from any thread. `_plan_lock` guards the
+online planner (the worker adds steps while the training thread reads plans and releases
+steps); the prescan planner is written once, by `prescan`, before any submit, and only read
+afterwards.
 
 Invariants:
   1. Steps enter the online planner in submission order: one FIFO worker runs the exchanges
