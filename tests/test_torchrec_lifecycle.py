@@ -15,6 +15,10 @@
   mean loss; the sparse gradients summed and divided by the world size, as TorchRec's
   all-to-all backward and DDP do): the reference is one process summing the ranks' mean
   losses over W.
+* Hypothesis over interleavings of forward / backward / optimizer step / state dict / eval /
+  no-grad forward / close (one rank, both aggregations): the weights equal the reference at
+  every read, and each step commits exactly once per fused table, its own gradient (or zero
+  when finished explicitly before its backward).
 """
 
 from __future__ import annotations
@@ -240,3 +244,164 @@ def _different_local_batch_sizes(rank: int, world: int, kind: str) -> list[str]:
 @pytest.mark.parametrize("kind", ["mean", "weighted"])
 def test_ranks_with_different_local_batch_sizes(kind):
     assert run_world(_different_local_batch_sizes, 2, args=(kind,)) == [[], []]
+
+
+def _interleavings_worker(rank: int, world: int, max_examples: int) -> str:
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_bagpipe.config import BagPipeConfig
+    from torchrec_bagpipe.distributed import (
+        BagPipeEmbeddingBagCollectionSharder,
+        bagpipe_modules,
+        bagpipe_plan,
+        close_model,
+    )
+
+    lr = 0.25
+    # Two fused tables (dims 4 and 2), sum and mean pooling.
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=12, feature_names=["f0"]),
+        EmbeddingBagConfig(name="b", embedding_dim=2, num_embeddings=9, feature_names=["f1"],
+                           pooling=PoolingType.MEAN),
+    ]
+
+    def batch(gen: torch.Generator) -> KeyedJaggedTensor:
+        lengths = torch.randint(0, 3, (6,), generator=gen)
+        n0 = int(lengths[:3].sum())
+        values = torch.cat([torch.randint(0, 12, (n0,), generator=gen),
+                            torch.randint(0, 9, (int(lengths.sum()) - n0,), generator=gen)])
+        return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], values, lengths)
+
+    def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=what)
+
+    ops_strategy = st.lists(st.sampled_from(
+        ["forward", "forward", "backward", "backward", "optimizer_step", "state_dict", "eval",
+         "no_grad_forward", "close"]), min_size=1, max_size=12)
+
+    @settings(max_examples=max_examples, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(ops_strategy, st.integers(0, 2**31 - 1), st.sampled_from(["ps", "collective"]))
+    def prop(ops, seed, aggregation):
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        ref = EmbeddingBagCollection(tables=tables)
+        initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+        model = EmbeddingBagCollection(tables=tables)
+        model.load_state_dict(initial)
+        config = BagPipeConfig(optimization_cache_capacity=2, bagpipe_aggregation=aggregation)
+        dmp = DistributedModelParallel(
+            model, device=torch.device("cpu"), plan=bagpipe_plan(model, world),
+            sharders=[BagPipeEmbeddingBagCollectionSharder(
+                config, {"learning_rate": lr, "optimizer": EmbOptimType.EXACT_SGD})])
+        part = bagpipe_modules(dmp)[0][1].bagpipe_tables
+        table_of = [rt.spec.tables[0].name for rt in part.runtimes]
+        commits: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # group, step, U, grad
+        for g, rt in enumerate(part.runtimes):
+            def recording(step, grad, lr, _g=g, _finish=rt.finish_step):
+                commits.append((_g, step.step, step.unique_keys.clone(), grad.clone()))
+                _finish(step, grad, lr)
+            rt.finish_step = recording  # type: ignore[method-assign]
+        ref_params = {n.split(".")[-2]: p for n, p in ref.named_parameters()}
+        # What each step's commit must carry: its own row gradients (table -> dense grad),
+        # or None: finished with a zero gradient (an explicit end of step, close).
+        expected: dict[int, dict[str, torch.Tensor] | None] = {}
+        batches = [batch(gen) for _ in range(len(ops) + 1)]
+        nxt = 0  # the next training batch
+        taken = 0  # steps taken
+        pending = None  # [out, ref_out, upstream, step, finished_early]
+        closed = False
+
+        def check_weights(what: str) -> None:
+            sd = dmp.state_dict()
+            for name, p in ref_params.items():
+                close(sd[f"embedding_bags.{name}.weight"], p.detach(), f"{what}: {name}")
+
+        try:
+            for i, op in enumerate(ops):
+                where = f"op {i} ({op}) of {ops}"
+                if op == "forward":
+                    if pending is not None and not pending[4]:
+                        try:
+                            dmp(batches[nxt])
+                        except RuntimeError as e:
+                            assert "waits for its backward" in str(e), e
+                        else:
+                            raise AssertionError(f"{where}: a second forward was accepted")
+                        continue
+                    out = dmp(batches[nxt]).wait().values()
+                    ref_out = ref(batches[nxt]).values()
+                    close(out, ref_out.detach(), where)
+                    pending = [out, ref_out, torch.randn(out.shape, generator=gen), taken, False]
+                    taken += 1
+                    nxt += 1
+                elif op == "backward" and pending is not None:
+                    out, ref_out, upstream, step, finished = pending
+                    pending = None
+                    if finished:
+                        try:
+                            (out * upstream).sum().backward()
+                        except RuntimeError as e:
+                            assert "already finished" in str(e), e
+                        else:
+                            raise AssertionError(f"{where}: a finished step took a gradient")
+                        continue
+                    (out * upstream).sum().backward()
+                    (ref_out * upstream).sum().backward()
+                    expected[step] = {}
+                    with torch.no_grad():
+                        for name, p in ref_params.items():
+                            expected[step][name] = p.grad.clone()
+                            p -= lr * p.grad
+                            p.grad = None
+                elif op == "optimizer_step":
+                    dmp.fused_optimizer.step()
+                    if pending is not None and not pending[4]:
+                        expected[pending[3]] = None
+                        pending[4] = True
+                elif op == "state_dict":
+                    check_weights(where)
+                elif op == "eval":
+                    dmp.eval()
+                    close(dmp(batches[nxt]).wait().values(), ref(batches[nxt]).values().detach(),
+                          where)
+                    dmp.train()
+                elif op == "no_grad_forward":
+                    with torch.no_grad():
+                        close(dmp(batches[nxt]).wait().values(), ref(batches[nxt]).values(),
+                              where)
+                elif op == "close":
+                    break
+            else:
+                check_weights(f"after {ops}")
+            close_model(dmp)
+            closed = True
+            if pending is not None and not pending[4]:
+                expected[pending[3]] = None  # close finishes it with a zero gradient
+        finally:
+            if not closed:
+                close_model(dmp)
+        # Every step committed once per fused table, in order, with its own gradient.
+        got_steps = [(g, s) for g, s, _, _ in commits]
+        want_steps = [(g, s) for s in range(taken) for g in range(len(table_of))]
+        assert sorted(got_steps) == want_steps, (got_steps, want_steps, ops)
+        for g, s, unique, grad in commits:
+            own = expected[s]
+            if own is None:
+                assert not grad.any(), (g, s, ops)
+            else:
+                close(grad, own[table_of[g]][unique], f"step {s} table {table_of[g]}: {ops}")
+
+    prop()
+    return "ok"
+
+
+def test_interleaved_lifecycle_calls_commit_each_step_its_own_gradient():
+    assert run_world(_interleavings_worker, 1, args=(60,), timeout=600) == ["ok"]
