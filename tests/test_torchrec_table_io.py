@@ -60,7 +60,7 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
         return torch.cat([s.tensor.clone() for s in shards])
 
     def states(table_io):
-        return TableState(layout, table_io, runtimes, job, drain=lambda: None)
+        return TableState(layout, table_io, runtimes, job, drain=lambda write: None)
     try:
         io = TableIO(layout, runtimes, job)
         # The reference starts from the PS's lazy default init and initial optimizer state,

@@ -12,8 +12,9 @@ of the rows a batch reads (pooled bags or one embedding per id). It owns
   optimizer state in TorchRec's layout (`read_optimizer_state` / `load_optimizer_state`,
   the same live tensors);
 * the step lifecycle: lookahead submissions (`presubmit`, `hold_submissions`), the batch
-  entering `input_dist` (`enter`), the rows a batch reads (`rows`: the runtime's next step
-  in training, the PS in eval), pending steps and their zero-gradient finishes;
+  entering `input_dist` (`enter`), the rows a batch reads (`batch_rows`: the runtime's next
+  step of every fused table in training, the PS in eval), pending steps and their
+  zero-gradient finishes (below);
 * `PSTableView`, the `<table>` submodules that carry the placeholder parameters and the
   state-dict access of each table;
 * the end of a state-dict write phase (`TableState.settle`) before the next batch enters.
@@ -21,15 +22,43 @@ of the rows a batch reads (pooled bags or one embedding per id). It owns
 Thread-safety: one training thread per rank (the autograd thread runs the backward hook
 while that thread waits in backward).
 
+The step lifecycle. A training forward (module training, autograd enabled) takes one step
+of every fused table; the step is *pending* until its rows' gradient arrives in backward
+(the step commits it) or until an explicit end of step finishes it with a zero gradient:
+the fused optimizer's `step()` (a step whose loss did not depend on its rows), `flush()`,
+`close()`. Between a training forward and its backward:
+
+* reads of the live state-dict tensors (`table_weight`, `read_optimizer_state`) and eval
+  forwards see the weights as of the last finished step (the commits of finished steps
+  drained; the pending step stays pending, as stock TorchRec's fused update has not run
+  either);
+* a write (`copy_` into those tensors, `write_table`, `load_optimizer_state`) raises
+  RuntimeError before writing anything (its rows would be overwritten under the pending
+  step's gradient);
+* another training forward raises RuntimeError before taking a step; its batch stays
+  submitted, so the same batch may enter again once the backward ran.
+
+A training-mode forward under `torch.no_grad()` is an eval read: it submits nothing and
+takes no step (so one rank may run it alone). A batch whose `input_dist` ran with autograd
+enabled is submitted; if its compute then runs without autograd, its steps are finished at
+once with a zero gradient. Once the backward of a forward ran, the steps of that forward
+that got no gradient (their fused table did not reach the loss; or a gradient the finite
+check refused) are finished with a zero gradient by the next forward or load.
+
 Invariants:
-1. Each fused table's steps are consumed in submission order; `rows` checks the step it
-   gets belongs to its batch (same fused keys) and refuses anything else.
-2. At most one step per fused table is in flight between `rows` and its gradient; a new
-   `rows` first finishes a step that received no gradient with a zero gradient; every
-   finish goes through the fused optimizer, which gives it the step's learning rate.
-3. The PS is the only owner of row values and their optimizer state; the state-dict
-   tensors (and the fused optimizer's state) are live views that read and write them
-   through `TableIO` after pending steps finished; the next batch (or the end of a load)
+1. Each fused table's steps are consumed in submission order; `batch_rows` checks the step
+   it gets belongs to its batch (same fused keys) and refuses anything else.
+2. At most one training forward is outstanding (`_forward`): its steps, one per fused
+   table, are the only pending ones; a zero-gradient finish happens only at an explicit end
+   of step or after that forward's backward ran (above); every finish goes through the
+   fused optimizer, which gives it the step's learning rate.
+3. A batch is submitted to every fused table or to none: all are checked (`check_submit`)
+   before the first submission; a submission failing after that leaves the module broken
+   (every later call raises).
+4. The PS is the only owner of row values and their optimizer state; the state-dict
+   tensors (and the fused optimizer's state) are live views that read them through
+   `TableIO` after the commits of finished steps (a pending step stays pending) and write
+   them only when no forward waits for its backward; the next batch (or the end of a load)
    settles the ranks, dropping every cache when any rank wrote.
 """
 
@@ -39,7 +68,7 @@ import contextlib
 import functools
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -177,6 +206,8 @@ class BagPipeTables:
         self._presubmitted: deque[_Ahead] = deque()
         self._held: list[list[torch.Tensor]] | None = None
         self._pending: list[deque[Step]] = [deque() for _ in fused]
+        self._forward: _Forward | None = None  # the outstanding training forward
+        self._broken: BaseException | None = None  # invariant 3
         self._closed = False
         self._job.register(self)
 
@@ -198,15 +229,15 @@ class BagPipeTables:
             self._enter_window(keys)
         return per_group, keys
 
-    def rows(self, g: int, keys: torch.Tensor, training: bool) -> BatchRows:
-        """The rows fused table `g`'s batch of fused `keys` reads: its runtime step in
-        training (a leaf whose gradient commits the step), the PS after every pending commit
-        otherwise."""
+    def batch_rows(self, keys: Sequence[torch.Tensor], training: bool) -> list[BatchRows]:
+        """The rows a batch of fused `keys` (one tensor per fused table) reads from each
+        fused table: in training (the batch was submitted) the runtime's next step of every
+        fused table (leaves whose gradients commit the steps), otherwise the PS after the
+        commits of every finished step (module docstring)."""
         self.check_open()
         if training:
-            return self._train_rows(g, keys)
-        self.finish_pending()
-        return eval_rows(self.runtimes[g], keys, self._device)
+            return self._train_rows(keys)
+        return [eval_rows(rt, k, self._device) for rt, k in zip(self.runtimes, keys)]
 
     # ---- lookahead (BagPipeTrainPipeline) ------------------------------------------------------
     def presubmit(self, features: KeyedJaggedTensor) -> None:
@@ -278,6 +309,11 @@ class BagPipeTables:
     def check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this BagPipe module was closed; its PS sessions are gone")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"this BagPipe module cannot continue: a batch reached only some of its fused "
+                f"tables ({self._broken!r})"
+            )
 
     # ---- state dict access (every read and write goes through TableState) ---------------------
     def table_shape(self, table: str) -> tuple[int, int]:
@@ -290,8 +326,9 @@ class BagPipeTables:
 
     def write_table(self, table: str, value: torch.Tensor) -> None:
         """A state-dict load of one table: this rank's rows of `value` (plain or sharded)
-        into the PS; `finish_load` settles the ranks."""
-        self._drain_for_state()
+        into the PS; `finish_load` settles the ranks. Raises RuntimeError, writing nothing,
+        between a training forward and its backward."""
+        self._drain_for_state(write=True)
         self.state.load_weight(table, value)
 
     def finish_load(self) -> None:
@@ -299,10 +336,13 @@ class BagPipeTables:
         cached rows (a collective)."""
         self.state.settle()
 
-    def _drain_for_state(self) -> None:
-        """Before a state-dict read or write: the module is open and no step is pending."""
+    def _drain_for_state(self, write: bool) -> None:
+        """Before a state-dict read or write of the PS rows: the module is open; a write also
+        needs no forward waiting for its backward (`close_forward`). A read leaves a pending
+        step pending: the runtime reads after the commits of finished steps."""
         self.check_open()
-        self.finish_pending()
+        if write:
+            self.close_forward("writing a BagPipe table's state (a load)")
 
     # ---- optimizer state (the fused optimizer's OptimizerStateIO) -------------------------------
     def read_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
@@ -312,55 +352,102 @@ class BagPipeTables:
 
     def load_optimizer_state(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Writes this rank's rows of tables' optimizer states (plain or sharded values; every
-        rank calls it), then settles the ranks."""
-        self._drain_for_state()
+        rank calls it), then settles the ranks. Raises RuntimeError, writing nothing, between
+        a training forward and its backward."""
+        self._drain_for_state(write=True)
         for table, tensors in states.items():
             self.state.load_optimizer_state(table, tensors)
         self.state.settle()
 
     # ---- step lifecycle -----------------------------------------------------------------------
     def _submit(self, keys: list[torch.Tensor]) -> None:
+        """Submits one batch to every fused table, or to none (invariant 3)."""
         for rt, k in zip(self.runtimes, keys):
-            rt.submit(k)
+            rt.check_submit(k)
+        done = 0
+        try:
+            for rt, k in zip(self.runtimes, keys):
+                rt.submit(k)
+                done += 1
+        except BaseException as e:
+            if done:
+                self._broken = e
+            raise
 
     def _enter_window(self, keys: list[torch.Tensor]) -> None:
         if self._presubmitted:
-            expected = self._presubmitted.popleft().keys
+            expected = self._presubmitted[0].keys
             if any(a is not b and not torch.equal(a, b) for a, b in zip(expected, keys)):
+                # Refused before anything changes: the batch submitted ahead stays first.
                 raise RuntimeError(
-                    "the batch entering input_dist is not the batch BagPipeTrainPipeline "
-                    "submitted ahead for this step; feed the pipeline and the model the "
-                    "same batches in the same order"
+                    "the batch entering input_dist is not the batch submitted ahead for this "
+                    "step (by BagPipeTrainPipeline, or by a training forward refused while an "
+                    "earlier forward waited for its backward); feed the model the same "
+                    "batches in the same order"
                 )
+            self._presubmitted.popleft()
             return
         if self._held is not None:
             self._held.append(keys)
             return
         self._submit(keys)
 
-    def _train_rows(self, g: int, keys: torch.Tensor) -> BatchRows:
-        if self._pending[g]:
+    def close_forward(self, what: str, park: Sequence[torch.Tensor] | None = None) -> None:
+        """Before `what` (a training forward, a load): finishes with a zero gradient the
+        pending steps of a forward whose backward already ran (their gradients cannot come);
+        raises RuntimeError if a forward still waits for its backward. `park`: the refused
+        forward's submitted batch, kept as submitted ahead (the same batch may enter again)."""
+        fwd = self._forward
+        if fwd is None or not any(self._pending):
+            self._forward = None
+            return
+        if fwd.backward_seen:
             self.finish_pending()
-        step = train_step(self.runtimes[g], keys)
-        rows = step.rows
-        if not torch.is_grad_enabled():
-            # A training-mode forward without autograd: the step commits a zero gradient.
-            self._pending[g].append(step)
-            self.finish_pending()
-            return BatchRows(rows.detach(), step.inverse)
-        if not rows.requires_grad:
-            rows.requires_grad_(True)
-        self._pending[g].append(step)
-        rows.register_hook(functools.partial(self._on_rows_grad, g, step))
-        return BatchRows.of_step(step)
+            return
+        if park is not None:
+            self._presubmitted.appendleft(_Ahead((), [], list(park)))
+        g = next(i for i, p in enumerate(self._pending) if p)
+        raise RuntimeError(
+            f"{what} while a training forward still waits for its backward (BagPipe fused "
+            f"table {self.runtimes[g].name!r}, step {self._pending[g][0].step}): run that "
+            "backward first, or finish the step with a zero gradient (the fused optimizer's "
+            "step(), or flush())"
+            + ("; this batch stays submitted: call the module with it again" if park else "")
+        )
 
-    def _on_rows_grad(self, g: int, step: Step, grad: torch.Tensor) -> None:
+    def _train_rows(self, keys: Sequence[torch.Tensor]) -> list[BatchRows]:
+        self.close_forward("a training forward", park=keys)
+        fwd = _Forward()
+        self._forward = fwd
+        for g, (rt, k) in enumerate(zip(self.runtimes, keys)):
+            step = train_step(rt, k)
+            self._pending[g].append(step)
+            fwd.steps.append(step)
+        if not torch.is_grad_enabled():
+            # Submitted by an input_dist with autograd enabled, computed without: the steps
+            # cannot get a gradient; they commit a zero gradient now.
+            self.finish_pending()
+            return [BatchRows(step.rows.detach(), step.inverse) for step in fwd.steps]
+        out = []
+        for g, step in enumerate(fwd.steps):
+            rows = step.rows
+            if not rows.requires_grad:
+                rows.requires_grad_(True)
+            rows.register_hook(functools.partial(self._on_rows_grad, fwd, g, step))
+            out.append(BatchRows.of_step(step))
+        return out
+
+    def _on_rows_grad(self, fwd: _Forward, g: int, step: Step, grad: torch.Tensor) -> None:
         pending = self._pending[g]
         if not pending or pending[0] is not step:
             raise RuntimeError(
-                f"BagPipe fused table {self.runtimes[g].name!r}: a gradient arrived for a "
-                "step that is already finished (backward ran twice through one forward?)"
+                f"BagPipe fused table {self.runtimes[g].name!r}: a gradient arrived for step "
+                f"{step.step}, which is already finished (backward ran twice through one "
+                "forward, or the step was finished with a zero gradient before its backward: "
+                "the fused optimizer's step(), flush() or close())"
             )
+        # Whatever happens to this gradient, the forward's backward ran (invariant 2).
+        fwd.backward_seen = True
         self.optimizer.finish(g, step, grad.detach())
 
     def _finish(self, g: int, step: Step, grad: torch.Tensor, lr: float) -> None:
@@ -375,12 +462,13 @@ class BagPipeTables:
 
     def finish_pending(self) -> None:
         """Finishes, with a zero gradient, every step that received none (through the
-        fused optimizer: at the step's learning rate)."""
+        fused optimizer: at the step's learning rate): an explicit end of step."""
         for g, pending in enumerate(self._pending):
             while pending:
                 step = pending[0]
                 self.optimizer.finish(g, step, torch.zeros_like(
                     step.rows.detach(), memory_format=torch.contiguous_format))
+        self._forward = None
 
 
 def agreed_layout(
@@ -438,6 +526,14 @@ def agreed_layout(
     )
     assert layout is not None
     return job, layout
+
+
+@dataclass
+class _Forward:
+    """The steps one training forward took (one per fused table, in order)."""
+
+    steps: list[Step] = field(default_factory=list)
+    backward_seen: bool = False  # a step of it received its gradient (invariant 2)
 
 
 @dataclass

@@ -73,8 +73,8 @@ class ShardedBagPipeEmbeddingCollection(BagPipeShardedModule):
     def _bagpipe_output(self, ctx: BagPipeContext, kjts: Sequence[KeyedJaggedTensor]
                         ) -> dict[str, JaggedTensor]:
         out: dict[str, JaggedTensor] = {}
-        for g, spec in enumerate(self._bagpipe.layout.fused):
-            rows = self._bagpipe.rows(g, ctx.keys[g], ctx.training)
+        batch = self._bagpipe.batch_rows(ctx.keys, ctx.training)
+        for g, (spec, rows) in enumerate(zip(self._bagpipe.layout.fused, batch)):
             for slot, jt in zip(spec.slots, sequence_embeddings(kjts[g], rows,
                                                                  self._need_indices)):
                 out[slot.key] = jt

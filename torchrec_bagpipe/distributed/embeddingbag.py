@@ -19,8 +19,9 @@ Data flow of one training batch (ARCHITECTURE §5):
 * The output is one `KeyedTensor` in the unsharded EBC's key order: the BagPipe part's
   columns and the stock part's, gathered into place.
 
-Eval (module not training) forwards read the BagPipe rows straight from the PS after
-draining pending commits; they never enter the runtime's step sequence.
+Eval forwards (module not training, or training under `torch.no_grad()`) read the BagPipe
+rows straight from the PS after the commits of finished steps; they never enter the
+runtime's step sequence (bagpipe_tables.py: the step lifecycle).
 
 Thread-safety: one training thread per rank (the autograd thread runs the backward hook
 while that thread waits in backward).
@@ -99,8 +100,8 @@ class ShardedBagPipeEmbeddingBagCollection(BagPipeShardedModule):
         """[batch, columns] of the BagPipe part, fused table by fused table."""
         b = ctx.batch_size
         parts: list[torch.Tensor] = []
-        for g, spec in enumerate(self._bagpipe.layout.fused):
-            rows = self._bagpipe.rows(g, ctx.keys[g], ctx.training)
+        batch = self._bagpipe.batch_rows(ctx.keys, ctx.training)
+        for g, (spec, rows) in enumerate(zip(self._bagpipe.layout.fused, batch)):
             pooled = self._poolers[g](kjts[g], rows)
             # Slot-major (slots x batch x dim) -> batch x (slots * dim): one copy, whose
             # backward is one copy too (per-slot views would each back-propagate a zero-filled

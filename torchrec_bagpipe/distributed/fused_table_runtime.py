@@ -14,7 +14,8 @@ calling `finish_step` while the training thread waits in backward).
 Invariants:
 1. Every read outside the step sequence (`eval_rows`, `read_rows`) and every `write_rows`
    first waits until each commit submitted so far is applied: reads see the PS after the
-   last finished step, and no pending commit lands after a write.
+   last finished step (a running step stays running: reads never finish it), and no
+   pending commit lands after a write (which requires no running step).
 2. `write_rows` changes rows behind every rank's cache; `invalidate` (on every rank, after
    the writes) must run before the next step reads rows.
 3. Direct reads and writes name fused keys in `[0, spec.num_keys)` and at most a bounded
@@ -107,6 +108,11 @@ class FusedTableRuntime:
         """The next training batch's fused keys (1-D int64, CPU) enter the lookahead window."""
         self._controller.submit(keys)
 
+    def check_submit(self, keys: torch.Tensor) -> None:
+        """Raises what `submit(keys)` would raise (a closed or failed runtime, keys out of
+        range, a prescan mismatch), without submitting anything."""
+        self._controller.check_submit(keys)
+
     def prescan(self, trace: Sequence[torch.Tensor], *, progress: bool) -> None:
         """Hands the whole training trace (this rank's fused keys per step) to the planner
         (a collective). REQUIRES: nothing submitted yet; prescan mode in the config."""
@@ -192,8 +198,9 @@ class FusedTableRuntime:
     # ---- direct PS access, outside the step sequence ---------------------------------------
     def eval_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(unique rows [U, dim] fp32 CPU, inverse [n] int64 CPU) for fused `keys` (CPU
-        int64), read from the PS after every pending commit. REQUIRES: no step running."""
-        self._controller.flush()
+        int64), read from the PS after the commits of every finished step (a running step
+        stays running)."""
+        self._controller.drain()
         unique, inverse = torch.unique(keys, return_inverse=True)
         return self._client.lookup(unique), inverse
 
@@ -205,10 +212,10 @@ class FusedTableRuntime:
     def read_rows(self, start: int, stop: int, *, with_state: bool = False) -> torch.Tensor:
         """Fused rows [start, stop) as [stop - start, dim] fp32 CPU (with their optimizer
         state after the weights: [.., dim + state_dim], when `with_state`), read from the PS
-        after every pending commit (one request: keep the range bounded). REQUIRES: no step
-        running."""
+        after the commits of every finished step (one request: keep the range bounded; a
+        running step stays running)."""
         self._check_range(start, stop)
-        self._controller.flush()
+        self._controller.drain()
         return self._client.lookup(torch.arange(start, stop, dtype=torch.int64),
                                    with_state=with_state)
 

@@ -8,8 +8,8 @@ Two separate steps per fused table:
   - training (`train_step`): the fused table's next runtime step, checked to be this batch;
     its rows are a leaf tensor whose gradient is the step's |U| x dim row gradient (the
     sharded module hands it to `finish_step`);
-  - eval (`eval_rows`): the unique rows read straight from the PS after pending commits,
-    outside the runtime's step sequence.
+  - eval (`eval_rows`): the unique rows read straight from the PS after the commits of
+    finished steps (a pending step stays pending), outside the runtime's step sequence.
 * **Pooling** (`Pooler`): sum, or sum / bag length for mean, per slot, with per-id weights
   for a weighted module, through `torch.nn.functional.embedding_bag` over `inverse`, so
   autograd yields exactly the |U| x dim row gradient (EmbeddingBagCollection).
@@ -64,7 +64,7 @@ def train_step(runtime: FusedTableRuntime, keys: torch.Tensor) -> Step:
 
 def eval_rows(runtime: FusedTableRuntime, keys: torch.Tensor,
               device: torch.device) -> BatchRows:
-    """The rows of fused `keys` as the PS holds them after every pending commit, on `device`."""
+    """The rows of fused `keys` as the PS holds them after every finished step, on `device`."""
     rows, inverse = runtime.eval_rows(keys)
     return BatchRows(rows.to(device), inverse.to(device))
 

@@ -200,8 +200,11 @@ class BagPipeShardedModule(ShardedModule[KJTList, _Computed, Any, BagPipeContext
         # Checked before the BagPipe part submits the batch: a refused batch leaves no trace.
         stock_features = (self._stock_part.select(features)
                           if self._stock_part is not None else None)
-        per_group, keys = self._bagpipe.enter(features, self.training)
-        ctx.training = self.training
+        # A training step needs autograd: a training-mode forward under torch.no_grad() is
+        # an eval read (it takes no step, so one rank may run it alone).
+        training = self.training and torch.is_grad_enabled()
+        per_group, keys = self._bagpipe.enter(features, training)
+        ctx.training = training
         ctx.batch_size = features.stride()
         ctx.keys = keys
         awaitables: list[Any] = []
@@ -290,11 +293,14 @@ class BagPipeShardedModule(ShardedModule[KJTList, _Computed, Any, BagPipeContext
         return self._bagpipe.metrics()
 
     def flush(self) -> None:
-        """Finishes gradient-less steps and waits until every pending commit is applied."""
+        """Finishes gradient-less steps (a pending step gets a zero gradient) and waits until
+        every pending commit is applied."""
         self._bagpipe.flush()
 
     def close(self) -> None:
-        """Drains pending commits and closes the PS sessions (idempotent)."""
+        """Finishes pending steps with a zero gradient, drains pending commits, completes
+        the ID exchanges of batches submitted but never run, and closes the PS sessions
+        (idempotent)."""
         self._bagpipe.close()
 
 

@@ -4,8 +4,8 @@ A BagPipe table's `state_dict()` entry, and each of its optimizer-state entries
 (``momentum1``, Adam's ``exp_avg_sq``), is a row-wise `ShardedTensor` of `PSTensor` views
 (ps_views.py) onto the PS: rank r's local shards are TorchRec's row-wise block of rows of
 rank r, in shards of at most `TableIO.chunk_rows` rows. Nothing is read when a state dict
-is taken; a read of a view reads its rows (after the owner drained its pending steps and
-commits), a write (`copy_`, in place) writes them, as TorchRec's convention and DCP's load
+is taken; a read of a view reads its rows (after the commits of finished steps: a pending
+step stays pending), a write (refused while a training forward waits for its backward) (`copy_`, in place) writes them, as TorchRec's convention and DCP's load
 expect. Whole-tensor loads (`load_weight`, `load_optimizer_state`: plain tensors of the
 table's shape, or sharded tensors whose local shards say which rows they hold) write this
 rank's rows of the value the same way.
@@ -21,7 +21,8 @@ Thread-safety: the rank's training thread.
 
 Invariants:
 1. Every read or write through a view moves at most `chunk_rows` rows per PS request and
-   runs after the owner's `drain` (no step pending, every commit applied).
+   runs after the owner's `drain` (every finished step's commit applied; a write only with
+   no forward waiting for its backward).
 2. After `settle` returns on any rank, every write made before any rank's `settle` is in
    the PS and no rank's cache holds a row older than it.
 """
@@ -56,11 +57,11 @@ class _TableRows:
         self.with_state = with_state
 
     def read(self, start: int, stop: int) -> torch.Tensor:
-        self._owner.drain()
+        self._owner.drain(False)
         return self._owner.io.read_rows(self.table, start, stop, with_state=self.with_state)
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        self._owner.drain()
+        self._owner.drain(True)
         self._owner.wrote = True
         self._owner.io.write_rows(self.table, start, rows, with_state=self.with_state)
 
@@ -70,13 +71,15 @@ class TableState:
 
     Args:
         layout, io, runtimes, job: the module's tables, their `TableIO`, runtimes and job.
-        drain: called before every read and write (the owner's pending steps finished).
+        drain: called before every read (`drain(False)`) and write (`drain(True)`) of PS
+            rows: the owner checks it may (a write raises while a forward waits for its
+            backward).
         on_settle: called on every rank at the end of `settle` (the fused optimizer's step
             counts written in place, e.g. by DCP).
     """
 
     def __init__(self, layout: FusedLayout, io: TableIO, runtimes: list[FusedTableRuntime],
-                 job: BagPipeJob, drain: Callable[[], None],
+                 job: BagPipeJob, drain: Callable[[bool], None],
                  on_settle: Callable[[], None] | None = None) -> None:
         self.layout = layout
         self.io = io

@@ -83,8 +83,8 @@ class FusedTableSpec:
 class BagPipeContext(Multistreamable):
     """Carries one batch from `input_dist` to `compute` (both parts of the module).
 
-    training: whether the batch was submitted to the runtime (a training step) or is
-    looked up directly from the PS (eval forward).
+    training: whether the batch was submitted to the runtime (a training step: module
+    training with autograd enabled) or is looked up directly from the PS (eval forward).
     batch_size: the batch's stride.
     keys: per fused table of the BagPipe part, the batch's fused keys in slot order.
     stock: the stock part's own TorchRec context (None without a stock part).

@@ -8,6 +8,8 @@ The TorchRec layer drives it (ARCHITECTURE §4)::
     ctl.finish_step(step, grad, lr=lr)  # |U| x dim row gradient at the step's learning rate:
                                         # commit + keep the cache coherent
     ctl.flush(); ctl.metrics(); ctl.invalidate_all(); ctl.close()
+    ctl.drain()                  # reads outside the step sequence: commits of finished steps
+    ctl.check_submit(keys)       # would `submit(keys)` accept this batch? (no side effect)
 
 Step order: steps run strictly one after another (next_step(t), finish_step(t),
 next_step(t + 1), ...); batch t must have been submitted before next_step(t). Every rank
@@ -268,13 +270,15 @@ class BagPipeController:
         self._plans.prescan(local, progress=progress)
         self.metrics_.add(prescan_startup_s=time.perf_counter() - t0)
 
+    def check_submit(self, keys: torch.Tensor | np.ndarray) -> None:
+        """Raises what `submit(keys)` would raise for an unusable controller or a bad batch
+        (type, range, prescan plan), without submitting anything."""
+        self._validated(keys)
+
     def submit(self, keys: torch.Tensor | np.ndarray) -> None:
         """The next batch's fused keys (1-D int64, CPU) enter the lookahead window."""
-        self._check_usable()
         s = self._submitted
-        arr = as_key_array(keys, f"keys of step {s}")
-        self._check_range(arr, f"keys of step {s}")
-        arr = arr.copy()
+        arr = self._validated(keys).copy()
         self._plans.submit(s, arr)
         self._local_keys.append(arr)
         self._submitted += 1
@@ -323,6 +327,17 @@ class BagPipeController:
         self._next += 1
         self.metrics_.add(steps=1)
 
+    def drain(self) -> None:
+        """Waits until the commit of every finished step is committed (bounded by
+        ps_timeout); a running step is left running (its commit is not submitted yet), so
+        reads outside the step sequence see the PS after the last finished step."""
+        self._check_usable()
+        try:
+            self._drain()
+        except BaseException as e:
+            self._failed = e
+            raise
+
     def flush(self) -> None:
         """Waits until every submitted commit is committed (bounded by ps_timeout)."""
         self._check_usable()
@@ -346,7 +361,10 @@ class BagPipeController:
                 self._meta.clear()
 
     def close(self, *, close_ps: bool = True) -> None:
-        """Drains pending commits, waits for outstanding gets, closes the PS client."""
+        """Drains pending commits, completes the ID exchanges of batches submitted but never
+        run (every rank submitted them, so every rank's worker runs the same collectives:
+        no peer is left waiting in one), waits for outstanding gets, closes the PS client.
+        A failed controller cancels those exchanges instead; every wait is bounded."""
         if self._closed:
             return
         t0 = time.perf_counter()
@@ -365,6 +383,11 @@ class BagPipeController:
                     self._prefetch.drop_fetches(self._timeout)
             except BaseException as e:
                 error = error or e
+            if self._failed is None and error is None:
+                try:
+                    self._plans.complete()
+                except BaseException as e:
+                    error = e
             self._plans.cancel()
             self._agg.close()
             release_worker(self._coll)
@@ -456,6 +479,14 @@ class BagPipeController:
             raise ControllerError("the BagPipe controller is closed")
         if self._failed is not None:
             raise ControllerError(f"the BagPipe controller failed earlier: {self._failed!r}")
+
+    def _validated(self, keys: torch.Tensor | np.ndarray) -> np.ndarray:
+        self._check_usable()
+        s = self._submitted
+        arr = as_key_array(keys, f"keys of step {s}")
+        self._check_range(arr, f"keys of step {s}")
+        self._plans.check(s, arr)
+        return arr
 
     def _check_range(self, arr: np.ndarray, what: str) -> None:
         if arr.size == 0 or (arr.min() >= 0 and arr.max() < self.num_keys):
