@@ -6,9 +6,10 @@ A BagPipe table's `state_dict()` entry, and each of its optimizer-state entries
 rank r, in shards of at most `TableIO.chunk_rows` rows. Nothing is read when a state dict
 is taken; a read of a view reads its rows (after the commits of finished steps: a pending
 step stays pending), a write (`copy_`, in place; refused while a training forward waits
-for its backward) writes them, as TorchRec's convention and DCP's load expect. Whole-tensor loads (`load_weight`, `load_optimizer_state`: plain tensors of the
-table's shape, or sharded tensors whose local shards say which rows they hold) write this
-rank's rows of the value the same way.
+for its backward) writes them, as TorchRec's convention and DCP's load expect.
+Whole-tensor loads (`load_weight`, `load_optimizer_state`: plain tensors of the table's
+shape, or sharded tensors whose local shards say which rows they hold) write this rank's
+rows of the value the same way.
 
 Writes bypass every rank's cache, so the ranks settle once a write phase ends: a state-dict
 read (or a load) opens a phase on every rank (taking a module's state dict is collective,
