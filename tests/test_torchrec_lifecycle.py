@@ -43,8 +43,11 @@ def _expect_raises(fn, exc, *needles) -> str | None:
     return f"expected {exc.__name__}, nothing raised"
 
 
-def _tables_only(sd):
-    return {k: v.detach().clone() for k, v in sd.items()
+def _tables_only(module):
+    """The module's tables as whole plain tensors (a collective: every rank calls it)."""
+    import _scenarios as S
+
+    return {k: v for k, v in S.whole_state(module).items()
             if "embedding_bags." in k or "embeddings." in k}
 
 
@@ -67,13 +70,13 @@ def _between_forward_and_backward(rank: int, world: int) -> list[str]:
             with torch.no_grad():
                 dmp(batches[4])
                 dmp(batches[5])
-        before = _tables_only(dmp.state_dict())
+        before = _tables_only(dmp)
         before_opt = S.fused_state(opt) if t == 2 else None
         loss, _ = dmp(b)
         if t in (2, 4):
             # Reads between the forward and its backward: the last finished step's weights
             # (and optimizer state); the pending step stays pending.
-            problems += S.compare(_tables_only(dmp.state_dict()), before,
+            problems += S.compare(_tables_only(dmp), before,
                                   f"state dict during step {t}", rtol=0, atol=0)
             if before_opt is not None:
                 problems += S.compare(S.fused_state(opt), before_opt,
@@ -325,7 +328,7 @@ def _interleavings_worker(rank: int, world: int, max_examples: int) -> str:
         closed = False
 
         def check_weights(what: str) -> None:
-            sd = dmp.state_dict()
+            sd = S.whole_state(dmp)
             for name, p in ref_params.items():
                 close(sd[f"embedding_bags.{name}.weight"], p.detach(), f"{what}: {name}")
 
