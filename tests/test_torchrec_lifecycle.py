@@ -328,6 +328,8 @@ def _interleavings_worker(rank: int, world: int, max_examples: int) -> str:
         closed = False
 
         def check_weights(what: str) -> None:
+            import _scenarios as S
+
             sd = S.whole_state(dmp)
             for name, p in ref_params.items():
                 close(sd[f"embedding_bags.{name}.weight"], p.detach(), f"{what}: {name}")
