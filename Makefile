@@ -95,7 +95,7 @@ test-fast: build
 DEMO_ARGS ?= --limit_train_batches 300 --batch_size 256 --num_embeddings 20000 \
   --embedding_dim 16 --dense_arch_layer_sizes 64,16 --over_arch_layer_sizes 64,32,1 \
   --learning_rate 1.0 --limit_val_batches 4 --limit_test_batches 4 --seed 1 \
-  --read-mode bagpipe --optimization-cache-capacity 128 --lookahead 8
+  --read-mode bagpipe --optimization-cache-capacity 128 --lookahead 8 --placement-min-rows 0
 demo: build
 	PYTHONPATH=$(CURDIR) $(PY) -m torchrec_bagpipe.launch --nproc-per-node 2 \
 	  examples/dlrm/dlrm_main.py $(DEMO_ARGS)

@@ -16,11 +16,16 @@ Datasets:
 It prints one JSON line per result: per-step loss differences (max, mean, last; the loss of a
 step is the mean of both ranks' batch losses), the final training loss, and the validation
 and test AUROC of both runs (`baseline` = stock TorchRec), and plots both loss curves and
-their difference in a PNG. ``--optimizer`` picks the embedding optimizer: ``sgd`` (what
-BagPipe trains today), ``adagrad`` (dlrm_main's ``--adagrad``) or ``rowwise_adagrad``
-(`torchrec.optim.RowWiseAdagrad` on the tables, Adagrad for the dense part); BagPipe refuses
-the last two until the PS applies them (issue 11), which the script reports as the run's
-error while still measuring stock TorchRec.
+their difference in a PNG. ``--optimizer`` picks the embedding optimizer: ``sgd``,
+``adagrad`` (dlrm_main's ``--adagrad``) or ``rowwise_adagrad``
+(`torchrec.optim.RowWiseAdagrad` on the tables, Adagrad for the dense part).
+
+With ``--reference`` (default on) the same model is also trained in one process on the
+global batch with torch's own optimizers (`examples/dlrm/single_process.py`): the definition
+both distributed runs should reproduce. ``ref_*`` lines give each run's loss differences from
+it (``run``: ``bagpipe`` or ``stock``), so for Adagrad and row-wise Adagrad they say which of
+BagPipe's PS and stock TorchRec's fused CPU kernels matches the optimizer's definition, and
+by how much the other differs.
 """
 
 from __future__ import annotations
@@ -83,16 +88,19 @@ def preprocess(tsv_dir: str, npy_dir: str) -> None:
                                  "--dataset_name", "criteo_1tb"])
 
 
-def embedding_optimizer(name: str, lr: float) -> tuple[list[str], Any]:
-    """(extra dlrm_main flags, `embedding_optimizer` argument of `main`) for `name`."""
+def embedding_optimizer(name: str, lr: float, eps: float | None) -> tuple[list[str], Any]:
+    """(extra dlrm_main flags, `embedding_optimizer` argument of `main`) for `name`; `eps`:
+    Adagrad's epsilon (None: the optimizer's own default: torchrec's RowWiseAdagrad 1e-10,
+    which stock TorchRec replaces by fbgemm's 1e-8 when it fuses the optimizer)."""
     if name == "sgd":
         return [], None
+    flags = ["--adagrad"] + (["--eps", str(eps)] if eps is not None else [])
     if name == "adagrad":
-        return ["--adagrad"], None
+        return flags, None
     if name == "rowwise_adagrad":
         from torchrec.optim import RowWiseAdagrad
 
-        return ["--adagrad"], (RowWiseAdagrad, {"lr": lr})
+        return flags, (RowWiseAdagrad, {"lr": lr, **({"eps": eps} if eps is not None else {})})
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -153,14 +161,17 @@ def compare(dataset: str, argv: list[str], args: argparse.Namespace,
     init = initial_state(argv + extra, args.seed)
     tags = {"dataset": dataset, "optimizer": args.optimizer, "steps": args.steps,
             "world": args.world_size, "batch_size": args.batch_size,
-            "learning_rate": args.learning_rate}
+            "learning_rate": args.learning_rate, "eps": args.eps}
     plan = [("stock", "torchrec", init), ("bagpipe", "bagpipe", init)]
     if args.control:
         plan.append(("control", "torchrec", _one_ulp_up(init)))
     runs: dict[str, Any] = {}
     for key, sharder, state in plan:
         try:
-            runs[key] = run_dlrm([*argv, *extra, "--sharder", sharder], args.world_size,
+            # Every table on BagPipe (by size, these small tables would stay stock).
+            placement = ["--placement-min-rows", "0"] if sharder == "bagpipe" else []
+            runs[key] = run_dlrm([*argv, *extra, "--sharder", sharder, *placement],
+                                 args.world_size,
                                  args.timeout, initial_state=state,
                                  embedding_optimizer=emb_opt)
         except RankError as e:
@@ -179,6 +190,16 @@ def compare(dataset: str, argv: list[str], args: argparse.Namespace,
         # the scale of differences that fp32 rounding alone produces on this trajectory.
         _emit_diffs("control_", _diffs(curves["control"], curves["stock"]), curves["stock"],
                     **tags)
+    if args.reference:
+        sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
+        import single_process
+
+        ref = single_process.reference_losses([*argv, *extra], init, emb_opt,
+                                              world=args.world_size)
+        curves["reference"] = ref
+        for key in ("stock", "bagpipe"):
+            if key in curves:
+                _emit_diffs("ref_", _diffs(curves[key], ref), ref, run=key, **tags)
     if ours is None:
         return curves
     a, b = curves["bagpipe"], curves["stock"]
@@ -256,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=16, help="embedding dim")
     p.add_argument("--learning-rate", type=float, default=1.0)
     p.add_argument("--optimizer", choices=["sgd", "adagrad", "rowwise_adagrad"], default="sgd")
+    p.add_argument("--eps", type=float, default=None,
+                   help="Adagrad's epsilon (default: dlrm_main's 1e-8 for adagrad, "
+                        "RowWiseAdagrad's own 1e-10 for rowwise_adagrad)")
     p.add_argument("--datasets", default="synthetic,criteo")
     p.add_argument("--eval-batches", type=int, default=16, help="val and test batches per rank")
     p.add_argument("--world-size", type=int, default=2)
@@ -265,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
                    help="also train stock TorchRec from initial weights one ulp away: the "
                         "drift fp32 rounding alone causes (default on)")
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the single-process model on the global batch and report "
+                        "each run's distance from it (default on)")
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     started = time.perf_counter()
-    extra, emb_opt = embedding_optimizer(args.optimizer, args.learning_rate)
+    extra, emb_opt = embedding_optimizer(args.optimizer, args.learning_rate, args.eps)
     common = [
         "--batch_size", str(args.batch_size), "--limit_train_batches", str(args.steps),
         "--limit_val_batches", str(args.eval_batches),

@@ -1,18 +1,29 @@
 """Runs `examples/dlrm/dlrm_main.py`'s `main` on W spawned CPU ranks (gloo) and collects
-every rank's results; shared by the DLRM benchmarks. Every wait is bounded."""
+every rank's results, and starts PS shard servers as separate processes for runs with
+``--ps-type tcp``; shared by the DLRM benchmarks. Every wait is bounded."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import queue
+import re
+import signal
 import socket
+import subprocess
 import sys
+import threading
+from types import TracebackType
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-__all__ = ["REPO", "run_dlrm"]
+__all__ = ["REPO", "PSServers", "free_port", "run_dlrm"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    return _free_port()
 
 
 def _free_port() -> int:
@@ -34,6 +45,9 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str], kwargs: dict[s
         import torch
 
         torch.set_num_threads(1)
+        # This checkout's package, not whichever one the interpreter has installed (the PS
+        # server processes get the same through PYTHONPATH): both ends speak one protocol.
+        sys.path.insert(0, REPO)
         sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
         import dlrm_main
         import torch.distributed as dist
@@ -84,3 +98,87 @@ def run_dlrm(argv: list[str], world: int, timeout: float, **kwargs: Any) -> list
                 p.kill()
                 p.join(timeout=5)
     return [results[r] for r in range(world)]
+
+
+def _die_with_parent() -> None:
+    """In a server child before exec: SIGTERM it when the benchmark process dies (Linux), so
+    no server outlives a killed benchmark."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+_LISTENING = re.compile(r"^listening (\S+):(\d+) shard \d+/\d+")
+
+
+class PSServers:
+    """Context manager: one PS shard server process (``python -m torchrec_bagpipe.ps.server``)
+    per port, shard i on ports[i], all on 127.0.0.1 with job token `token`; `addresses` are
+    what trainers pass as ``--ps-addresses``. The servers start fresh (a shard keeps its
+    tables' committed steps, so a new training run needs new servers) and are stopped on exit:
+    SIGTERM (drain), then SIGKILL after `stop_timeout` seconds."""
+
+    def __init__(self, ports: list[int], token: str, *, startup_timeout: float = 60.0,
+                 stop_timeout: float = 30.0, extra_args: list[str] | None = None) -> None:
+        self.ports = list(ports)
+        self.token = token
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.extra_args = list(extra_args or [])
+        self.procs: list[subprocess.Popen[str]] = []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def __enter__(self) -> PSServers:
+        try:
+            for i, port in enumerate(self.ports):
+                cmd = [sys.executable, "-m", "torchrec_bagpipe.ps.server", "--shard-id", str(i),
+                       "--num-shards", str(len(self.ports)), "--host", "127.0.0.1",
+                       "--port", str(port), "--quiet", *self.extra_args]
+                env = {**os.environ, "BAGPIPE_JOB_TOKEN": self.token,
+                       "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                                   stderr=sys.stderr, text=True,
+                                                   preexec_fn=_die_with_parent))
+            for i, proc in enumerate(self.procs):
+                self._await_listening(i, proc)
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def _await_listening(self, i: int, proc: subprocess.Popen[str]) -> None:
+        found = threading.Event()
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if _LISTENING.match(line):
+                    found.set()
+            # the rest of stdout is drained here until the server exits
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(self.startup_timeout):
+            raise TimeoutError(f"PS shard {i} (port {self.ports[i]}) did not listen within "
+                               f"{self.startup_timeout}s (status {proc.poll()})")
+
+    def _stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self.procs.clear()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop()

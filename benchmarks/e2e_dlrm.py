@@ -8,7 +8,17 @@ Configurations (same model, data and cache capacity; world size 2, gloo, CPU):
 * ``lru``: a bounded LRU cache without lookahead (``--eviction-policy lru --lookahead 0``);
 * ``bagpipe_prescan`` / ``bagpipe_online``: the oracle cache with lookahead prefetch;
 * ``bagpipe_collective``: ``bagpipe_online`` with collective aggregation (ranks all-reduce
-  the active rows' gradients, one designated rank commits each row to the PS).
+  the active rows' gradients, one designated rank commits each row to the PS);
+* ``bagpipe_mixed``: per-table placement, ``bagpipe_online`` for the 3 largest tables only
+  (``--placement-min-rows``), the other 23 on TorchRec's stock sharding in the same
+  EmbeddingBagCollection.
+
+Tables (``--table-sizes``): ``criteo`` (default) has Criteo 1TB's 26 categorical
+cardinalities scaled so the largest has ``--num-embeddings`` rows (skewed sizes, as real
+models have: the 3 largest hold 78 % of the rows); ``uniform`` gives every table
+``--num-embeddings`` rows. Every configuration but ``bagpipe_mixed`` puts all 26 tables on
+BagPipe (``--placement-min-rows 0``); the cache is ``--cache-fraction`` of the BagPipe
+tables' rows.
 
 Each configuration runs `examples/dlrm/dlrm_main.py` in its own 2-rank process group. For
 each it prints one JSON line per metric: samples/s (measured), cache hit rate, PS rows and
@@ -21,6 +31,25 @@ measured median step time and the network time comes from the run's deterministi
 included. ``--compute-ms`` adds the same predictions for assumed step times (e.g. an
 accelerator-class DLRM step), tagged ``compute_source: "assumed"``. Baselines are measured
 in the same run. A PNG plots samples/s and hit rate per configuration.
+
+``--shaped-link``: a real network instead of (and checking) the model. The PS shards run as
+separate server processes over TCP (`dlrm_ranks.PSServers`, one per rank, each on its own
+port) and `link_shaping.ShapedLink` shapes their traffic on loopback with ``tc`` (prio, or
+htb where the kernel has no prio, + u32 port filters + one tbf per shard and direction: a
+full-duplex link per shard; with as many shards as ranks each rank's traffic gets one link's
+bandwidth) to the rate that moves as many bytes per compute step as a 25 GbE link
+(``--link-gbps``) does under a 2 ms accelerator step (``--link-step-ms``): rate = 25 Gb/s x
+2 ms / (the stock configuration's measured median step on this machine). For the no-cache
+PS, LRU and BagPipe prescan (``--shaped-configs``), each repeat runs every configuration over
+the servers unshaped, then shaped; it reports the measured samples/s on the shaped link
+(baseline: the no-cache PS on the same link), and the link model's prediction for the same
+run: `model_step` with the configuration's own unshaped median step as compute, the shaped
+run's counters and the link as measured through a shaped calibration port (payload bytes/s,
+round trip), against the shaped runs' measured median step (``shaped_model_step_ms``,
+``model_error`` = |modelled - measured| / measured; the target is within 15%). Where
+shaping is impossible (no root, no tc, lo already shaped by someone else, the kernel refuses)
+it says so in a ``shaped_link`` line and reports only the model's predictions. The shaping is
+removed when the section ends, also on errors and on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -28,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -35,9 +65,29 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dlrm_ranks import REPO, run_dlrm
+from dlrm_ranks import REPO, PSServers, free_port, run_dlrm
+from link_shaping import ShapedLink, ShapingUnavailable, link_rate, measure_link
 
 BENCH = "e2e_dlrm"
+
+# Criteo 1TB's categorical cardinalities (cat_0 .. cat_25), before TorchRec's example caps
+# them at 40M: the shape of the `criteo` table sizes.
+CRITEO_1TB_ROWS = [
+    227_605_432, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 130_229_467,
+    3_067_956, 405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 292_775_614, 40_790_948,
+    187_188_510, 590_152, 12_973, 108, 36,
+]
+# Tables bagpipe_mixed puts on BagPipe: the largest ones.
+MIXED_BAGPIPE_TABLES = 3
+
+
+def table_sizes(shape: str, rows: int) -> list[int]:
+    """Rows of the 26 tables: Criteo 1TB's shape scaled so the largest has `rows`, or
+    `rows` each."""
+    if shape == "uniform":
+        return [rows] * len(CRITEO_1TB_ROWS)
+    top = max(CRITEO_1TB_ROWS)
+    return [max(1, round(n * rows / top)) for n in CRITEO_1TB_ROWS]
 
 
 @dataclass(frozen=True)
@@ -124,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short run (< 3 min)")
     p.add_argument("--steps", type=int, default=None, help="training batches per rank")
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--num-embeddings", type=int, default=None, help="rows per table (26)")
+    p.add_argument("--num-embeddings", type=int, default=None,
+                   help="rows of the largest table (criteo) or of each table (uniform)")
+    p.add_argument("--table-sizes", choices=["criteo", "uniform"], default="criteo",
+                   help="criteo: Criteo 1TB's 26 cardinalities scaled to --num-embeddings; "
+                        "uniform: --num-embeddings rows each")
     p.add_argument("--dim", type=int, default=64, help="embedding dim (TorchRec's default)")
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--cache-fraction", type=float, default=0.05,
@@ -133,9 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="runs per configuration")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--configs", default="stock,ps_nocache,lru,bagpipe_prescan,bagpipe_online,"
-                                        "bagpipe_collective")
+                                        "bagpipe_collective,bagpipe_mixed")
     p.add_argument("--png", default=None, help="plot path (default: benchmarks/e2e_dlrm.png)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--shaped-link", action="store_true",
+                   help="also run PS shards as TCP servers on a tc-shaped loopback link and "
+                        "check the link model against it (module docstring)")
+    p.add_argument("--shaped-configs", default="ps_nocache,lru,bagpipe_prescan",
+                   help="configurations run on the shaped link")
+    p.add_argument("--link-gbps", type=float, default=25.0,
+                   help="reference link of the shaped run (Gb/s)")
+    p.add_argument("--link-step-ms", type=float, default=2.0,
+                   help="the accelerator step the reference link serves (ms)")
     p.add_argument("--compute-ms", type=str, default=None,
                    help="comma-separated assumed compute times per step (ms) for the link "
                         "model, e.g. an accelerator-class DLRM step; predictions for each "
@@ -153,30 +216,45 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.num_embeddings or (20_000 if args.quick else 200_000)
     repeats = args.repeats or (1 if args.quick else 3)
     world = args.world_size
-    cache_units = max(1, int(26 * rows * args.cache_fraction) // 64)
+    sizes = table_sizes(args.table_sizes, rows)
+    largest = sorted(sizes, reverse=True)[:MIXED_BAGPIPE_TABLES]
+    if args.table_sizes == "uniform" and "bagpipe_mixed" in args.configs.split(","):
+        p.error("bagpipe_mixed places the largest tables on BagPipe: use --table-sizes criteo")
+
+    def units(table_rows: int) -> int:
+        return max(1, int(table_rows * args.cache_fraction) // 64)
+
+    def cache(table_rows: int) -> list[str]:
+        return ["--optimization-cache-capacity", str(units(table_rows))]
     common = [
         "--batch_size", str(batch), "--limit_train_batches", str(steps),
         "--limit_val_batches", "2", "--limit_test_batches", "2",
-        "--num_embeddings", str(rows), "--embedding_dim", str(args.dim),
+        "--num_embeddings_per_feature", ",".join(map(str, sizes)),
+        "--embedding_dim", str(args.dim),
         "--dense_arch_layer_sizes", f"64,{args.dim}", "--over_arch_layer_sizes", "64,32,1",
         "--learning_rate", "0.05", "--zipf_alpha", str(args.zipf), "--seed", "1",
         "--no_progress",
     ]
-    bagpipe = ["--optimization-cache-capacity", str(cache_units)]
+    every = ["--placement-min-rows", "0"]
+    bagpipe = [*every, *cache(sum(sizes))]
+    lookahead = ["--lookahead", str(args.lookahead)]
     configs = {
         "stock": ["--sharder", "torchrec"],
-        "ps_nocache": ["--read-mode", "ps"],
+        "ps_nocache": [*every, "--read-mode", "ps"],
         "lru": [*bagpipe, "--eviction-policy", "lru", "--lookahead", "0"],
-        "bagpipe_prescan": [*bagpipe, "--optimization-prescan",
-                            "--lookahead", str(args.lookahead)],
-        "bagpipe_online": [*bagpipe, "--lookahead", str(args.lookahead)],
-        "bagpipe_collective": [*bagpipe, "--lookahead", str(args.lookahead),
-                               "--bagpipe-aggregation", "collective"],
+        "bagpipe_prescan": [*bagpipe, "--optimization-prescan", *lookahead],
+        "bagpipe_online": [*bagpipe, *lookahead],
+        "bagpipe_collective": [*bagpipe, *lookahead, "--bagpipe-aggregation", "collective"],
+        "bagpipe_mixed": ["--placement-min-rows", str(largest[-1]), *cache(sum(largest)),
+                          *lookahead],
     }
     chosen = [c for c in args.configs.split(",") if c]
-    for c in chosen:
-        if c not in configs:
+    shaped_names = [c for c in args.shaped_configs.split(",") if c] if args.shaped_link else []
+    for c in chosen + shaped_names:
+        if c not in configs or (c in shaped_names and c == "stock"):
             p.error(f"unknown configuration {c!r}")
+    if args.shaped_link and "stock" not in chosen:
+        chosen.insert(0, "stock")  # its step sets the shaped link's rate
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
@@ -211,8 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     if base and computes and computes[0][0] == "measured":
         modelled_25g["stock"] = world * batch / computes[0][1]
     for name, r in results.items():
+        placed = runs[name][-1].get("placement", {})
         extra = {"config": name, "dim": args.dim, "transport": "local", "world_size": world,
-                 "batch_size": batch, "rows_per_table": rows, "cache_units": cache_units}
+                 "batch_size": batch, "table_sizes": args.table_sizes, "largest_table": rows,
+                 "cache_units": units(sum(largest) if name == "bagpipe_mixed" else sum(sizes)),
+                 "bagpipe_tables": len(placed.get("bagpipe", []))}
         emit("samples_per_s", r["samples_per_s"], "samples/s",
              base["samples_per_s"] if base else None, baseline_config="stock", **extra)
         s = r["bagpipe"]
@@ -254,9 +335,101 @@ def main(argv: list[str] | None = None) -> int:
                      baseline_config="ps_nocache", **tag, **extra)
                 if link is PRESETS[0] and source == "measured":
                     modelled_25g[name] = world * batch / t
+    if args.shaped_link and base:
+        shaped_section(args, common, configs, shaped_names, world, batch, repeats,
+                       base["step_s"], extra={"dim": args.dim, "world_size": world,
+                                              "batch_size": batch,
+                                              "table_sizes": args.table_sizes,
+                                              "largest_table": rows,
+                                              "cache_units": units(sum(sizes))})
     emit("wall_s", time.perf_counter() - started, "s", None, config="all")
     _plot(results, modelled_25g, args.png or os.path.join(REPO, "benchmarks", "e2e_dlrm.png"))
     return 0
+
+
+def _median_step(runs: list[dict[str, Any]]) -> float:
+    meds = [statistics.median(r["step_times"]) for r in runs if r["step_times"]]
+    return statistics.median(meds) if meds else float("nan")
+
+
+def shaped_section(args: argparse.Namespace, common: list[str], configs: dict[str, list[str]],
+                   names: list[str], world: int, batch: int, repeats: int, stock_step_s: float,
+                   extra: dict[str, Any]) -> None:
+    """The --shaped-link runs and their lines (module docstring)."""
+    rate = link_rate(args.link_gbps, args.link_step_ms, stock_step_s)
+    ports = [free_port() for _ in range(world)]
+    calib_port = free_port()
+    token = secrets.token_hex(16)
+    unshaped: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    shaped: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    probes: list[tuple[float, float, float]] = []
+    reason: str | None = None
+    recipe: str | None = None
+
+    def run_on_servers(name: str) -> dict[str, Any]:
+        with PSServers(ports, token) as servers, tempfile.TemporaryDirectory() as tmp:
+            return run_config([*common, *configs[name], "--ps-type", "tcp", "--ps-addresses",
+                               *servers.addresses, "--job-token", token,
+                               "--metrics_json", os.path.join(tmp, "m.json")],
+                              world, args.timeout)
+
+    for _ in range(repeats):
+        for name in names:
+            unshaped[name].append(run_on_servers(name))
+        if reason is not None:
+            continue
+        try:
+            with ShapedLink([*ports, calib_port], rate) as link:
+                recipe = link.recipe
+                probes.append(measure_link(calib_port, nbytes=max(1 << 20, int(rate / 4))))
+                for name in names:
+                    shaped[name].append(run_on_servers(name))
+        except ShapingUnavailable as e:
+            reason = str(e)
+    common_extra = {**extra, "transport": "tcp", "link_rate_bytes_per_s": rate,
+                    "reference_link": f"{args.link_gbps:g} Gb/s under a "
+                                      f"{args.link_step_ms:g} ms step",
+                    "stock_step_ms": 1e3 * stock_step_s}
+    if probes:
+        up = statistics.median(p[0] for p in probes)
+        down = statistics.median(p[1] for p in probes)
+        rtt = statistics.median(p[2] for p in probes)
+        link = Link("shaped", rtt_s=rtt, bytes_per_s=min(up, down), window=8)
+        emit("shaped_link", rate, "bytes/s", None, config="all", shaping=f"tc {recipe}",
+             measured_up_bytes_per_s=up, measured_down_bytes_per_s=down, measured_rtt_us=1e6 * rtt,
+             **common_extra)
+    else:
+        link = Link("shaped (not installed)", rtt_s=PRESETS[0].rtt_s, bytes_per_s=rate, window=8)
+        emit("shaped_link", rate, "bytes/s", None, config="all",
+             shaping=f"unavailable, link model only: {reason}", **common_extra)
+    measured = {n: statistics.median(r["samples_per_s"] for r in shaped[n])
+                for n in names if shaped[n]}
+    nocache = measured.get("ps_nocache")
+    for name in names:
+        tag = {"config": name, **common_extra, "link": link.name}
+        compute_s = _median_step(unshaped[name])
+        unshaped_sps = statistics.median(r["samples_per_s"] for r in unshaped[name])
+        runs = shaped[name] or unshaped[name]
+        counters = runs[-1]["bagpipe"].get("counters", {})
+        _, t = model_step(compute_s, counters, runs[-1]["steps"], world, link)
+        model_sps = world * batch / t
+        if name in measured:
+            m = measured[name]
+            step_s = _median_step(shaped[name])
+            emit("shaped_samples_per_s", m, "samples/s", nocache, baseline_config="ps_nocache",
+                 unshaped_samples_per_s=unshaped_sps, **tag)
+            # Like with like: the model adds the exposed network time to the unshaped median
+            # step, so it is checked against the shaped runs' median step.
+            emit("shaped_model_step_ms", 1e3 * t, "ms", 1e3 * step_s,
+                 baseline_config=f"{name}: median step measured on the shaped link",
+                 model_error=abs(t / step_s - 1.0), target_error=0.15,
+                 model_samples_per_s=model_sps, compute_ms=1e3 * compute_s, **tag)
+        else:
+            emit("shaped_model_samples_per_s", model_sps, "samples/s", None,
+                 unshaped_samples_per_s=unshaped_sps, compute_ms=1e3 * compute_s, **tag)
+    if nocache and "bagpipe_prescan" in measured:
+        emit("shaped_prescan_vs_nocache", measured["bagpipe_prescan"] / nocache, "ratio", None,
+             config="bagpipe_prescan", baseline_config="ps_nocache", target=1.5, **common_extra)
 
 
 def _plot(results: dict[str, dict[str, Any]], modelled: dict[str, float], path: str) -> None:

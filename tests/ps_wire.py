@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = 0x31535042
-VERSION = 1
+VERSION = 2
 
 HELLO, HELLO_OK, OPEN, OPEN_OK, COMMIT, ACK, GET, GET_OK = 1, 2, 3, 4, 5, 6, 7, 8
 ASSIGN, ASSIGN_OK, CLOSE, CLOSE_OK, CHECKPOINT, CHECKPOINT_OK, PING, PONG = range(9, 17)
-ERROR, NOTIFY_COMMITTED, NOTIFY_FAILED = 17, 18, 19
+ERROR, NOTIFY_COMMITTED, NOTIFY_FAILED, NOTIFY_SHUTDOWN, NOTIFY_CHECKPOINT = 17, 18, 19, 20, 21
 
 OK, INVALID_ARGUMENT, SESSION_FAILED, UNAUTHORIZED, PROTOCOL_ERROR, NOT_OPEN = range(6)
 STORED, DUPLICATE, ALREADY_COMMITTED = 0, 1, 2
@@ -21,21 +21,25 @@ STORED, DUPLICATE, ALREADY_COMMITTED = 0, 1, 2
 HEADER = struct.Struct("<IHHIiQQQ")
 HELLO_BODY = struct.Struct("<II")
 HELLO_OK_BODY = struct.Struct("<IIQQ")
-OPEN_BODY = struct.Struct("<QIIIfBBHffIQq")
-OPEN_OK_BODY = struct.Struct("<qII")
+OPEN_BODY = struct.Struct("<QIIIB3xBBHffIQqddddd")
+OPEN_OK_BODY = struct.Struct("<qII")  # committed_step, dim, state_dim
 COMMIT_BODY = struct.Struct("<QqIIIIIfII")
 ACK_BODY = struct.Struct("<qqIIII")
-GET_BODY = struct.Struct("<QqII")
-GET_OK_BODY = struct.Struct("<qII")
+GET_BODY = struct.Struct("<QqIIII")
+GET_OK_BODY = struct.Struct("<qIIII")  # served_step, nrows, dim, state_dim, reserved
 STEP_BODY = struct.Struct("<Qq")
 MESSAGE_BODY = struct.Struct("<QII")
 CLOSE_BODY = struct.Struct("<QII")
+CHECKPOINT_NOTE_BODY = struct.Struct("<QqII")
 FIXED = {HELLO_OK: HELLO_OK_BODY, OPEN_OK: OPEN_OK_BODY, ACK: ACK_BODY, GET_OK: GET_OK_BODY,
          ASSIGN_OK: STEP_BODY, CLOSE_OK: STEP_BODY, CHECKPOINT_OK: STEP_BODY,
-         NOTIFY_COMMITTED: STEP_BODY, ERROR: MESSAGE_BODY, NOTIFY_FAILED: MESSAGE_BODY}
+         NOTIFY_COMMITTED: STEP_BODY, ERROR: MESSAGE_BODY, NOTIFY_FAILED: MESSAGE_BODY,
+         NOTIFY_SHUTDOWN: MESSAGE_BODY, NOTIFY_CHECKPOINT: CHECKPOINT_NOTE_BODY}
 INIT_KINDS = {"uniform": 0, "zeros": 1, "constant": 2}
+OPTIMIZER_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 
-assert HEADER.size == 40 and COMMIT_BODY.size == 48 and OPEN_BODY.size == 56
+assert HEADER.size == 40 and COMMIT_BODY.size == 48 and OPEN_BODY.size == 96
+assert GET_BODY.size == 32 and GET_OK_BODY.size == 24
 
 
 def token_digest(token: str) -> int:
@@ -60,13 +64,17 @@ def hello(token: str) -> bytes:
     return frame(HELLO, HELLO_BODY.pack(len(t), 0) + t, job=token_digest(token))
 
 
-def open_session(table: str, *, session: int, rank: int, world_size: int, dim: int, lr: float,
+def open_session(table: str, *, session: int, rank: int, world_size: int, dim: int,
                  grad_division: bool = True, init: str = "zeros", init_bound: float = 0.0,
-                 init_value: float = 0.0, seed: int = 0, key_bound: int = -1, tag: int = 1,
-                 job: int = 0) -> bytes:
+                 init_value: float = 0.0, seed: int = 0, key_bound: int = -1,
+                 optimizer: str = "sgd", eps: float = 1e-8, beta1: float = 0.9,
+                 beta2: float = 0.999, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, tag: int = 1, job: int = 0) -> bytes:
     name = table.encode()
-    body = OPEN_BODY.pack(session, rank, world_size, dim, lr, int(grad_division),
-                          INIT_KINDS[init], len(name), init_bound, init_value, 0, seed, key_bound)
+    body = OPEN_BODY.pack(session, rank, world_size, dim, OPTIMIZER_KINDS[optimizer],
+                          int(grad_division), INIT_KINDS[init], len(name), init_bound,
+                          init_value, 0, seed, key_bound, eps, beta1, beta2, weight_decay,
+                          initial_accumulator_value)
     return frame(OPEN, body + name, tag=tag, job=job)
 
 
@@ -80,11 +88,12 @@ def commit(*, session: int, step: int, rank: int, world_size: int, chunk_index: 
     return frame(COMMIT, body + keys.tobytes() + grads.tobytes(), tag=tag, slot=slot, job=job)
 
 
-def get(*, session: int, at_step: int, dim: int, keys: np.ndarray, tag: int = 0, slot: int = 0,
-        job: int = 0) -> bytes:
+def get(*, session: int, at_step: int, dim: int, keys: np.ndarray, state_dim: int = 0,
+        tag: int = 0, slot: int = 0, job: int = 0) -> bytes:
+    """A read; `state_dim` > 0 (the table's) asks for each row's optimizer state too."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
-    return frame(GET, GET_BODY.pack(session, at_step, len(keys), dim) + keys.tobytes(),
-                 tag=tag, slot=slot, job=job)
+    return frame(GET, GET_BODY.pack(session, at_step, len(keys), dim, state_dim, 0) +
+                 keys.tobytes(), tag=tag, slot=slot, job=job)
 
 
 def close(*, session: int, rank: int, tag: int = 0, job: int = 0) -> bytes:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from torchrec_bagpipe.ps import Partitioner, PSClient, start_local_shards
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 
 TABLE = "bagpipe_test"
 
@@ -32,15 +33,17 @@ class LocalPSBackend:
         *,
         num_shards: int = 2,
         partitioner: str = "modulo",
+        optimizer: OptimizerSpec | str = "sgd",
     ) -> None:
         self.num_keys = num_keys
         self.dim = dim
+        self.optimizer = OptimizerSpec.of(optimizer)
         self.shards = start_local_shards(num_shards)
         self.partitioner = Partitioner(partitioner, num_shards)
         self.clients = [
             PSClient(self.shards, table=TABLE, dim=dim, lr=lr, rank=r, world_size=world_size,
                      gradient_division=divide, partitioner=partitioner, timeout=timeout,
-                     key_bound=num_keys)
+                     key_bound=num_keys, optimizer=self.optimizer)
             for r in range(world_size)
         ]
         self.clients[0].assign(torch.arange(num_keys), torch.from_numpy(init.copy()))
@@ -51,14 +54,22 @@ class LocalPSBackend:
     def committed_step(self) -> int:
         return min(s.committed_step(TABLE) for s in self.shards)
 
-    def snapshot(self) -> np.ndarray:
+    def _rows(self) -> np.ndarray:
+        """Every row with its optimizer state, read from its shard."""
         keys = torch.arange(self.num_keys)
         owner = self.partitioner.shard_of(keys)
-        out = np.empty((self.num_keys, self.dim), dtype=np.float32)
+        out = np.empty((self.num_keys, self.dim + self.optimizer.state_dim(self.dim)),
+                       dtype=np.float32)
         for s, shard in enumerate(self.shards):
             mine = keys[owner == s]
-            out[mine.numpy()] = shard.lookup(TABLE, mine).numpy()
+            out[mine.numpy()] = shard.lookup(TABLE, mine, with_state=True).numpy()
         return out
+
+    def snapshot(self) -> np.ndarray:
+        return np.ascontiguousarray(self._rows()[:, :self.dim])
+
+    def snapshot_state(self) -> np.ndarray:
+        return np.ascontiguousarray(self._rows()[:, self.dim:])
 
     def close(self) -> None:
         for c in self.clients:

@@ -1,7 +1,9 @@
 """Independent numpy re-implementations used to check the native store bit for bit.
 
 `reference_initial_rows` follows the formula stated in csrc/store/init.h without sharing any
-code with it; `sgd_reference` is the update of docs/ARCHITECTURE.md §1 in separate fp32 ops.
+code with it; `sgd_reference` is the update of docs/ARCHITECTURE.md §1 in separate fp32 ops;
+`optimizer_reference` is the arithmetic contract of csrc/store/embedding_store.h (steps
+1-10), one numpy float32 operation (one rounding) per step.
 """
 
 from __future__ import annotations
@@ -63,6 +65,79 @@ def sgd_reference(w: np.ndarray, grads: list[np.ndarray], lr: float, divisor: in
         g = (g / np.float32(divisor)).astype(np.float32)
     u = (g * np.float32(lr)).astype(np.float32)
     return (w - u).astype(np.float32)
+
+
+def _pairwise_row_sum(x: np.ndarray) -> np.float32:
+    """Contract step 7: zero-pad to a power of two, add halves until one value is left."""
+    width = 1
+    while width < x.shape[0]:
+        width *= 2
+    t = np.zeros(width, dtype=np.float32)
+    t[: x.shape[0]] = x
+    while width > 1:
+        width //= 2
+        t = (t[:width] + t[width:]).astype(np.float32)
+    return np.float32(t[0])
+
+
+def optimizer_reference(
+    w: np.ndarray,
+    state: np.ndarray,
+    grads: list[np.ndarray],
+    lr: float,
+    divisor: int,
+    kind: str,
+    eps: float = 1e-8,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One update of one row (w: dim floats, state: state_dim floats) by its gradient rows
+    in input order; returns the new (w, state). Every step is one float32 numpy op."""
+    f = np.float32
+    with np.errstate(all="ignore"):
+        g = np.array(grads[0], dtype=f, copy=True)  # step 1: the first copied
+        for extra in grads[1:]:
+            g = (g + extra.astype(f)).astype(f)
+        u = g
+        if divisor != 1:  # step 2
+            u = (u / f(divisor)).astype(f)
+        if weight_decay != 0.0:  # step 3
+            u = (u + (w * f(weight_decay)).astype(f)).astype(f)
+        lr32, eps32 = f(lr), f(eps)
+        if kind == "sgd":  # step 4
+            return (w - (u * lr32).astype(f)).astype(f), state.copy()
+        if kind == "adagrad":  # step 5
+            s = (state + (u * u).astype(f)).astype(f)
+            d = (np.sqrt(s) + eps32).astype(f)
+            return (w - ((u / d).astype(f) * lr32).astype(f)).astype(f), s
+        if kind == "rowwise_adagrad":  # steps 6-7
+            r = f(_pairwise_row_sum((u * u).astype(f)) / f(w.shape[0]))
+            s = f(state[0] + r)
+            d = f(np.sqrt(s) + eps32)
+            m = f(lr32 / d)
+            return (w - (u * m).astype(f)).astype(f), np.array([s], dtype=f)
+        assert kind == "adam"  # step 8
+        dim = w.shape[0]
+        c1, c2 = f(1.0 - beta1), f(1.0 - beta2)
+        m0, v0 = state[:dim], state[dim:]
+        m1 = (m0 + ((u - m0).astype(f) * c1).astype(f)).astype(f)
+        v1 = (v0 + (((u * u).astype(f) - v0).astype(f) * c2).astype(f)).astype(f)
+        d = (np.sqrt(v1) + eps32).astype(f)
+        w1 = (w - ((m1 / d).astype(f) * lr32).astype(f)).astype(f)
+        return w1, np.concatenate([m1, v1]).astype(f)
+
+
+def same_bits_or_both_nan(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equality, except that any NaN equals any NaN (payloads are not specified)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    b = np.ascontiguousarray(b, dtype=np.float32)
+    if a.shape != b.shape:
+        return False
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    if not np.array_equal(nan_a, nan_b):
+        return False
+    return bool(np.array_equal(a.view(np.uint32)[~nan_a], b.view(np.uint32)[~nan_b]))
 
 
 _P1 = 11400714785074694791

@@ -92,7 +92,8 @@ def test_dlrm_example_through_ps_server_processes(tmp_path):
         "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
         "--over_arch_layer_sizes", "16,1", "--learning_rate", "0.05", "--limit_val_batches", "2",
         "--limit_test_batches", "2", "--ps-type", "rdma", "--optimization-prescan",
-        "--optimization-cache-capacity", "4", "--metrics_json", str(metrics), "--no_progress",
+        "--optimization-cache-capacity", "4", "--placement-min-rows", "0",
+        "--metrics_json", str(metrics), "--no_progress",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": REPO})
@@ -108,3 +109,71 @@ def test_dlrm_example_through_ps_server_processes(tmp_path):
     # Every access is a hit, a prefetch-served row or a demand fetch (runtime accounting).
     c = summary["counters"]
     assert c["hits"] + c["prefetch_served"] + c["demand_fetched"] == c["accesses"] > 0
+
+
+def test_a_ps_shard_sigterm_stops_the_job_cleanly(tmp_path):
+    """SIGTERM to a PS server mid-training: its clients are told at once (ShuttingDownError
+    naming the shard, when they reach it before the launcher stops them), the launcher stops
+    the trainers and exits non-zero, explaining why, without waiting for the server's drain
+    (set to 600 s here: the 120 s wait below would fail first)."""
+    import re
+    import threading
+
+    cmd = [
+        sys.executable, "-m", "torchrec_bagpipe.launch", "--nproc-per-node", "2",
+        "--ps-servers", "2", "--ps-server-args=--quiet --drain-timeout 600",
+        "--grace-period", "10",
+        os.path.join(REPO, "examples", "dlrm", "dlrm_main.py"),
+        "--limit_train_batches", "100000", "--batch_size", "32", "--num_embeddings", "500",
+        "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
+        "--over_arch_layer_sizes", "16,1", "--learning_rate", "0.05", "--no_progress",
+        "--metrics_json", str(tmp_path / "metrics.json"),  # also marks this job's processes
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+    lines: list[str] = []
+    pump = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)
+    pump.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("PS shards:" in line for line in lines):
+            assert p.poll() is None, "".join(lines[-50:])
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        time.sleep(8)  # the trainers are training by now
+        assert p.poll() is None, "".join(lines[-50:])
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True,
+                             text=True, timeout=10).stdout
+        parent = {int(f[0]): int(f[1]) for f in (ln.split(None, 2) for ln in out.splitlines()[1:])}
+
+        def ours(pid: int) -> bool:  # a descendant of this launcher (not another job's)
+            while pid > 1:
+                pid = parent.get(pid, 0)
+                if pid == p.pid:
+                    return True
+            return False
+
+        pids = [int(line.split()[0]) for line in out.splitlines()
+                if re.search(r"torchrec_bagpipe\.ps\.server --shard-id 1 ", line)
+                and ours(int(line.split()[0]))]
+        assert len(pids) == 1, out
+        t0 = time.monotonic()
+        os.kill(pids[0], signal.SIGTERM)
+        p.wait(timeout=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    pump.join(timeout=10)
+    text = "".join(lines)
+    assert p.returncode != 0, text[-4000:]
+    assert "PS shard 1 is draining (its server: SIGTERM)" in text, text[-4000:]
+    # A trainer that reached the draining shard first names it (which one comes first, the
+    # trainer's request or the launcher's stop, is a race).
+    assert "ShuttingDownError" not in text or "is shutting down: SIGTERM" in text, text[-4000:]
+    assert "[launch] exit status" in text
+    print(f"job stopped {elapsed:.1f} s after the SIGTERM")
+    print("".join(ln for ln in lines if any(w in ln for w in ("drain", "launch]", "stopping"))))
+    time.sleep(0.5)
+    assert _alive_children(str(tmp_path)) == 0

@@ -104,7 +104,8 @@ def test_key_bound_is_checked_before_anything_is_sent() -> None:
 def test_session_open_mismatches_are_refused_naming_the_field() -> None:
     shard = PSShard()
     with client([shard], world_size=2):
-        for kw, field in [({"lr": 0.5}, "lr"), ({"world_size": 3, "rank": 1}, "world_size"),
+        for kw, field in [({"optimizer": "adagrad"}, "optimizer.kind"),
+                          ({"world_size": 3, "rank": 1}, "world_size"),
                           ({"gradient_division": False}, "gradient_division"),
                           ({"seed": 12}, "seed"), ({"session_id": 99}, "session")]:
             args = {"world_size": 2, "rank": 1, **kw}
@@ -184,20 +185,37 @@ def test_get_waits_for_its_step() -> None:
     b.close()
 
 
-def test_waits_are_bounded() -> None:
+def test_every_operation_has_one_deadline() -> None:
     shard = PSShard()
     with client([shard], world_size=2, timeout=0.4) as a:
         h = a.commit_async(0, torch.tensor([1]), torch.ones(1, DIM))
         with pytest.raises(TimeoutError, match="did not complete"):
-            h.wait(0.05)  # rank 1 never commits (a lost rank)
-        nxt = a.commit_async(1, torch.tensor([1]), torch.ones(1, DIM))
-        with pytest.raises(TimeoutError, match="previous commit"):
+            h.wait(0.05)  # the caller's short wait: the operation goes on
+        nxt = a.commit_async(1, torch.tensor([1]), torch.ones(1, DIM))  # queued behind step 0
+        # Step 0's one deadline (submission + timeout) passes without rank 1 (a lost rank):
+        # the client fails, and every pending and later operation raises that at once.
+        with pytest.raises(TimeoutError, match=r"commit of step 0 did not complete within 0\.4"):
             nxt.wait(5)
+        with pytest.raises(TimeoutError, match="not committed by PS shard 0"):
+            h.wait(5)
+        with pytest.raises(TimeoutError, match="rank is lost"):
+            a.get_async(torch.tensor([1]), -1).wait(5)
+        assert "commit of step 0" in a.failure()
+        a.close(0.2)  # a failed client closes without draining
+
+
+def test_a_get_must_follow_its_commit_and_close_is_bounded() -> None:
+    shard = PSShard()
+    with client([shard], world_size=2, timeout=0.4) as a:
         g = a.get_async(torch.tensor([1]), 7)
         with pytest.raises(TimeoutError, match="must follow the commit"):
             g.wait(5)
+        assert a.failure() is None  # a caller's mistake: the client stays usable
+        assert a.lookup(torch.tensor([1])).shape == (1, DIM)
+    with client([shard], world_size=2, timeout=30) as b:
+        b.commit_async(0, torch.tensor([1]), torch.ones(1, DIM))  # rank 1 never commits
         with pytest.raises(TimeoutError, match="pending"):
-            a.close(0.2)
+            b.close(0.2)
 
 
 def test_assign_lookup_and_barrier_order() -> None:

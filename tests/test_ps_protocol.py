@@ -1,9 +1,12 @@
-"""The commit protocol against a reference SGD model (Hypothesis).
+"""The commit protocol against a reference model (Hypothesis).
 
-* A RuleBasedStateMachine drives one shard frame by frame for W simulated ranks: chunks of a
-  step arrive in any interleaving, with duplicates, committed-step retries, deferred and
-  immediate reads, conflicting retries and out-of-order steps. After every rule the table must
-  equal the reference bitwise, and the committed step must match.
+* A RuleBasedStateMachine drives one shard frame by frame for W simulated ranks, for each
+  optimizer (SGD, Adagrad, row-wise Adagrad, Adam, with drawn constants) under a learning
+  rate that changes from step to step: chunks of a step arrive in any interleaving, with
+  duplicates, committed-step retries, deferred and immediate reads (weights only, or with
+  their optimizer state), conflicting retries, conflicting learning rates and out-of-order
+  steps. After every rule the table's weights and state must equal the reference bitwise, and
+  the committed step must match.
 * Through PSClient: the final weights do not depend on the shard count, the packet size, the
   in-flight window or the partitioner — over the local transport and over rdma (UCX over
   shared memory, then over TCP).
@@ -39,6 +42,24 @@ SESSION = 4242
 INIT = {"init": "uniform", "init_bound": 0.25, "seed": 5}
 
 grad_values = st.integers(-64, 64).map(lambda i: i / 16.0)
+# Learning rates of a schedule: 0 (a warm-up's start) and values of several magnitudes.
+lr_values = st.sampled_from([0.0, 0.5, 0.125, 0.3, 1.75, 1e-3])
+
+
+@st.composite
+def optimizers(draw: st.DrawFn) -> dict:
+    """An optimizer and its constants, as ps_wire.open_session / ReferencePS take them."""
+    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise_adagrad", "adam"]))
+    spec: dict = {"optimizer": kind,
+                  "weight_decay": draw(st.sampled_from([0.0, 0.0, 0.01, 0.5]))}
+    if kind != "sgd":
+        spec["eps"] = draw(st.sampled_from([1e-8, 1e-3, 0.1]))
+    if kind in ("adagrad", "rowwise_adagrad"):
+        spec["initial_accumulator_value"] = draw(st.sampled_from([0.0, 0.1]))
+    if kind == "adam":
+        spec["beta1"] = draw(st.sampled_from([0.9, 0.0, 0.5]))
+        spec["beta2"] = draw(st.sampled_from([0.999, 0.9]))
+    return spec
 
 
 def batch_strategy() -> st.SearchStrategy:
@@ -51,20 +72,22 @@ def batch_strategy() -> st.SearchStrategy:
 class CommitProtocol(RuleBasedStateMachine):
     """One shard, W ranks, each rank a RawLink that opened the session."""
 
-    @initialize(world=st.integers(1, 3), division=st.booleans(),
-                lr=st.sampled_from([0.5, 0.125, 0.3]))
-    def setup(self, world: int, division: bool, lr: float) -> None:
+    @initialize(world=st.integers(1, 3), division=st.booleans(), lr=lr_values,
+                optimizer=optimizers())
+    def setup(self, world: int, division: bool, lr: float, optimizer: dict) -> None:
         self.world = world
         self.lr = lr
         self.shard = PSShard(0, 1)
         self.links = [C.RawLink(self.shard.core, True) for _ in range(world)]
         for r, link in enumerate(self.links):
             link.request(w.open_session("t", session=SESSION, rank=r, world_size=world, dim=DIM,
-                                        lr=lr, grad_division=division, init="uniform",
-                                        init_bound=INIT["init_bound"], seed=INIT["seed"]))
+                                        grad_division=division, init="uniform",
+                                        init_bound=INIT["init_bound"], seed=INIT["seed"],
+                                        **optimizer))
             (reply,) = [w.parse(f) for f in link.take()]
             assert reply.type == w.OPEN_OK, reply.text
-        self.ref = ReferencePS(DIM, lr, world, division=division, **INIT)
+        self.ref = ReferencePS(DIM, lr, world, division=division, **INIT, **optimizer)
+        assert reply.fields[2] == self.ref.state_dim  # OpenOk announces the state width
         self.step = 0
         self.batches: list[tuple[np.ndarray, np.ndarray]] = []
         self.unsent: list[tuple[int, bytes]] = []  # (rank, frame) of the step being assembled
@@ -96,6 +119,9 @@ class CommitProtocol(RuleBasedStateMachine):
     @precondition(lambda self: not self.failed and not self.step_started())
     @rule(data=st.data())
     def new_step(self, data: st.DataObject) -> None:
+        # The schedule: the step's lr, carried by every chunk of it (sometimes a new one).
+        if data.draw(st.integers(0, 2), label="lr changes") == 0:
+            self.lr = data.draw(lr_values, label="lr")
         self.batches = []
         for r in range(self.world):
             rows = data.draw(batch_strategy(), label=f"rank {r} rows")
@@ -141,16 +167,17 @@ class CommitProtocol(RuleBasedStateMachine):
             assert not any(r.type == w.NOTIFY_COMMITTED for r in replies)
             return
         # The last chunk: the step commits, every rank is told, deferred reads are served.
-        self.ref.apply_step(self.batches)
+        self.ref.apply_step(self.batches, self.lr)
         for r, link in enumerate(self.links):
             frames = [w.parse(f) for f in link.take()] + (replies if r == rank else [])
             notes = [f for f in frames if f.type == w.NOTIFY_COMMITTED]
             assert [n.fields[1] for n in notes] == [self.step]
-            for rk, tag, keys in [d for d in self.deferred if d[0] == r]:
+            for rk, tag, keys, state in [d for d in self.deferred if d[0] == r]:
                 (got,) = [f for f in frames if f.type == w.GET_OK and f.tag == tag]
                 assert got.fields[0] == self.step  # served at exactly the step it waited for
-                assert np.array_equal(got.rows(DIM).view(np.uint32),
-                                      self.ref.lookup(keys).view(np.uint32))
+                width = DIM + (self.ref.state_dim if state else 0)
+                assert np.array_equal(got.rows(width).view(np.uint32),
+                                      self.ref.lookup(keys, with_state=state).view(np.uint32))
                 del rk
         self.deferred = []
         self.history.extend(self.sent)
@@ -170,27 +197,58 @@ class CommitProtocol(RuleBasedStateMachine):
         self.expect_ack(self.request(rank, frame), w.ALREADY_COMMITTED)
 
     @precondition(lambda self: not self.failed and self.step_started())
-    @rule(data=st.data())
-    def deferred_get(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), state=st.booleans())
+    def deferred_get(self, data: st.DataObject, state: bool) -> None:
         rank = data.draw(st.integers(0, self.world - 1), label="rank")
         keys = data.draw(st.lists(st.integers(0, KEYS - 1), max_size=5), label="keys")
         self.tag += 1
         replies = self.request(rank, w.get(session=SESSION, at_step=self.step, dim=DIM,
-                                           keys=np.array(keys, dtype=np.int64), tag=self.tag))
+                                           keys=np.array(keys, dtype=np.int64), tag=self.tag,
+                                           state_dim=self.ref.state_dim if state else 0))
         assert not [r for r in replies if r.type in (w.GET_OK, w.ERROR)]
-        self.deferred.append((rank, self.tag, keys))
+        self.deferred.append((rank, self.tag, keys, state))
 
     @precondition(lambda self: not self.failed)
-    @rule(data=st.data())
-    def immediate_get(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), state=st.booleans())
+    def immediate_get(self, data: st.DataObject, state: bool) -> None:
         keys = data.draw(st.lists(st.integers(0, KEYS - 1), max_size=5), label="keys")
         at = data.draw(st.integers(-1, self.step - 1), label="at_step")
         self.tag += 1
+        state_dim = self.ref.state_dim if state else 0
         replies = self.request(0, w.get(session=SESSION, at_step=at, dim=DIM,
-                                        keys=np.array(keys, dtype=np.int64), tag=self.tag))
+                                        keys=np.array(keys, dtype=np.int64), tag=self.tag,
+                                        state_dim=state_dim))
         (got,) = [r for r in replies if r.type == w.GET_OK]
-        assert got.fields[0] == self.step - 1
-        assert np.array_equal(got.rows(DIM).view(np.uint32), self.ref.lookup(keys).view(np.uint32))
+        assert got.fields[0] == self.step - 1 and got.fields[3] == state_dim
+        assert np.array_equal(got.rows(DIM + state_dim).view(np.uint32),
+                              self.ref.lookup(keys, with_state=state).view(np.uint32))
+
+    @precondition(lambda self: not self.failed and self.ref.state_dim > 0)
+    @rule()
+    def get_of_another_state_width_is_refused(self) -> None:
+        self.tag += 1
+        replies = self.request(0, w.get(session=SESSION, at_step=-1, dim=DIM,
+                                        keys=np.arange(2), tag=self.tag,
+                                        state_dim=self.ref.state_dim + 1))
+        (err,) = [r for r in replies if r.type == w.ERROR]
+        assert err.status == w.INVALID_ARGUMENT and "state_dim" in err.text, err.text
+
+    @precondition(lambda self: not self.failed and bool(self.unsent) and bool(self.sent)
+                  and self.step >= 2)
+    @rule(data=st.data(), go=st.integers(0, 4))
+    def conflicting_lr(self, data: st.DataObject, go: int) -> None:
+        """A chunk of the pending step with another learning rate than the step's first."""
+        if go:
+            return
+        rank, frame = self.unsent[0]
+        fields = list(w.COMMIT_BODY.unpack_from(frame, w.HEADER.size))
+        fields[7] = float(np.float32(fields[7]) + np.float32(0.25))  # the lr field
+        body = bytearray(frame)
+        w.COMMIT_BODY.pack_into(body, w.HEADER.size, *fields)
+        replies = self.request(rank, bytes(body))
+        self.expect_failure(replies, "conflicting lr")
+        self.failed = True
+        self.check_failed_session(rank, replies)
 
     @precondition(lambda self: not self.failed and bool(self.sent) and self.step >= 2)
     @rule(data=st.data(), go=st.integers(0, 4))
@@ -243,7 +301,7 @@ class CommitProtocol(RuleBasedStateMachine):
         for r, link in enumerate(self.links):
             frames = [w.parse(f) for f in link.take()] + (replies if r == sender else [])
             assert any(f.type == w.NOTIFY_FAILED for f in frames)
-            for rk, tag, _ in self.deferred:
+            for rk, tag, _, _ in self.deferred:
                 if rk == r:
                     assert any(f.type == w.ERROR and f.tag == tag for f in frames)
         if self.unsent:
@@ -257,8 +315,8 @@ class CommitProtocol(RuleBasedStateMachine):
             return
         assert self.shard.committed_step("t") == self.ref.committed
         keys = torch.arange(KEYS, dtype=torch.int64)
-        got = self.shard.lookup("t", keys).numpy()
-        want = self.ref.lookup(list(range(KEYS)))
+        got = self.shard.lookup("t", keys, with_state=True).numpy()
+        want = self.ref.lookup(list(range(KEYS)), with_state=True)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
     def teardown(self) -> None:
@@ -281,23 +339,26 @@ TestCommitProtocol = CommitProtocol.TestCase
 # ---- independence of shard count, packet size, window and partitioner --------------------------
 
 def _run_job(num_shards: int, max_rows: int, window: int, partitioner: str, world: int,
-             steps: list[list[tuple[np.ndarray, np.ndarray]]], lr: float,
-             transport: str = "local") -> np.ndarray:
+             steps: list[list[tuple[np.ndarray, np.ndarray]]], lrs: list[float],
+             transport: str = "local", optimizer: dict | None = None) -> np.ndarray:
+    """Weights and optimizer state of every key after `steps` (step t at lr lrs[t])."""
+    optimizer = dict(optimizer or {"optimizer": "sgd"})
+    spec = {"kind": optimizer.pop("optimizer"), **optimizer}
     shards = [PSShard(i, num_shards) for i in range(num_shards)]
     with transport_env(transport):
         endpoints = [endpoint(s, transport) for s in shards]
         clients = [
-            PSClient(endpoints, table="emb", dim=DIM, lr=lr, rank=r, world_size=world,
+            PSClient(endpoints, table="emb", dim=DIM, lr=0.5, rank=r, world_size=world,
                      partitioner=partitioner, max_packet_rows=max_rows, inflight_packets=window,
-                     timeout=30.0, **INIT)
+                     timeout=30.0, optimizer=spec, **INIT)
             for r in range(world)
         ]
     for t, per_rank in enumerate(steps):
-        handles = [c.commit_async(t, torch.from_numpy(k), torch.from_numpy(g))
+        handles = [c.commit_async(t, torch.from_numpy(k), torch.from_numpy(g), lr=lrs[t])
                    for c, (k, g) in zip(clients, per_rank)]
         for h in handles:
             h.wait()
-    rows = clients[0].lookup(torch.arange(KEYS, dtype=torch.int64)).numpy()
+    rows = clients[0].lookup(torch.arange(KEYS, dtype=torch.int64), with_state=True).numpy()
     for c in clients:
         c.close()
     for s in shards:
@@ -309,13 +370,16 @@ def _run_job(num_shards: int, max_rows: int, window: int, partitioner: str, worl
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), world=st.integers(1, 3), shards=st.integers(1, 3),
        max_rows=st.sampled_from([1, 2, 5, 4096]), window=st.sampled_from([1, 2, 8]),
-       partitioner=st.sampled_from(["modulo", "hash", "fast_range"]))
+       partitioner=st.sampled_from(["modulo", "hash", "fast_range"]), optimizer=optimizers())
 def test_result_independent_of_sharding_and_packing(
     transport: str, data: st.DataObject, world: int, shards: int, max_rows: int, window: int,
-    partitioner: str
+    partitioner: str, optimizer: dict
 ) -> None:
+    """Weights and optimizer state, every optimizer, an lr per step."""
     steps = []
+    lrs = []
     for _ in range(data.draw(st.integers(1, 4), label="steps")):
+        lrs.append(data.draw(lr_values, label="lr"))
         per_rank = []
         for _ in range(world):
             rows = data.draw(batch_strategy())
@@ -323,11 +387,12 @@ def test_result_independent_of_sharding_and_packing(
             grads = np.array([g for _, g in rows], dtype=np.float32).reshape(len(rows), DIM)
             per_rank.append((keys, grads))
         steps.append(per_rank)
-    ref = ReferencePS(DIM, 0.5, world, **INIT)
-    for per_rank in steps:
-        ref.apply_step(per_rank)
-    got = _run_job(shards, max_rows, window, partitioner, world, steps, 0.5, transport)
-    assert np.array_equal(got.view(np.uint32), ref.lookup(list(range(KEYS))).view(np.uint32))
+    ref = ReferencePS(DIM, 0.5, world, **INIT, **optimizer)
+    for per_rank, lr in zip(steps, lrs):
+        ref.apply_step(per_rank, lr)
+    got = _run_job(shards, max_rows, window, partitioner, world, steps, lrs, transport, optimizer)
+    want = ref.lookup(list(range(KEYS)), with_state=True)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_client_reports_protocol_failures_as_session_errors() -> None:
@@ -374,7 +439,7 @@ def test_independent_encoder_speaks_to_a_tcp_shard() -> None:
             s.sendall(w.hello(token))
             assert _read_frame(s).type == w.HELLO_OK
             s.sendall(w.open_session("t", session=SESSION, rank=0, world_size=1, dim=DIM,
-                                     lr=0.5, init="zeros", job=job))
+                                     init="zeros", job=job))
             assert _read_frame(s).type == w.OPEN_OK
             keys = np.array([3, 1, 3], dtype=np.int64)
             grads = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)

@@ -1,4 +1,4 @@
-"""ThreadCollectives (W ranks as threads) and the DeviceCache's bitwise SGD."""
+"""ThreadCollectives (W ranks as threads) and the DeviceCache's bitwise optimizer updates."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrec_bagpipe.ps import EmbeddingStore
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.runtime.collectives import (
     CollectiveAborted,
     Collectives,
@@ -18,7 +19,7 @@ from torchrec_bagpipe.runtime.collectives import (
     ThreadGroup,
 )
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
-from torchrec_bagpipe.runtime.reference_ps import reference_sgd_step
+from torchrec_bagpipe.runtime.reference_ps import reference_optimizer_step, reference_sgd_step
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -142,10 +143,10 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     n, dim = 37, 5
     w = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
     g = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-4, 4)).astype(np.float32)
-    cache = DeviceCache(64, dim, device, lr=lr, world_size=world, divide=divide)
+    cache = DeviceCache(64, dim, device, world_size=world, divide=divide)
     slots = rng.permutation(64)[:n]
     cache.fill(slots, torch.from_numpy(w))
-    cache.apply_gradients_(slots, torch.from_numpy(g))
+    cache.apply_gradients_(slots, torch.from_numpy(g), lr=lr)
     ref = w.copy()
     reference_sgd_step(ref, [np.arange(n)], [g], lr, world, divide)
     got = cache.gather(slots).cpu().numpy()
@@ -160,7 +161,7 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
 
 
 def test_device_cache_gather_fill_and_errors() -> None:
-    cache = DeviceCache(64, 2, "cpu", lr=0.1, world_size=2, divide=True)
+    cache = DeviceCache(64, 2, "cpu", world_size=2, divide=True)
     rows = torch.arange(6, dtype=torch.float32).view(3, 2)
     cache.fill(np.array([5, 1, 9]), rows)
     assert torch.equal(cache.gather(np.array([9, 5])), rows[[2, 0]])
@@ -170,11 +171,73 @@ def test_device_cache_gather_fill_and_errors() -> None:
     # apply_gradients_ never writes into the caller's gradient (no division when W == 1 or
     # when it is off).
     for world, divide in ((1, True), (2, False), (2, True)):
-        c = DeviceCache(4, 2, "cpu", lr=0.5, world_size=world, divide=divide)
+        c = DeviceCache(4, 2, "cpu", world_size=world, divide=divide)
         g = torch.ones(1, 2)
-        c.apply_gradients_(np.array([3]), g)
+        c.apply_gradients_(np.array([3]), g, lr=0.5)
         assert torch.equal(g, torch.ones(1, 2))
         assert torch.equal(c.gather(np.array([3])), torch.full((1, 2), -0.25 if world == 2 and
                                                                 divide else -0.5))
     with pytest.raises(ValueError, match="dim must be >= 1"):
-        DeviceCache(64, 0, "cpu", lr=0.1, world_size=1, divide=True)
+        DeviceCache(64, 0, "cpu", world_size=1, divide=True)
+
+
+@st.composite
+def optimizer_specs(draw) -> OptimizerSpec:
+    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise_adagrad", "adam"]))
+    return OptimizerSpec(
+        kind=kind,
+        eps=draw(st.sampled_from([1e-8, 1e-3, 0.5])),
+        beta1=draw(st.sampled_from([0.9, 0.0, 0.5])),
+        beta2=draw(st.sampled_from([0.999, 0.9])),
+        weight_decay=draw(st.sampled_from([0.0, 0.0, 1e-2])),
+        initial_accumulator_value=draw(st.sampled_from([0.0, 0.1])),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), world=st.integers(1, 4), divide=st.booleans(),
+       dim=st.sampled_from([1, 3, 8, 13]), spec=optimizer_specs(),
+       lr=st.sampled_from([0.0, 0.1, 1.0 / 3.0, 2.5e-3, 7.0]))
+def test_device_cache_optimizers_are_bitwise_the_store(device, seed, world, divide, dim, spec,
+                                                       lr) -> None:
+    """Weights and optimizer state after DeviceCache.apply_gradients_ == EmbeddingStore's
+    apply_gradients == the numpy reference, bit for bit, from stored (not initial) state."""
+    rng = np.random.default_rng(seed)
+    n = 29
+    sd = spec.state_dim(dim)
+    w = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+    g = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-4, 4)).astype(np.float32)
+    g[rng.random((n, dim)) < 0.1] = 0.0  # zero gradients too
+    state = (rng.random((n, sd)) * 10.0 ** rng.integers(-4, 1)).astype(np.float32)
+    if spec.kind == "adam":  # first moments may be negative
+        state[:, :dim] -= np.float32(0.5) * state[:, :dim].max(initial=0)
+    cache = DeviceCache(64, dim, device, world_size=world, divide=divide, optimizer=spec)
+    assert cache.width == dim + sd
+    slots = rng.permutation(64)[:n]
+    cache.fill(slots, torch.from_numpy(np.concatenate([w, state], axis=1)))
+    cache.apply_gradients_(slots, torch.from_numpy(g), lr=lr)
+    got = cache.gather(slots).cpu().numpy()
+    # The numpy reference.
+    ref_w, ref_s = w.copy(), state.copy()
+    reference_optimizer_step(ref_w, ref_s, [np.arange(n)], [g], lr, world, divide, spec)
+    assert np.array_equal(got.view(np.uint32),
+                          np.concatenate([ref_w, ref_s], axis=1).view(np.uint32))
+    # The PS's native store.
+    store = EmbeddingStore(dim, init="zeros", optimizer=spec)
+    keys = torch.arange(n)
+    store.assign(keys, torch.from_numpy(w), torch.from_numpy(state))
+    store.apply_gradients(keys, torch.from_numpy(g), lr, world if divide else 1)
+    ps_w, ps_s = store.lookup_with_state(keys)
+    assert np.array_equal(got.view(np.uint32),
+                          torch.cat([ps_w, ps_s], dim=1).numpy().view(np.uint32))
+
+
+def test_device_cache_counts_its_optimizer_state() -> None:
+    for kind, width in (("sgd", 4), ("adagrad", 8), ("rowwise_adagrad", 5), ("adam", 12)):
+        cache = DeviceCache(64, 4, "cpu", world_size=2, divide=True,
+                            optimizer=OptimizerSpec(kind=kind))
+        assert cache.width == width and cache.gather(np.array([1])).shape == (1, width)
+        assert cache.resident_bytes == 64 * width * 4
+    with pytest.raises(TypeError, match="OptimizerSpec"):
+        DeviceCache(64, 4, "cpu", world_size=1, divide=True, optimizer="adam")  # type: ignore

@@ -2,11 +2,14 @@
 
 The PS is the real one (PSShard + PSClient over the local transport, 1-3 shards, every
 partitioner) or the exact numpy reference PS (with commits applied asynchronously late); in
-both cases the plain reference SGD (`reference_run`) is the oracle.
+both cases the plain synchronous reference (`reference_run_with_state`: no cache, no PS) is
+the oracle, for every optimizer (SGD, Adagrad, row-wise Adagrad, Adam) under a learning-rate
+schedule that changes every few steps.
 
 The property test checks the coherence invariants (docs/ARCHITECTURE.md §1) on every example:
   1 freshness: every row a forward reads is bitwise the PS's value after the previous step;
-  final PS equals a plain reference SGD (bitwise);
+  final PS rows and optimizer state equal the reference (bitwise); after the last step every
+  rank's cached rows and their cached optimizer state equal the PS's (bitwise);
   2 capacity: resident rows never exceed the cache;
   3 unique destinations: every scatter into the cache writes distinct slots;
   4 dependency gating: a prefetch is issued only once its dependency committed (the truth
@@ -27,16 +30,36 @@ from hypothesis import strategies as st
 from runtime_ps_backends import local_backend
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec, adam_step_size
 from torchrec_bagpipe.runtime import controller as controller_mod
 from torchrec_bagpipe.runtime.access_plans import PlanMismatchError
 from torchrec_bagpipe.runtime.collectives import ThreadGroup
 from torchrec_bagpipe.runtime.controller import BagPipeController, ControllerError
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
 from torchrec_bagpipe.runtime.reference_ps import ReferencePS
-from torchrec_bagpipe.runtime.simulate import reference_run, simulate
+from torchrec_bagpipe.runtime.simulate import reference_run_with_state, simulate
 
 DIM = 3
 LR = 0.05
+OPTIMIZERS = {
+    "sgd": OptimizerSpec(),
+    "sgd_wd": OptimizerSpec(weight_decay=0.01),
+    "adagrad": OptimizerSpec(kind="adagrad", eps=1e-3, initial_accumulator_value=0.1),
+    "rowwise_adagrad": OptimizerSpec(kind="rowwise_adagrad", eps=1e-8),
+    "adam": OptimizerSpec(kind="adam", beta1=0.9, beta2=0.99, eps=1e-6),
+}
+
+
+def schedule(spec: OptimizerSpec, every: int = 3, base: float = LR):
+    """An LR schedule that changes every `every` steps (a warm-up from 0, then decay), as the
+    learning rate each step's commit carries: for Adam the bias-corrected step size."""
+    def lr(t: int) -> float:
+        phase = t // every
+        value = base * (0.0 if phase == 0 else 1.0 if phase == 1 else 0.5 ** (phase - 1))
+        if spec.kind == "adam":
+            return adam_step_size(value, spec.beta1, spec.beta2, t + 1)
+        return value
+    return lr
 
 
 def make_trace(seed: int, world: int, steps: int, universe: int, max_batch: int, skew: float):
@@ -71,9 +94,9 @@ class CheckingDeviceCache(DeviceCache):
         _check_slots(self, slots)
         super().fill(slots, rows)
 
-    def apply_gradients_(self, slots, grads, grad_rows=None):
+    def apply_gradients_(self, slots, grads, grad_rows=None, *, lr):
         _check_slots(self, slots)
-        super().apply_gradients_(slots, grads, grad_rows)
+        super().apply_gradients_(slots, grads, grad_rows, lr=lr)
 
 
 def _check_slots(cache: DeviceCache, slots) -> None:
@@ -109,11 +132,19 @@ def scenarios(draw):
     else:
         backend = ("local", draw(st.integers(1, 3)),
                    draw(st.sampled_from(["modulo", "hash", "fast_range"])))
-    return cfg, make_trace(seed, world, steps, universe, max_batch, skew), universe, backend
+    spec = OPTIMIZERS[draw(st.sampled_from(sorted(OPTIMIZERS)))]
+    every = draw(st.integers(1, 4))
+    trace = make_trace(seed, world, steps, universe, max_batch, skew)
+    return cfg, trace, universe, backend, spec, schedule(spec, every)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(np.ascontiguousarray(a).view(np.uint32),
+                                                 np.ascontiguousarray(b).view(np.uint32))
 
 
 def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 0.0),
-                submit_ahead: int = 0):
+                optimizer: OptimizerSpec = OPTIMIZERS["sgd"], lr=LR, submit_ahead: int = 0):
     init = np.random.default_rng(5).uniform(-1, 1, (universe, DIM)).astype(np.float32)
     violations: list[str] = []
     lock = threading.Lock()
@@ -151,21 +182,28 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 
     if backend[0] == "local":
         make = local_backend(backend[1], backend[2])
 
-        def factory(*a):
-            box["ps"] = make(*a)
+        def factory(*a, **k):
+            box["ps"] = make(*a, **k)
             return box["ps"]
     else:
         delay = backend[1]
     with mock.patch.object(controller_mod, "DeviceCache", CheckingDeviceCache), \
             mock.patch.object(ReferencePS, "__init__", capture_init):
-        res = simulate(cfg, trace, num_keys=universe, dim=DIM, lr=LR, init=init,
+        res = simulate(cfg, trace, num_keys=universe, dim=DIM, lr=lr, init=init,
                        record_reads=True, timeout=30.0, ps_apply_delay=delay,
                        observer=observer, step_hook=step_hook, backend=factory,
-                       submit_ahead=submit_ahead)
+                       optimizer=optimizer, submit_ahead=submit_ahead)
     assert not violations, violations[:5]
     divide = cfg.resolved_gradient_division()
-    ref = reference_run(trace, init=init, lr=LR, divide=divide, reads=res.reads)
-    assert np.array_equal(ref.view(np.uint32), res.final.view(np.uint32)), "final PS != reference"
+    ref, ref_state = reference_run_with_state(trace, init=init, lr=lr, divide=divide,
+                                              reads=res.reads, optimizer=optimizer)
+    assert same_bits(ref, res.final), "final PS rows != reference"
+    assert same_bits(ref_state, res.final_state), "final PS optimizer state != reference"
+    # Every rank's cache: each resident row, weights and state, is bitwise the PS's.
+    ps_rows = np.concatenate([res.final, res.final_state], axis=1)
+    for r, (keys, cached) in enumerate(res.cached):
+        assert keys.size == res.metrics[r]["resident_rows"]
+        assert same_bits(cached, ps_rows[keys]), f"rank {r}: cached rows/state != the PS's"
     for r, m in enumerate(res.metrics):
         accesses = sum(np.unique(trace[t][r]).size for t in range(len(trace)))
         assert m["accesses"] == accesses
@@ -182,17 +220,17 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_controller_invariants_on_random_traces(scenario) -> None:
-    cfg, trace, universe, backend = scenario
-    run_checked(cfg, trace, universe, backend)
+    cfg, trace, universe, backend, spec, lr = scenario
+    run_checked(cfg, trace, universe, backend, spec, lr)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_cache_decisions_are_deterministic_across_runs_and_modes(scenario) -> None:
-    cfg, trace, universe, backend = scenario
-    a = run_checked(cfg, trace, universe, backend)
+    cfg, trace, universe, backend, spec, lr = scenario
+    a = run_checked(cfg, trace, universe, backend, spec, lr)
     b = run_checked(cfg.replace(optimization_prescan=not cfg.optimization_prescan), trace,
-                    universe, ("reference", 0.001))
+                    universe, ("reference", 0.001), spec, lr)
     for ma, mb in zip(a.metrics, b.metrics):
         for key in ("accesses", "hits", "evictions", "invalidations", "local_updates",
                     "bypassed", "resident_rows"):
@@ -201,6 +239,30 @@ def test_cache_decisions_are_deterministic_across_runs_and_modes(scenario) -> No
             mb["demand_fetched"] + mb["prefetch_served"]
         )
     assert np.array_equal(a.final.view(np.uint32), b.final.view(np.uint32))
+    assert np.array_equal(a.final_state.view(np.uint32), b.final_state.view(np.uint32))
+
+
+# The matrix of issue 11: every optimizer x {ps, collective} x {prescan, online} x {one-unit
+# cache, large cache}, under an LR schedule changing every 3 steps, 24 steps, two ranks, on
+# the exact reference PS and on the real PS (two in-process shards).
+@pytest.mark.parametrize("backend", [("reference", 0.0), ("local", 2, "hash")],
+                         ids=["reference_ps", "real_ps"])
+@pytest.mark.parametrize("units", [1, 16], ids=["one_unit", "large"])
+@pytest.mark.parametrize("prescan", [True, False], ids=["prescan", "online"])
+@pytest.mark.parametrize("aggregation", ["ps", "collective"])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_optimizer_matrix_equals_the_single_process_reference(
+    name: str, aggregation: str, prescan: bool, units: int, backend
+) -> None:
+    spec = OPTIMIZERS[name]
+    trace = make_trace(7, 2, 24, 120, 70, 2.0)  # 70 ids > a one-unit (64-row) cache
+    cfg = BagPipeConfig(bagpipe_aggregation=aggregation, optimization_prescan=prescan,
+                        optimization_cache_capacity=units, lookahead=3, ps_timeout=30.0)
+    res = run_checked(cfg, trace, 120, backend, spec, schedule(spec, every=3))
+    m = res.metrics[0]
+    assert m["local_updates"] > 0 and m["hits"] > 0  # the cache's own updates were exercised
+    if spec.kind != "sgd":
+        assert res.final_state.any()  # and the state moved
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -209,14 +271,15 @@ def test_steps_prepared_while_the_previous_runs_make_the_same_decisions(scenario
     """With one more batch submitted (as TorchRec's pipeline does), step t + 1 is prepared on
     the preparer's thread while step t runs: coherent, and every cache decision is the one
     made when each step is prepared at its own next_step."""
-    cfg, trace, universe, backend = scenario
-    a = run_checked(cfg, trace, universe, backend, submit_ahead=1)
-    b = run_checked(cfg, trace, universe, ("reference", 0.001))
+    cfg, trace, universe, backend, spec, lr = scenario
+    a = run_checked(cfg, trace, universe, backend, spec, lr, submit_ahead=1)
+    b = run_checked(cfg, trace, universe, ("reference", 0.001), spec, lr)
     for ma, mb in zip(a.metrics, b.metrics):
         for key in ("accesses", "hits", "evictions", "invalidations", "local_updates",
                     "bypassed", "resident_rows"):
             assert ma[key] == mb[key], key
     assert np.array_equal(a.final.view(np.uint32), b.final.view(np.uint32))
+    assert np.array_equal(a.final_state.view(np.uint32), b.final_state.view(np.uint32))
 
 
 def test_large_skewed_run_prefetches_and_hits() -> None:
@@ -305,9 +368,12 @@ def test_constructor_rejects_mismatched_arguments() -> None:
     with pytest.raises(TypeError, match="BagPipeConfig"):
         BagPipeController({}, rank=0, world_size=2, dim=DIM, num_keys=10, lr=LR,  # type: ignore
                           ps=ps.client(0), collectives=group.collectives(0))
-    with pytest.raises(ValueError, match="lr must be a finite number"):
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
         BagPipeController(cfg, rank=0, world_size=2, dim=DIM, num_keys=10, lr=float("nan"),
                           ps=ps.client(0), collectives=group.collectives(0))
+    with pytest.raises(ValueError, match="optimizer"):
+        BagPipeController(cfg, rank=0, world_size=2, dim=DIM, num_keys=10, lr=LR,
+                          ps=ps.client(0), collectives=group.collectives(0), optimizer="adam")
 
 
 def test_prescan_mismatch_names_step_and_rank() -> None:
@@ -371,7 +437,9 @@ def test_invalidate_all_forgets_a_step_prepared_ahead() -> None:
     for _ in range(2):
         step = ctl.next_step()
         ctl.finish_step(step, torch.ones(2, DIM))
-    assert ctl._preparer._ahead is not None and ctl._preparer._ahead[0] == 2
+    assert ctl._preparer.ahead == 2
+    with pytest.raises(ValueError, match="step 2 is prepared ahead"):
+        ctl.cached_rows()  # its admitted slots are claimed, not yet filled
     ctl.flush()
     new = np.full((2, DIM), 7.0, dtype=np.float32)
     ps.assign(np.array([1, 2]), new)

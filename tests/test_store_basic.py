@@ -7,7 +7,7 @@ import pytest
 import torch
 from store_reference import reference_initial_rows, sgd_reference
 
-from torchrec_bagpipe.ps import EmbeddingStore
+from torchrec_bagpipe.ps import EmbeddingStore, OptimizerSpec
 
 
 class DictModel:
@@ -179,3 +179,54 @@ def test_reserve_keeps_contents() -> None:
     s.reserve(100_000)
     assert torch.equal(s.lookup(keys), rows)
     assert s.stats()["bytes_maps"] >= 100_000 * 16 / 0.7 * 0.9
+
+
+@pytest.mark.parametrize(
+    "spec,state_dim",
+    [("sgd", 0), ("adagrad", 6), ("rowwise_adagrad", 1), (OptimizerSpec("adam"), 12)],
+)
+def test_state_api_lookup_assign_export_and_initial_state(
+    spec: OptimizerSpec | str, state_dim: int
+) -> None:
+    s = EmbeddingStore(6, **INIT, optimizer=spec)
+    assert s.state_dim == state_dim and s.options()["optimizer"] == OptimizerSpec.of(spec)
+    assert s.stats()["state_dim"] == state_dim
+    init_state = EmbeddingStore.initial_state(3, 6, spec)
+    assert init_state.shape == (3, state_dim)
+    assert torch.equal(init_state, s.optimizer.initial_state(3, 6))
+    # Unwritten rows read as the initial row and state, with or without inserting them.
+    keys = torch.tensor([4, 9, 4])
+    w, st = s.lookup_with_state(keys, insert_missing=False)
+    assert torch.equal(w, EmbeddingStore.initial_rows(keys, 6, **INIT))
+    assert torch.equal(st, init_state) and len(s) == 0
+    out, state_out = torch.empty(3, 6), torch.empty(3, state_dim)
+    w2, st2 = s.lookup_with_state(keys, out=out, state_out=state_out)
+    assert w2 is out and st2 is state_out and torch.equal(out, w) and len(s) == 2
+    # Assign with state sets both (last duplicate wins); without, stored rows keep theirs.
+    rows, state = torch.randn(3, 6), torch.rand(3, state_dim)
+    s.assign(keys, rows, state)
+    w, st = s.lookup_with_state(torch.tensor([4, 9]))
+    assert torch.equal(w, rows[[2, 1]]) and torch.equal(st, state[[2, 1]])
+    s.assign(torch.tensor([9, 11]), torch.ones(2, 6))
+    w, st = s.lookup_with_state(torch.tensor([9, 11]))
+    assert torch.equal(w, torch.ones(2, 6))
+    assert torch.equal(st[0], state[1]) and torch.equal(st[1], init_state[0])
+    # Export with state: every stored row once, with its state.
+    seen = {}
+    for k, r, x in s.export(chunk_rows=2, with_state=True):
+        assert r.shape[1] == 6 and x.shape[1] == state_dim
+        seen.update({key: (row, sx) for key, row, sx in zip(k.tolist(), r, x)})
+    assert sorted(seen) == [4, 9, 11]
+    assert torch.equal(seen[4][1], state[2]) and torch.equal(seen[11][1], init_state[0])
+    assert all(len(chunk) == 2 for chunk in s.export(chunk_rows=2))
+
+
+def test_bytes_per_row_count_the_state() -> None:
+    per_row = {}
+    for kind in ("sgd", "adagrad", "rowwise_adagrad", "adam"):
+        s = EmbeddingStore(32, **INIT, optimizer=kind, page_rows=1024)
+        s.lookup(torch.arange(4096))
+        st = s.stats()
+        per_row[kind] = (st["bytes_resident"] - st["bytes_maps"]) / st["rows"]
+        assert st["slot_bytes"] == per_row[kind]  # full pages: the arena is slots only
+    assert per_row == {"sgd": 128, "adagrad": 256, "rowwise_adagrad": 132, "adam": 384}

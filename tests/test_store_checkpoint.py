@@ -15,7 +15,7 @@ import pytest
 import torch
 from store_reference import rewrite_manifest
 
-from torchrec_bagpipe.ps import EmbeddingStore
+from torchrec_bagpipe.ps import EmbeddingStore, OptimizerSpec
 
 REPO = Path(__file__).resolve().parents[1]
 INIT = {"init": "uniform", "init_bound": 0.05, "seed": 3}
@@ -41,7 +41,8 @@ def test_round_trip_with_meta_and_layout_overrides(tmp_path: Path) -> None:
     s = _filled(num_shards=8)
     s.save(tmp_path / "ck", meta={"committed_step": "41", "job": 'ü\n"quoted"'})
     info = EmbeddingStore.checkpoint_info(tmp_path / "ck")
-    assert info["rows"] == len(s) and info["dim"] == 8 and info["version"] == 1
+    assert info["rows"] == len(s) and info["dim"] == 8 and info["version"] == 2
+    assert info["optimizer"] == "sgd" and info["state_dim"] == 0
     assert info["meta"] == {"committed_step": "41", "job": 'ü\n"quoted"'}
     for overrides in ({}, {"num_shards": 1, "num_threads": 2}, {"num_shards": 64, "page_rows": 16}):
         t = EmbeddingStore.load(tmp_path / "ck", **overrides)
@@ -149,8 +150,8 @@ def test_missing_data_file_is_refused(tmp_path: Path) -> None:
 
 def test_unknown_version_and_bad_fields_are_refused(tmp_path: Path) -> None:
     ck = _checkpoint(tmp_path)
-    rewrite_manifest(str(ck / "MANIFEST"), lambda t: t.replace('"version": 1', '"version": 2'))
-    with pytest.raises(ValueError, match="unknown checkpoint version 2"):
+    rewrite_manifest(str(ck / "MANIFEST"), lambda t: t.replace('"version": 2', '"version": 3'))
+    with pytest.raises(ValueError, match="unknown checkpoint version 3"):
         EmbeddingStore.load(ck)
     ck2 = _checkpoint(tmp_path / "b")
     rewrite_manifest(str(ck2 / "MANIFEST"), lambda t: t.replace('\n  "rows": ', '\n  "rows": 1'))
@@ -169,6 +170,110 @@ def test_unknown_version_and_bad_fields_are_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="not an EmbeddingStore checkpoint"):
         EmbeddingStore.load(ck4)
+
+
+ADAM = OptimizerSpec("adam", eps=1e-6, beta1=0.8, beta2=0.99, weight_decay=0.01)
+
+
+def _trained(spec: OptimizerSpec | str, n: int = 3000, dim: int = 8) -> EmbeddingStore:
+    s = EmbeddingStore(dim, **INIT, optimizer=spec)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, 4):
+        k = torch.randint(-(2**40), 2**40, (n,), generator=g)
+        s.apply_gradients(k, torch.randn(n, dim, generator=g), 0.01 * step, 2)
+    return s
+
+
+def _snapshot_with_state(s: EmbeddingStore) -> dict[int, tuple[bytes, bytes]]:
+    out = {}
+    for k, r, st in s.export(chunk_rows=1000, with_state=True):
+        for key, row, state in zip(k.tolist(), r.numpy(), st.numpy()):
+            out[key] = (row.tobytes(), state.tobytes())
+    return out
+
+
+@pytest.mark.parametrize("spec", ["adagrad", "rowwise_adagrad", ADAM])
+def test_optimizer_state_round_trips(tmp_path: Path, spec: OptimizerSpec | str) -> None:
+    s = _trained(spec)
+    s.save(tmp_path / "ck", meta={"step": "3"})
+    info = EmbeddingStore.checkpoint_info(tmp_path / "ck")
+    assert info["optimizer_spec"] == s.optimizer and info["optimizer"] == s.optimizer.kind
+    assert info["state_dim"] == s.state_dim > 0 and info["contents"] == "full"
+    assert len(list((tmp_path / "ck").glob("state-*.bin"))) == info["num_shards"]
+    for kwargs in ({}, {"optimizer": spec, "num_shards": 2, "num_threads": 2}):
+        t = EmbeddingStore.load(tmp_path / "ck", **kwargs)
+        assert t.optimizer == s.optimizer and t.state_dim == s.state_dim
+        assert _snapshot_with_state(t) == _snapshot_with_state(s)
+        # Unwritten keys read as the initial row and state in both.
+        probe = torch.arange(50)
+        a = t.lookup_with_state(probe, insert_missing=False)
+        b = s.lookup_with_state(probe, insert_missing=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_weights_only_checkpoints_and_loads_start_from_the_initial_state(tmp_path: Path) -> None:
+    s = _trained(ADAM)
+    weights = {k: v[0] for k, v in _snapshot_with_state(s).items()}
+    s.save(tmp_path / "w", weights_only=True)
+    info = EmbeddingStore.checkpoint_info(tmp_path / "w")
+    assert info["contents"] == "weights" and info["optimizer_spec"] == ADAM
+    assert not list((tmp_path / "w").glob("state-*.bin"))
+    # Its own optimizer, or another one: weights kept, every state initial.
+    rowwise = OptimizerSpec("rowwise_adagrad", initial_accumulator_value=0.5)
+    for kwargs, want in (({}, ADAM), ({"optimizer": rowwise}, rowwise)):
+        t = EmbeddingStore.load(tmp_path / "w", **kwargs)
+        assert t.optimizer == want
+        init = EmbeddingStore.initial_state(1, 8, want)[0].numpy().tobytes()
+        snap = _snapshot_with_state(t)
+        assert {k: v[0] for k, v in snap.items()} == weights
+        assert all(v[1] == init for v in snap.values())
+    # A full checkpoint loaded weights_only may change the optimizer too.
+    s.save(tmp_path / "full")
+    t = EmbeddingStore.load(tmp_path / "full", weights_only=True, optimizer="adagrad")
+    assert t.optimizer.kind == "adagrad"
+    snap = _snapshot_with_state(t)
+    assert {k: v[0] for k, v in snap.items()} == weights
+    assert all(v[1] == bytes(4 * 8) for v in snap.values())
+
+
+def test_version_1_sgd_checkpoints_still_load(tmp_path: Path) -> None:
+    s = _filled()
+    s.save(tmp_path / "ck")
+
+    def to_v1(text: str) -> str:
+        text = text.replace('"version": 2', '"version": 1')
+        at = text.index(', "eps_bits"')
+        return text[:at] + text[text.index("}", at) :]
+
+    rewrite_manifest(str(tmp_path / "ck" / "MANIFEST"), to_v1)
+    info = EmbeddingStore.checkpoint_info(tmp_path / "ck")
+    assert info["version"] == 1 and info["optimizer_spec"] == OptimizerSpec()
+    t = EmbeddingStore.load(tmp_path / "ck")
+    assert t.optimizer == OptimizerSpec() and _snapshot(t) == _snapshot(s)
+    t.apply_sgd(torch.tensor([1]), torch.ones(1, 8), 0.1)  # an SGD store as before
+    assert EmbeddingStore.load(tmp_path / "ck", optimizer="sgd").optimizer.kind == "sgd"
+    rewrite_manifest(
+        str(tmp_path / "ck" / "MANIFEST"), lambda t: t.replace('"name": "sgd"', '"name": "adam"')
+    )
+    with pytest.raises(ValueError, match=r"optimizer\.name"):
+        EmbeddingStore.load(tmp_path / "ck")
+
+
+def test_damaged_state_files_are_refused(tmp_path: Path) -> None:
+    s = _trained("adagrad")
+    s.save(tmp_path / "ck")
+    f = tmp_path / "ck" / "state-0002.bin"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupt"):
+        EmbeddingStore.load(tmp_path / "ck")
+    f.write_bytes(bytes(data[:-4]))
+    with pytest.raises(ValueError, match="torn"):
+        EmbeddingStore.load(tmp_path / "ck")
+    f.unlink()
+    with pytest.raises(ValueError, match="missing"):
+        EmbeddingStore.load(tmp_path / "ck")
 
 
 def test_save_refuses_to_replace_foreign_directory(tmp_path: Path) -> None:

@@ -49,8 +49,23 @@ INIT = {"init_bound": 0.1, "seed": 1}
         ({"high_watermark": 0.5, "low_watermark": 0.7}, ValueError, "watermark"),
         ({"high_watermark": 1.5}, ValueError, "watermark"),
         ({"low_watermark": 0.0}, ValueError, "watermark"),
-        ({"page_rows": 3}, ValueError, "page_rows"),
+        ({"page_rows": 2**24 + 1}, ValueError, "page_rows"),
         ({"page_rows": 0}, ValueError, "page_rows"),
+        ({"optimizer": "lamb"}, ValueError, r"optimizer\.kind must be one of"),
+        ({"optimizer": "momentum_sgd"}, ValueError, "'sgd', 'adagrad', 'rowwise_adagrad', 'adam'"),
+        ({"optimizer": 5}, TypeError, "optimizer must be"),
+        ({"optimizer": {"kind": "adam", "lr": 0.1}}, ValueError, "unknown field"),
+        ({"optimizer": {"kind": "adam", "beta1": 1.0}}, ValueError, r"optimizer\.beta1"),
+        ({"optimizer": {"kind": "adam", "beta2": -0.1}}, ValueError, r"optimizer\.beta2"),
+        ({"optimizer": {"kind": "adam", "eps": float("nan")}}, ValueError, r"optimizer\.eps"),
+        ({"optimizer": {"kind": "adam", "eps": 1e39}}, ValueError, r"optimizer\.eps"),
+        ({"optimizer": {"kind": "adagrad", "eps": "1e-8"}}, TypeError, r"optimizer\.eps"),
+        ({"optimizer": {"kind": "sgd", "weight_decay": -1.0}}, ValueError, "weight_decay"),
+        (
+            {"optimizer": {"kind": "adagrad", "initial_accumulator_value": float("inf")}},
+            ValueError,
+            "initial_accumulator_value",
+        ),
     ],
 )
 def test_constructor_errors(kwargs: dict[str, Any], exc: type, match: str) -> None:
@@ -239,3 +254,70 @@ def test_misc_argument_errors(tmp_path: Path) -> None:
         EmbeddingStore.load(tmp_path / "ck", num_shards=6)
     with pytest.raises(ValueError, match="dim"):
         EmbeddingStore.initial_rows(GOOD_KEYS, 0, init_bound=0.1)
+
+
+def _adagrad_store() -> EmbeddingStore:
+    s = EmbeddingStore(4, **INIT, optimizer="adagrad")
+    s.apply_gradients(torch.tensor([1, 2, 3]), torch.ones(3, 4), 0.1)
+    return s
+
+
+def _full_state(s: EmbeddingStore) -> tuple[int, bytes, bytes]:
+    w, st = s.lookup_with_state(torch.arange(-5, 20), insert_missing=False)
+    return len(s), w.numpy().tobytes(), st.numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "state,exc,match",
+    [
+        (torch.ones(2, 5), ValueError, r"state must have shape \(2, 4\)"),
+        (torch.ones(3, 4), ValueError, r"state must have shape \(2, 4\)"),
+        (torch.ones(2, 4, dtype=torch.float64), TypeError, "state must have dtype"),
+        (torch.ones(4, 2).t(), TypeError, "state must be contiguous"),
+        ([[1.0] * 4] * 2, TypeError, "state must be a torch.Tensor"),
+    ],
+)
+def test_bad_state_changes_nothing(state: Any, exc: type, match: str) -> None:
+    s = _adagrad_store()
+    before = _full_state(s)
+    with pytest.raises(exc, match=match):
+        s.assign(GOOD_KEYS, GOOD_ROWS, state)
+    out_match = match.replace("state must", "state_out must")
+    with pytest.raises(exc, match=out_match):
+        s.lookup_with_state(GOOD_KEYS, state_out=state)
+    assert _full_state(s) == before
+
+
+def test_apply_sgd_refuses_a_stateful_store_and_apply_gradients_checks_scalars() -> None:
+    s = _adagrad_store()
+    before = _full_state(s)
+    with pytest.raises(ValueError, match="optimizer: apply_sgd needs an SGD store"):
+        s.apply_sgd(GOOD_KEYS, GOOD_ROWS, 0.1)
+    with pytest.raises(ValueError, match="lr"):
+        s.apply_gradients(GOOD_KEYS, GOOD_ROWS, float("nan"))
+    with pytest.raises(ValueError, match="grad_divisor"):
+        s.apply_gradients(GOOD_KEYS, GOOD_ROWS, 0.1, 0)
+    with pytest.raises(ValueError, match=r"^grads "):
+        s.apply_gradients(GOOD_KEYS, torch.ones(2, 5), 0.1)
+    with pytest.raises(ValueError, match="key_bound"):
+        EmbeddingStore(4, **INIT, key_bound=2, optimizer="adam").apply_gradients(
+            GOOD_KEYS, GOOD_ROWS, 0.1
+        )
+    assert _full_state(s) == before
+
+
+def test_optimizer_errors_at_load(tmp_path: Path) -> None:
+    s = _adagrad_store()
+    s.save(tmp_path / "ck")
+    before = _full_state(s)
+    with pytest.raises(ValueError, match=r"^optimizer\.kind: .*'adagrad'.*'adam'"):
+        EmbeddingStore.load(tmp_path / "ck", optimizer="adam")
+    with pytest.raises(ValueError, match=r"^optimizer\.eps"):
+        EmbeddingStore.load(tmp_path / "ck", optimizer={"kind": "adagrad", "eps": 1e-3})
+    with pytest.raises(ValueError, match=r"^optimizer\.weight_decay"):
+        EmbeddingStore.load(tmp_path / "ck", optimizer={"kind": "adagrad", "weight_decay": 0.1})
+    with pytest.raises(ValueError, match=r"optimizer\.beta1"):
+        EmbeddingStore.load(tmp_path / "ck", optimizer={"kind": "adam", "beta1": 2.0})
+    with pytest.raises(TypeError, match="optimizer must be"):
+        EmbeddingStore.load(tmp_path / "ck", optimizer=1)
+    assert _full_state(EmbeddingStore.load(tmp_path / "ck")) == before

@@ -67,6 +67,39 @@ def _equivalence(rank: int, world: int, kinds: list[str]) -> list[str]:
         if rank == 0:
             problems.extend(S.compare(state, S.train_reference(case, world), case.label()))
     problems.extend(_meta_lazy_init(rank, world))
+    problems.extend(_optimizers(rank, world))
+    return problems
+
+
+# The optimizers under an LR schedule (issue 11): a representative subset of the runtime's
+# full matrix (tests/test_runtime_controller.py), through DMP: weights and optimizer state
+# (the fused optimizer's state_dict, TorchRec's layout) against the single-process model.
+OPTIMIZER_CASES = [
+    ("adagrad", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "plain"),
+    ("adagrad", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "pipeline"),
+    ("rowwise_adagrad", {"bagpipe_aggregation": "ps", "optimization_prescan": True},
+     "pipeline"),
+    ("rowwise_adagrad", {"bagpipe_aggregation": "collective",
+                         "optimization_cache_capacity": 1}, "plain"),
+    ("adam", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
+    ("adam", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),
+    ("sgd", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
+    ("sgd", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),
+    ("mixed", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
+]
+
+
+def _optimizers(rank: int, world: int) -> list[str]:
+    problems: list[str] = []
+    for i, (name, config, loop) in enumerate(OPTIMIZER_CASES):
+        case = S.Case(kind="dlrm", config=dict(config), loop=loop, steps=20, seed=40 + i,
+                      optimizer=name, schedule=True)
+        state, _ = S.train_dmp(case, rank, world)
+        if rank == 0:
+            want = S.train_reference(case, world)
+            problems.extend(S.compare(state, want, case.label(), rtol=1e-4, atol=1e-5))
+            if name != "sgd" and not any(k.startswith("opt:") for k in state):
+                problems.append(f"{case.label()}: the fused optimizer has no state")
     return problems
 
 
@@ -119,13 +152,16 @@ def _stock_script(rank: int, world: int, use_bagpipe: bool, batches: list[Any]) 
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+    from torchrec_bagpipe.config import BagPipeConfig
     from torchrec_bagpipe.distributed import (
         BagPipeEmbeddingBagCollectionSharder,
         BagPipeShardingPlanner,
     )
 
     planner_cls = BagPipeShardingPlanner if use_bagpipe else EmbeddingShardingPlanner
-    sharders = [BagPipeEmbeddingBagCollectionSharder()] if use_bagpipe else get_default_sharders()
+    # (placement_min_rows=0: these small tables go to BagPipe, not by size to stock kernels)
+    sharders = ([BagPipeEmbeddingBagCollectionSharder(BagPipeConfig(placement_min_rows=0))]
+                if use_bagpipe else get_default_sharders())
     # -------- the stock script from here on --------
     model = S.build_model("dlrm", seed=3)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -148,6 +184,9 @@ def _stock_script(rank: int, world: int, use_bagpipe: bool, batches: list[Any]) 
         except StopIteration:
             break
     # -------- end of the stock script --------
+    from torchrec_bagpipe.distributed import bagpipe_modules
+
+    assert bool(bagpipe_modules(dmp)) == use_bagpipe
     return S.full_state(dmp, rank)
 
 
@@ -194,6 +233,48 @@ def _swap_and_state_dict(rank: int, world: int) -> list[str]:
                           "training after load_state_dict", rtol=0, atol=0)
     close_model(dmp_a)
     close_model(dmp_b)
+    problems += _optimizer_state_round_trip(rank, world, batches, more)
+    return problems
+
+
+def _optimizer_state_round_trip(rank: int, world: int, batches: list[Any],
+                                more: list[Any]) -> list[str]:
+    """The fused optimizer's state_dict (Adam: moments and step count; row-wise Adagrad)
+    saved from one model and loaded into another: both continue identically."""
+    from torchrec_bagpipe.distributed import close_model
+
+    problems: list[str] = []
+    for name in ("adam", "rowwise_adagrad"):
+        case = S.Case(kind="dlrm", steps=6, seed=3, optimizer=name,
+                      config={"optimization_cache_capacity": 1})
+        dmp_a, opt_a = S.make_dmp(case, S.build_model("dlrm", 3), world)
+        for b in batches[:6]:
+            opt_a.zero_grad()
+            loss, _ = dmp_a(b)
+            loss.backward()
+            opt_a.step()
+        saved_model = {k: v.clone() for k, v in dmp_a.state_dict().items()}
+        saved_opt = opt_a.state_dict()
+        fused = S.fused_state(opt_a)
+        if not fused or (name == "adam" and fused["opt:t0.step"].item() != 6):
+            problems.append(f"{name}: fused optimizer state {sorted(fused)}")
+        dmp_b, opt_b = S.make_dmp(case, S.build_model("dlrm", 77), world)
+        dmp_b.load_state_dict(dict(saved_model))
+        opt_b.load_state_dict(saved_opt)
+        problems += S.compare(S.fused_state(opt_b), fused, f"{name}: optimizer state loaded",
+                              rtol=0, atol=0)
+        for dmp, opt in ((dmp_a, opt_a), (dmp_b, opt_b)):
+            for b in more:
+                opt.zero_grad()
+                loss, _ = dmp(b)
+                loss.backward()
+                opt.step()
+        problems += S.compare({**dict(dmp_b.state_dict()), **S.fused_state(opt_b)},
+                              {**dict(dmp_a.state_dict()), **S.fused_state(opt_a)},
+                              f"{name}: training after loading the optimizer state",
+                              rtol=0, atol=0)
+        close_model(dmp_a)
+        close_model(dmp_b)
     return problems
 
 
@@ -256,29 +337,33 @@ def _errors(rank: int, world: int) -> list[str]:
     loss.backward()
     opt.step()
 
-    # A learning-rate change on the fused SGD is refused at the next step.
-    for group in opt.param_groups:
-        group["lr"] = group["lr"] * 0.5
+    # A learning rate the PS cannot apply: a clear error at the step, before any commit.
+    fused = [g for g in opt.param_groups if "fused_table" in g]
+    for group in fused:
+        group["lr"] = float("nan")
 
-    def step_after_lr_change() -> None:
+    def step_with_bad_lr() -> None:
         opt.zero_grad()
         loss, _ = dmp(batches[1])
         loss.backward()
         opt.step()
 
-    problems.append(_expect(step_after_lr_change, UnsupportedOptimizerError, "constant"))
+    problems.append(_expect(step_with_bad_lr, ValueError, "finite and >= 0"))
+    for group in fused:  # the step that failed finishes (zero gradient) when closing
+        group["lr"] = 0.1
     close_model(dmp)
 
-    # An unsupported in-backward optimizer is refused when sharding.
-    model = S.build_model("dlrm", 5)
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(),
-                                {"lr": 0.1})
-    problems.append(_expect(
-        lambda: DistributedModelParallel(model, device=torch.device("cpu"),
-                                         plan=bagpipe_plan(model, world),
-                                         sharders=[BagPipeEmbeddingBagCollectionSharder()]),
-        UnsupportedOptimizerError, "Adagrad",
-    ))
+    # An unsupported in-backward optimizer is refused when sharding, naming what is supported.
+    for cls, kwargs, needle in ((torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "momentum"),
+                                (torch.optim.RMSprop, {"lr": 0.1}, "RMSprop")):
+        model = S.build_model("dlrm", 5)
+        apply_optimizer_in_backward(cls, model.model.sparse_arch.parameters(), kwargs)
+        problems.append(_expect(
+            lambda model=model: DistributedModelParallel(
+                model, device=torch.device("cpu"), plan=bagpipe_plan(model, world),
+                sharders=[BagPipeEmbeddingBagCollectionSharder()]),
+            UnsupportedOptimizerError, needle, "RowWiseAdagrad",
+        ))
 
     # A DMP built without the BagPipe sharder for a BagPipe plan fails loudly.
     model = S.build_model("dlrm", 5)

@@ -31,8 +31,8 @@ from torchrec_bagpipe.distributed import (
     UnsupportedOptimizerError,
     bagpipe_plan,
 )
-from torchrec_bagpipe.distributed.fused_optimizer import sgd_lr_from
 from torchrec_bagpipe.distributed.sharding_planner import BagPipeParameterSharding
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.launch import parse_args, rewrite_ps_type
 from torchrec_bagpipe.metrics_table import format_table, summarize
 
@@ -68,7 +68,9 @@ def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stoc
         constraints={"s0": ParameterConstraints(sharding_types=["table_wise"],
                                                 compute_kernels=["fused"])},
     )
-    sharder = BagPipeEmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
+    # placement_min_rows=0: every table goes to BagPipe unless constrained.
+    sharder = BagPipeEmbeddingBagCollectionSharder(BagPipeConfig(placement_min_rows=0),
+                                                   fused_params={"learning_rate": 0.1})
     plan = planner.plan(_Two(), [sharder])
     for name in ("t0", "t1", "t2"):
         ps = plan.plan["big"][name]
@@ -81,7 +83,7 @@ def test_planner_places_every_table_on_bagpipe_and_keeps_constrained_tables_stoc
 
 
 def test_planner_charges_only_cache_and_metadata():
-    config = BagPipeConfig(optimization_cache_capacity=2)
+    config = BagPipeConfig(optimization_cache_capacity=2, placement_min_rows=0)
     topo = Topology(world_size=2, compute_device="cpu")
     planner = BagPipeShardingPlanner(topology=topo, batch_size=16)
     module = _ebc(sizes=(1_000_000, 500_000, 50))
@@ -109,7 +111,7 @@ def test_bagpipe_plan_by_hand():
             assert ps.compute_kernel == BAGPIPE_KERNEL and ps.ranks == [0, 1, 2]
     # The plan of a bare EBC is keyed by the root path, as DMP expects.
     assert set(bagpipe_plan(_ebc(), 2).plan) == {""}
-    with pytest.raises(ValueError, match="no EmbeddingBagCollection"):
+    with pytest.raises(ValueError, match="no EmbeddingBagCollection or EmbeddingCollection"):
         bagpipe_plan(torch.nn.Linear(2, 2), 2)
     # A plan naming the BagPipe kernel refuses TorchRec's stock sharder with a clear error.
     with pytest.raises(ValueError, match="BagPipeEmbeddingBagCollectionSharder"):
@@ -143,26 +145,109 @@ def _param_with(cls, **kwargs) -> torch.nn.Parameter:
     return p
 
 
-def test_learning_rate_sources_and_unsupported_optimizers():
-    assert sgd_lr_from(None, {"learning_rate": 0.25}, "x") == 0.25
-    assert sgd_lr_from(_param_with(torch.optim.SGD, lr=0.5), {"learning_rate": 0.25}, "x") == 0.5
+def test_optimizer_sources_and_unsupported_optimizers():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.optim import SGD as TrecSGD
+    from torchrec.optim import RowWiseAdagrad
+
+    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+    def of(param, fused=None):
+        return table_optimizer(param, fused, "table t0")
+
+    # fused_params, with fbgemm's defaults.
+    assert of(None, {"learning_rate": 0.25}) == TableOptimizer(OptimizerSpec(), 0.25)
+    exact = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 2.0}
+    assert of(None, exact) == TableOptimizer(OptimizerSpec(), 2.0)
+    for emb, kind in ((EmbOptimType.EXACT_ADAGRAD, "adagrad"), ("adagrad", "adagrad"),
+                      ("exact_row_wise_adagrad", "rowwise_adagrad"),
+                      (EmbOptimType.EXACT_ROWWISE_ADAGRAD, "rowwise_adagrad"),
+                      (EmbOptimType.ROWWISE_ADAGRAD, "rowwise_adagrad"),
+                      (EmbOptimType.ADAM, "adam")):
+        assert of(None, {"optimizer": emb, "learning_rate": 0.1}).spec.kind == kind
+    adam = of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "eps": 1e-6,
+                     "beta1": 0.8, "beta2": 0.95})
+    assert adam.spec == OptimizerSpec(kind="adam", eps=1e-6, beta1=0.8, beta2=0.95)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+    wd = of(None, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1,
+                   "weight_decay": 0.01, "weight_decay_mode": WeightDecayMode.L2})
+    assert wd.spec.weight_decay == 0.01
+    # apply_optimizer_in_backward wins over fused_params, with the class's own defaults.
+    assert of(_param_with(torch.optim.SGD, lr=0.5), {"learning_rate": 0.25}).lr == 0.5
+    assert of(_param_with(torch.optim.Adagrad, lr=0.1)) == TableOptimizer(
+        OptimizerSpec(kind="adagrad", eps=1e-10), 0.1)
+    assert of(_param_with(RowWiseAdagrad, lr=0.1, eps=1e-3, initial_accumulator_value=0.5)) == (
+        TableOptimizer(OptimizerSpec(kind="rowwise_adagrad", eps=1e-3,
+                                     initial_accumulator_value=0.5), 0.1))
+    assert of(_param_with(torch.optim.Adam, lr=0.01, betas=(0.5, 0.9), weight_decay=0.1)) == (
+        TableOptimizer(OptimizerSpec(kind="adam", beta1=0.5, beta2=0.9, weight_decay=0.1), 0.01))
+    assert of(_param_with(torch.optim.SparseAdam, lr=0.01)).spec.kind == "adam"
+    assert of(_param_with(TrecSGD, lr=0.3)).spec.kind == "sgd"
+    # In-backward kwargs as TorchRec's stock sharder leaves them after sharding another table
+    # that shares them (the EmbOptimType added, lr renamed learning_rate).
+    shared = _param_with(RowWiseAdagrad, lr=0.1, eps=1e-3)
+    shared._optimizer_kwargs[0].update(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                       learning_rate=shared._optimizer_kwargs[0].pop("lr"))
+    assert of(shared) == TableOptimizer(OptimizerSpec(kind="rowwise_adagrad", eps=1e-3), 0.1)
+    # Unsupported: a clear error naming what is supported.
+    for param, fused, needle in [
+        (_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "momentum"),
+        (_param_with(torch.optim.Adagrad, lr=0.1, lr_decay=0.1), None, "lr_decay"),
+        (_param_with(torch.optim.Adam, lr=0.1, amsgrad=True), None, "amsgrad"),
+        (_param_with(torch.optim.AdamW, lr=0.1), None, "AdamW"),
+        (_param_with(torch.optim.RMSprop, lr=0.1), None, "RMSprop"),
+        (None, {"optimizer": EmbOptimType.LAMB, "learning_rate": 1}, "LAMB"),
+        (None, {"optimizer": EmbOptimType.LARS_SGD, "learning_rate": 1}, "LARS_SGD"),
+        (None, {"optimizer": EmbOptimType.PARTIAL_ROWWISE_ADAM, "learning_rate": 1},
+         "PARTIAL_ROWWISE_ADAM"),
+        (None, {"learning_rate": 1.0, "momentum": 0.9}, "momentum"),
+        (None, {"learning_rate": 1.0, "weight_decay": 0.1}, "WeightDecayMode.L2"),
+        (None, {"learning_rate": 1.0, "weight_decay_mode": WeightDecayMode.DECOUPLE},
+         "weight_decay_mode"),
+        (None, {"learning_rate": 1.0, "max_gradient": 1.0}, "max_gradient"),
+    ]:
+        with pytest.raises(UnsupportedOptimizerError, match=needle) as info:
+            of(param, fused)
+        assert "table t0" in str(info.value)
+        if needle not in ("WeightDecayMode.L2", "weight_decay_mode", "max_gradient"):
+            assert "supported: " in str(info.value) and "RowWiseAdagrad" in str(info.value)
+    with pytest.raises(ValueError, match="no learning rate"):
+        of(None, None)
+    for bad in (-0.1, 0.0):
+        with pytest.raises(ValueError, match="must be > 0"):
+            of(None, {"learning_rate": bad})
+    with pytest.raises(ValueError, match=r"table t0: optimizer\.beta1"):
+        of(None, {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1, "beta1": 1.5})
+
+
+def test_state_entries_tile_the_state_columns():
+    from torchrec_bagpipe.distributed.table_optimizer import state_entries
+    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+    for kind, want in (("adagrad", {"momentum1": (0, 3, False)}),
+                       ("rowwise_adagrad", {"momentum1": (0, 1, True)}),
+                       ("adam", {"momentum1": (0, 3, False), "exp_avg_sq": (3, 6, False)}),
+                       ("sgd", {})):
+        spec = OptimizerSpec(kind=kind)
+        entries = state_entries(spec, 3)
+        assert entries == want, kind
+        # The entries cover the row's state columns exactly, in order.
+        assert sum(b - a for a, b, _ in entries.values()) == spec.state_dim(3), kind
+
+
+def test_storage_estimate_counts_the_optimizer_state():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    exact = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 2.0}
-    assert sgd_lr_from(None, exact, "x") == 2.0
-    with pytest.raises(UnsupportedOptimizerError, match="Adagrad"):
-        sgd_lr_from(_param_with(torch.optim.Adagrad, lr=0.1), None, "table t0")
-    with pytest.raises(UnsupportedOptimizerError, match="momentum"):
-        sgd_lr_from(_param_with(torch.optim.SGD, lr=0.1, momentum=0.9), None, "t")
-    with pytest.raises(UnsupportedOptimizerError, match="EXACT_ROWWISE_ADAGRAD"):
-        sgd_lr_from(None, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 1},
-                    "t")
-    with pytest.raises(UnsupportedOptimizerError, match="eps"):
-        sgd_lr_from(None, {"learning_rate": 1.0, "eps": 1e-8}, "t")
-    with pytest.raises(ValueError, match="no learning rate"):
-        sgd_lr_from(None, None, "t")
-    with pytest.raises(ValueError, match="> 0"):
-        sgd_lr_from(None, {"learning_rate": 0.0}, "t")
+    ebc = _ebc(device="cpu", sizes=(1000,), dims=(8,))
+    weight = ebc.embedding_bags["t0"].weight
+    usage = {}
+    for name, fused in (("sgd", {"learning_rate": 0.1}),
+                        ("adam", {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1})):
+        sharder = BagPipeEmbeddingBagCollectionSharder(fused_params=fused)
+        usage[name] = sum(sharder.storage_usage(weight, "cpu", BAGPIPE_KERNEL).values())
+    rows = BagPipeConfig().cache_rows(1000)
+    assert usage["adam"] - usage["sgd"] == rows * 16 * 4  # Adam: two moments per column
 
 
 # ---- datasets ---------------------------------------------------------------------------------
@@ -308,3 +393,40 @@ def test_launcher_console_entry_point_runs():
     assert out.returncode == 0 and "--ps-servers" in out.stdout
 
 
+
+
+def test_tables_with_other_optimizers_are_other_fused_tables():
+    from torchrec.modules.embedding_modules import get_embedding_names_by_table
+
+    from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
+    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+    configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10,
+                                  feature_names=[f"f{i}"]) for i in range(5)]
+    rowwise = OptimizerSpec(kind="rowwise_adagrad")
+    opts = {"t0": TableOptimizer(rowwise, 0.1), "t1": TableOptimizer(rowwise, 0.1),
+            "t2": TableOptimizer(OptimizerSpec(kind="rowwise_adagrad", eps=1e-3), 0.1),
+            "t3": TableOptimizer(rowwise, 0.2), "t4": TableOptimizer(OptimizerSpec(), 0.1)}
+    layout = FusedLayout(table_specs(configs, opts), get_embedding_names_by_table(configs),
+                         session=0, module_fqn="m", weighted=False)
+    groups = [([t.name for t in f.tables], f.optimizer, f.lr) for f in layout.fused]
+    assert groups == [(["t0", "t1"], rowwise, 0.1), (["t2"], opts["t2"].spec, 0.1),
+                      (["t3"], rowwise, 0.2), (["t4"], OptimizerSpec(), 0.1)]
+    assert len({f.name for f in layout.fused}) == 4
+
+
+def test_optimizer_kernels_benchmark_measures_every_implementation(capsys):
+    """benchmarks/optimizer_kernels.py, briefly: BagPipe's store, fbgemm's CPU kernel and
+    torch's optimizers each apply (row-wise) Adagrad within a few ulps of its definition."""
+    import json
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import optimizer_kernels
+
+    assert optimizer_kernels.main(["--rows", "64", "--dim", "8", "--steps", "3"]) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    worst = {(d["optimizer"], d["impl"]): d["value"] for d in lines
+             if d["metric"] == "max_ulp_error"}
+    assert set(worst) == {(o, i) for o in ("adagrad", "rowwise_adagrad")
+                          for i in ("bagpipe_store", "fbgemm_cpu", "torch")}
+    assert all(v < 16 for v in worst.values()), worst

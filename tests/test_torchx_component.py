@@ -160,7 +160,8 @@ def test_two_trainer_nodes_and_one_ps_train_dlrm_on_the_local_scheduler(tmp_path
         "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
         "--over_arch_layer_sizes", "16,1", "--learning_rate", "0.05",
         "--limit_val_batches", "2", "--limit_test_batches", "2", "--no_progress",
-        "--optimization-cache-capacity", "4", "--metrics_json", str(metrics))
+        "--optimization-cache-capacity", "4", "--placement-min-rows", "0",
+        "--metrics_json", str(metrics))
     logs = out.stdout + out.stderr
     assert out.returncode == 0, logs[-6000:]
     assert "Job finished: SUCCEEDED" in logs

@@ -16,12 +16,16 @@ _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
     # TorchRec integration
     "BagPipeEmbeddingBagCollectionSharder": "torchrec_bagpipe.distributed.sharder",
+    "BagPipeEmbeddingCollectionSharder": "torchrec_bagpipe.distributed.sharder",
+    "bagpipe_sharders": "torchrec_bagpipe.distributed.sharder",
     "BagPipeShardingPlanner": "torchrec_bagpipe.distributed.sharding_planner",
     "BagPipeTrainPipeline": "torchrec_bagpipe.distributed.train_pipeline",
     "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
+    "ShardedBagPipeEmbeddingCollection": "torchrec_bagpipe.distributed.embedding",
     "bagpipe_plan": "torchrec_bagpipe.distributed.sharding_planner",
     "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
     "SessionError": "torchrec_bagpipe._native",
+    "ShuttingDownError": "torchrec_bagpipe._native",
     "TransportError": "torchrec_bagpipe._native",
 }
 

@@ -13,5 +13,6 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
 C = _C
 SessionError = _C.SessionError
 TransportError = _C.TransportError
+ShuttingDownError = _C.ShuttingDownError
 
-__all__ = ["C", "SessionError", "TransportError"]
+__all__ = ["C", "SessionError", "ShuttingDownError", "TransportError"]

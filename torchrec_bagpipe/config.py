@@ -115,6 +115,21 @@ class BagPipeConfig:
             "and wait in a bounded queue of prepared batches on the device"
         ),
     )
+    placement_min_rows: int | None = field(
+        default=None,
+        metadata=_help(
+            "BagPipeShardingPlanner: tables with at least this many rows go to BagPipe (0: "
+            "every table); unset: the size rule of placement_memory_fraction alone"
+        ),
+    )
+    placement_memory_fraction: float = field(
+        default=0.01,
+        metadata=_help(
+            "BagPipeShardingPlanner: tables larger than this fraction of one rank's device "
+            "memory (the topology's HBM on CUDA, DDR on CPU) go to BagPipe; smaller tables "
+            "keep TorchRec's stock sharding (ParameterConstraints force either side)"
+        ),
+    )
     gradient_division: bool | None = field(
         default=None,
         metadata=_help(
@@ -177,13 +192,56 @@ class BagPipeConfig:
         ),
     )
 
-    # ---- timeouts (seconds) -------------------------------------------------------------
+    # ---- failure handling ---------------------------------------------------------------
     ps_timeout: float = field(
         default=120.0,
-        metadata=_help("bound on every wait for the PS: a get, a commit, a committed step"),
+        metadata=_help(
+            "seconds (the one deadline of every PS operation, from its submission): a get, a "
+            "commit, a committed step; past it the rank fails with TimeoutError and the job "
+            "exits within a few seconds"
+        ),
     )
     connect_timeout: float = field(
-        default=30.0, metadata=_help("bound on connecting to a PS shard")
+        default=30.0, metadata=_help("seconds to connect to a PS shard")
+    )
+    ps_checkpoint_max_failures: int = field(
+        default=3,
+        metadata=_help(
+            "PS shards that checkpoint periodically report each checkpoint to the trainers: "
+            "a failed one is a warning on the rank's log and a metric; this many failures "
+            "in a row on one shard raise PSCheckpointError (0: never)"
+        ),
+    )
+    checkpoint_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "directory of whole-job checkpoints (PS shards' tables and every trainer's state "
+            "at one committed step, a manifest written last); unset: $BAGPIPE_CHECKPOINT_DIR, "
+            "else the --resume directory, else none"
+        ),
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata=_help(
+            "take a whole-job checkpoint every N training steps (needs a checkpoint "
+            "directory; 0: unset: $BAGPIPE_CHECKPOINT_EVERY, else only when asked)"
+        ),
+    )
+    resume: str | None = field(
+        default=None,
+        metadata=_help(
+            "resume from the whole-job checkpoint in this directory (hosted PS shards restore "
+            "its tables, trainers its state, training continues after its step); unset: "
+            "$BAGPIPE_RESUME, else a fresh job"
+        ),
+    )
+    check_finite_grads: bool = field(
+        default=False,
+        metadata=_help(
+            "check every embedding row gradient for NaN/inf before it is committed: a "
+            "non-finite one fails the step on every rank with NonFiniteGradientError before "
+            "anything reaches the PS (off by default, as TorchRec)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -210,6 +268,15 @@ class BagPipeConfig:
         for name in ("lookahead",):
             if getattr(self, name) < 0:
                 raise ValueError(f"BagPipeConfig.{name} must be >= 0")
+        if self.placement_min_rows is not None and self.placement_min_rows < 0:
+            raise ValueError(
+                f"BagPipeConfig.placement_min_rows must be >= 0, got {self.placement_min_rows}"
+            )
+        if not 0.0 <= self.placement_memory_fraction <= 1.0:
+            raise ValueError(
+                "BagPipeConfig.placement_memory_fraction must be in [0, 1], got "
+                f"{self.placement_memory_fraction}"
+            )
         for name in ("prepared_batches", "store_threads", "max_packet_rows", "inflight_packets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BagPipeConfig.{name} must be >= 1")
@@ -229,6 +296,10 @@ class BagPipeConfig:
         for name in ("ps_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"BagPipeConfig.{name} must be > 0 seconds")
+        if self.checkpoint_every < 0:
+            raise ValueError("BagPipeConfig.checkpoint_every must be >= 0 (0: only when asked)")
+        if self.ps_checkpoint_max_failures < 0:
+            raise ValueError("BagPipeConfig.ps_checkpoint_max_failures must be >= 0 (0: never)")
 
     # ---- derived values ---------------------------------------------------------------------
     def memory_budget_bytes(self) -> int | None:

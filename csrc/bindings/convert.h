@@ -37,7 +37,12 @@ inline pybind11::dict ServerStatsDict(const server::ServerStats& st) {
   pybind11::dict d;
   d["accepted"] = st.accepted;
   d["refused"] = st.refused;
+  d["shed"] = st.shed;
+  d["handshake_timeouts"] = st.handshake_timeouts;
+  d["idle_timeouts"] = st.idle_timeouts;
   d["active"] = st.active;
+  d["unauthenticated"] = st.unauthenticated;
+  d["threads"] = st.threads;
   d["frames"] = st.frames;
   d["bytes_in"] = st.bytes_in;
   d["bytes_out"] = st.bytes_out;

@@ -24,7 +24,9 @@ PYBIND11_MODULE(_C, m) {
   using namespace bagpipe;
   m.doc() = "torchrec_bagpipe native core (no libtorch dependency)";
   py::register_exception<SessionError>(m, "SessionError", PyExc_RuntimeError);
-  py::register_exception<TransportError>(m, "TransportError", PyExc_ConnectionError);
+  auto transport_error =
+      py::register_exception<TransportError>(m, "TransportError", PyExc_ConnectionError);
+  py::register_exception<ShuttingDownError>(m, "ShuttingDownError", transport_error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -1,5 +1,5 @@
 // Python bindings of the native components' options: torchrec_bagpipe._C.{InitSpec,
-// StoreOptions, LoadOverrides, TableSchema, ShardOptions, ClientOptions, ConnectOptions,
+// OptimizerSpec, StoreOptions, LoadOverrides, TableSchema, ShardOptions, ClientOptions, ConnectOptions,
 // TcpServerOptions} (UcxServerOptions: ucx.cc). Each is the component's own C++ struct,
 // bound field by field (def_readwrite), so settings cross the binding boundary as one typed
 // object per component instead of positional argument lists. torchrec_bagpipe.ps.options
@@ -20,6 +20,7 @@
 #include "server/tcp_server.h"
 #include "store/embedding_store.h"
 #include "store/init.h"
+#include "store/optimizer.h"
 #include "transport/channel.h"
 
 namespace py = pybind11;
@@ -42,6 +43,21 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("bound_starts", &InitSpec::bound_starts)
       .def_readwrite("bound_values", &InitSpec::bound_values);
 
+  using store::OptimizerSpec;
+  py::class_<OptimizerSpec>(m, "OptimizerSpec",
+                            "A store's optimizer and its constants (csrc/store/optimizer.h).")
+      .def(py::init<>())
+      .def_property(
+          "kind",
+          [](const OptimizerSpec& s) { return std::string(store::OptimizerKindName(s.kind)); },
+          [](OptimizerSpec& s, const std::string& k) { s.kind = store::ParseOptimizerKind(k); },
+          "'sgd', 'adagrad', 'rowwise_adagrad' or 'adam'")
+      .def_readwrite("eps", &OptimizerSpec::eps)
+      .def_readwrite("beta1", &OptimizerSpec::beta1)
+      .def_readwrite("beta2", &OptimizerSpec::beta2)
+      .def_readwrite("weight_decay", &OptimizerSpec::weight_decay)
+      .def_readwrite("initial_accumulator_value", &OptimizerSpec::initial_accumulator_value);
+
   using store::StoreOptions;
   py::class_<StoreOptions>(m, "StoreOptions", "An EmbeddingStore's options (csrc/store/embedding_store.h).")
       .def(py::init<>())
@@ -49,6 +65,7 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("num_shards", &StoreOptions::num_shards)
       .def_readwrite("num_threads", &StoreOptions::num_threads)
       .def_readwrite("init", &StoreOptions::init)
+      .def_readwrite("optimizer", &StoreOptions::optimizer)
       .def_readwrite("key_bound", &StoreOptions::key_bound)
       .def_readwrite("page_rows", &StoreOptions::page_rows)
       .def_readwrite("memory_budget", &StoreOptions::memory_budget)
@@ -70,15 +87,18 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("low_watermark", &LoadOverrides::low_watermark)
       .def_readwrite("dim", &LoadOverrides::dim)
       .def_readwrite("init", &LoadOverrides::init)
+      .def_readwrite("optimizer", &LoadOverrides::optimizer)
       .def_readwrite("weights_only", &LoadOverrides::weights_only);
 
   using commit::TableSchema;
   py::class_<TableSchema>(m, "TableSchema",
-                          "A PS table: row width, init of never-written rows, key bound.")
+                          "A PS table: row width, init of never-written rows, key bound, "
+                          "optimizer.")
       .def(py::init<>())
       .def_readwrite("dim", &TableSchema::dim)
       .def_readwrite("init", &TableSchema::init)
-      .def_readwrite("key_bound", &TableSchema::key_bound);
+      .def_readwrite("key_bound", &TableSchema::key_bound)
+      .def_readwrite("optimizer", &TableSchema::optimizer);
 
   using commit::ShardOptions;
   py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/commit/ps_shard.h).")
@@ -103,6 +123,7 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("grad_division", &ClientOptions::grad_division)
       .def_readwrite("init", &ClientOptions::init)
       .def_readwrite("key_bound", &ClientOptions::key_bound)
+      .def_readwrite("optimizer", &ClientOptions::optimizer)
       .def_property(
           "partition",
           [](const ClientOptions& o) {
@@ -121,7 +142,8 @@ BAGPIPE_BINDING(options) {
                              "How a client connects to remote shards (csrc/transport/channel.h).")
       .def(py::init<>())
       .def_readwrite("job_token", &ConnectOptions::job_token)
-      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout);
+      .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout)
+      .def_readwrite("keepalive_interval", &ConnectOptions::keepalive_interval);
 
   using server::TcpServerOptions;
   py::class_<TcpServerOptions>(m, "TcpServerOptions",
@@ -130,8 +152,14 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("host", &TcpServerOptions::host)
       .def_readwrite("port", &TcpServerOptions::port)
       .def_readwrite("job_token", &TcpServerOptions::job_token)
+      .def_readwrite("allow_no_token", &TcpServerOptions::allow_no_token)
       .def_readwrite("handshake_timeout", &TcpServerOptions::handshake_timeout)
-      .def_readwrite("max_connections", &TcpServerOptions::max_connections);
+      .def_readwrite("idle_timeout", &TcpServerOptions::idle_timeout)
+      .def_readwrite("max_connections", &TcpServerOptions::max_connections)
+      .def_readwrite("max_unauthenticated", &TcpServerOptions::max_unauthenticated)
+      .def_readwrite("max_unauthenticated_per_host",
+                     &TcpServerOptions::max_unauthenticated_per_host)
+      .def_readwrite("io_threads", &TcpServerOptions::io_threads);
 }
 
 }  // namespace bagpipe::bindings

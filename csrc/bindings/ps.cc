@@ -65,6 +65,11 @@ py::dict StatsDict(const std::map<std::string, int64_t>& m) {
   return d;
 }
 
+// Floats per row of a table read or written with (or without) its optimizer state.
+py::ssize_t RowWidth(const commit::TableSchema& schema, bool with_state) {
+  return static_cast<py::ssize_t>(schema.dim) + (with_state ? schema.state_dim() : 0);
+}
+
 py::dict ClientStatsDict(const commit::ClientStats& s) {
   py::dict d;
   d["commits"] = s.commits;
@@ -131,31 +136,42 @@ BAGPIPE_BINDING(ps) {
       .def("committed_step",
            [](PSShard& s, const std::string& name) { return s.GetTable(name)->committed_step(); })
       .def("table_dim", [](PSShard& s, const std::string& name) { return s.GetTable(name)->schema().dim; })
+      .def("table_schema", [](PSShard& s, const std::string& name) { return s.GetTable(name)->schema(); })
+      // Rows are dim floats wide, or dim + state_dim with their optimizer state (with_state).
       .def("read",
-           [](PSShard& s, const std::string& name, const py::array& keys, const py::array& out) {
+           [](PSShard& s, const std::string& name, const py::array& keys, const py::array& out,
+              bool with_state) {
              auto* t = s.GetTable(name);
              auto k = Vec<int64_t>(keys, "keys");
-             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size), t->schema().dim);
+             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size),
+                                    RowWidth(t->schema(), with_state));
              py::gil_scoped_release release;
-             return t->Read(k.data, k.size, o.data);
-           })
+             return t->Read(k.data, k.size, o.data, with_state);
+           },
+           py::arg("name"), py::arg("keys"), py::arg("out"), py::arg("with_state") = false)
       .def("read_at",
            [](PSShard& s, const std::string& name, int64_t at_step, const py::array& keys,
-              const py::array& out, double timeout) {
+              const py::array& out, double timeout, bool with_state) {
              auto* t = s.GetTable(name);
              auto k = Vec<int64_t>(keys, "keys");
-             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size), t->schema().dim);
+             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size),
+                                    RowWidth(t->schema(), with_state));
              py::gil_scoped_release release;
-             return t->ReadAt(at_step, k.data, k.size, o.data, DeadlineAfter(timeout));
-           })
+             return t->ReadAt(at_step, k.data, k.size, o.data, DeadlineAfter(timeout), with_state);
+           },
+           py::arg("name"), py::arg("at_step"), py::arg("keys"), py::arg("out"),
+           py::arg("timeout"), py::arg("with_state") = false)
       .def("assign",
-           [](PSShard& s, const std::string& name, const py::array& keys, const py::array& rows) {
+           [](PSShard& s, const std::string& name, const py::array& keys, const py::array& rows,
+              bool with_state) {
              auto* t = s.GetTable(name);
              auto k = Vec<int64_t>(keys, "keys");
-             auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), t->schema().dim);
+             auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size),
+                                 RowWidth(t->schema(), with_state));
              py::gil_scoped_release release;
-             t->Assign(k.data, k.size, r.data);
-           })
+             t->Assign(k.data, k.size, r.data, with_state);
+           },
+           py::arg("name"), py::arg("keys"), py::arg("rows"), py::arg("with_state") = false)
       .def("checkpoint", &PSShard::Checkpoint, py::arg("dir"), py::call_guard<py::gil_scoped_release>())
       .def("restore", &PSShard::Restore, py::arg("dir"), py::call_guard<py::gil_scoped_release>())
       .def("table_stats",
@@ -252,29 +268,38 @@ BAGPIPE_BINDING(ps) {
              return PSClient::Connect(options, eps, connect);
            }),
            py::arg("endpoints"), py::arg("options"), py::arg("connect"))
+      .def_property_readonly("state_dim", &PSClient::state_dim)
       .def("commit_async",
-           [](PSClient& c, int64_t step, const py::array& keys, const py::array& grads) {
+           [](PSClient& c, int64_t step, const py::array& keys, const py::array& grads, float lr) {
              auto k = Vec<int64_t>(keys, "keys");
              auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), c.options().dim);
              // The GIL stays held: enqueueing is microseconds of work (the client's worker
              // thread stages the packets), and releasing the GIL would hand it to another
              // Python thread of the trainer for longer than that.
-             return c.CommitAsync(step, k.data, k.size, g.data);
-           })
+             return c.CommitAsync(step, k.data, k.size, g.data, nullptr, lr);
+           },
+           py::arg("step"), py::arg("keys"), py::arg("grads"), py::arg("lr"))
       .def("get_async",
-           [](PSClient& c, const py::array& keys, int64_t at_step, const py::array& out) {
+           [](PSClient& c, const py::array& keys, int64_t at_step, const py::array& out,
+              bool with_state) {
              auto k = Vec<int64_t>(keys, "keys");
-             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size), c.options().dim);
-             return c.GetAsync(k.data, k.size, at_step, o.data);  // enqueue only: GIL held
-           })
+             const py::ssize_t width = c.options().dim + (with_state ? c.state_dim() : 0);
+             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size), width);
+             // Enqueue only: GIL held.
+             return c.GetAsync(k.data, k.size, at_step, o.data, with_state);
+           },
+           py::arg("keys"), py::arg("at_step"), py::arg("out"), py::arg("with_state") = false)
       .def("assign_async",
-           [](PSClient& c, const py::array& keys, const py::array& rows) {
+           [](PSClient& c, const py::array& keys, const py::array& rows, bool with_state) {
              auto k = Vec<int64_t>(keys, "keys");
-             auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), c.options().dim);
+             const py::ssize_t width = c.options().dim + (with_state ? c.state_dim() : 0);
+             auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), width);
              py::gil_scoped_release release;
-             return c.AssignAsync(k.data, k.size, r.data);
-           })
-      .def("checkpoint_async", &PSClient::CheckpointAsync, py::call_guard<py::gil_scoped_release>())
+             return c.AssignAsync(k.data, k.size, r.data, with_state);
+           },
+           py::arg("keys"), py::arg("rows"), py::arg("with_state") = false)
+      .def("checkpoint_async", &PSClient::CheckpointAsync, py::arg("label") = std::string(),
+           py::call_guard<py::gil_scoped_release>())
       .def("committed_step", &PSClient::CommittedStep)  // a locked read: GIL held
       .def("shard_committed_steps", &PSClient::ShardCommittedSteps,
            py::call_guard<py::gil_scoped_release>())
@@ -284,6 +309,21 @@ BAGPIPE_BINDING(ps) {
              auto f = c.failure();
              if (!f) return py::none();
              return py::str(f->message);
+           })
+      .def("checkpoint_report",
+           [](PSClient& c) {
+             commit::CheckpointReport r;
+             {
+               py::gil_scoped_release release;
+               r = c.checkpoint_report();
+             }
+             py::dict d;
+             d["succeeded"] = r.succeeded;
+             d["failed"] = r.failed;
+             d["consecutive_failures"] = r.consecutive_failures;
+             d["last_step"] = r.last_step;
+             d["last_error"] = r.last_error;
+             return d;
            })
       .def("stats", [](PSClient& c) {
         commit::ClientStats s;

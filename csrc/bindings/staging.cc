@@ -1,5 +1,5 @@
 // Python bindings of gradient staging from device memory: torchrec_bagpipe._C.{
-// cuda_runtime_status, DeviceStagerCore, commit_async_device}. Built in every configuration;
+// cuda_runtime_status, DeviceStagerCore, DeviceSource, commit_async_device}. Built in every configuration;
 // the CUDA runtime is loaded at run time (common/cuda_api.h), so on a machine without CUDA
 // DeviceStagerCore raises a RuntimeError naming libcudart.
 //
@@ -9,6 +9,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -50,33 +51,44 @@ BAGPIPE_BINDING(staging) {
         return d;
       });
 
+  // Pointers cross as integers: tensor.data_ptr() and torch.cuda.Event.cuda_event.
+  py::class_<transport::DeviceSource>(m, "DeviceSource",
+                                      "Gradient rows in CUDA memory, ready once `event` fired.")
+      .def(py::init<>())
+      .def_property(
+          "src", [](const transport::DeviceSource& s) { return reinterpret_cast<uintptr_t>(s.src); },
+          [](transport::DeviceSource& s, uintptr_t p) { s.src = reinterpret_cast<const void*>(p); })
+      .def_readwrite("bytes", &transport::DeviceSource::bytes)
+      .def_readwrite("device", &transport::DeviceSource::device)
+      .def_property(
+          "event",
+          [](const transport::DeviceSource& s) { return reinterpret_cast<uintptr_t>(s.event); },
+          [](transport::DeviceSource& s, uintptr_t p) { s.event = reinterpret_cast<void*>(p); });
+
   m.def(
       "commit_async_device",
       [](commit::PSClient& client, int64_t step, const py::array& keys,
-         transport::DeviceStager& stager, uintptr_t src, size_t nbytes, int device,
-         uintptr_t event) {
+         transport::DeviceStager& stager, const transport::DeviceSource& source, float lr) {
         auto k = Vec<int64_t>(keys, "keys");
         const size_t want = k.size * client.options().dim * sizeof(float);
-        if (nbytes != want) {
+        if (source.bytes != want) {
           throw ValueError("grads must hold " + std::to_string(k.size) + " x " +
                            std::to_string(client.options().dim) + " float32 values (" +
-                           std::to_string(want) + " bytes), got " + std::to_string(nbytes));
+                           std::to_string(want) + " bytes), got " + std::to_string(source.bytes));
+        }
+        if (!std::isfinite(lr) || lr < 0.0f) {
+          throw ValueError("lr must be finite and >= 0, got " + std::to_string(lr));
         }
         py::gil_scoped_release release;
-        transport::DeviceSource s;
-        s.src = reinterpret_cast<const void*>(src);
-        s.bytes = nbytes;
-        s.device = device;
-        s.event = reinterpret_cast<void*>(event);
-        auto rows = stager.Stage(s);
+        auto rows = stager.Stage(source);
         // The worker waits for the copy before it reads the grads; the hook keeps the staged
         // buffer alive as long as the commit op.
         const auto deadline = DeadlineAfter(client.options().timeout);
         return client.CommitAsync(step, k.data, k.size, rows->data(),
-                                  [rows, deadline] { rows->Wait(deadline); });
+                                  [rows, deadline] { rows->Wait(deadline); }, lr);
       },
-      py::arg("client"), py::arg("step"), py::arg("keys"), py::arg("stager"), py::arg("src"),
-      py::arg("nbytes"), py::arg("device"), py::arg("event"));
+      py::arg("client"), py::arg("step"), py::arg("keys"), py::arg("stager"), py::arg("source"),
+      py::arg("lr"));
 }
 
 }  // namespace bagpipe::bindings

@@ -26,16 +26,50 @@ namespace {
 using store::EmbeddingStore;
 using store::InitKind;
 using store::InitSpec;
+using store::OptimizerSpec;
 using store::StoreOptions;
+
+py::dict OptimizerDict(const OptimizerSpec& o) {
+  py::dict d;
+  d["kind"] = store::OptimizerKindName(o.kind);
+  d["eps"] = o.eps;
+  d["beta1"] = o.beta1;
+  d["beta2"] = o.beta2;
+  d["weight_decay"] = o.weight_decay;
+  d["initial_accumulator_value"] = o.initial_accumulator_value;
+  return d;
+}
+
+// An optional (n, cols) float32 output / input next to the rows: nullptr for None.
+float* OptionalMutMat(const py::object& arr, const char* name, size_t n, int cols) {
+  if (arr.is_none()) return nullptr;
+  return MutMat<float>(arr.cast<py::array>(), name, static_cast<py::ssize_t>(n), cols).data;
+}
+const float* OptionalMat(const py::object& arr, const char* name, size_t n, int cols) {
+  if (arr.is_none()) return nullptr;
+  return Mat<float>(arr.cast<py::array>(), name, static_cast<py::ssize_t>(n), cols).data;
+}
 
 py::object& SpillWarningType() {
   static py::object type;
   return type;
 }
 
+const char* KindName(InitKind k) {
+  switch (k) {
+    case InitKind::kUniform:
+      return "uniform";
+    case InitKind::kZeros:
+      return "zeros";
+    case InitKind::kConstant:
+      return "constant";
+  }
+  return "unknown";
+}
+
 py::dict InitDict(const InitSpec& init) {
   py::dict d;
-  d["init"] = InitKindName(init.kind);
+  d["init"] = KindName(init.kind);
   d["init_bound"] = init.bound;
   d["init_value"] = init.value;
   d["seed"] = init.seed;
@@ -84,6 +118,7 @@ py::dict OptionsDict(const StoreOptions& o) {
   d["spill_dir"] = o.spill_dir;
   d["high_watermark"] = o.high_watermark;
   d["low_watermark"] = o.low_watermark;
+  d["optimizer"] = OptimizerDict(o.optimizer);
   return d;
 }
 
@@ -107,29 +142,47 @@ BAGPIPE_BINDING(store) {
            }),
            py::arg("options"))
       .def("options", [](StoreHandle& h) { return OptionsDict(h.store().options()); })
+      .def("state_dim", [](StoreHandle& h) { return h.store().state_dim(); })
       .def("lookup",
-           [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing) {
+           [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing,
+              const py::object& state_out) {
              auto k = Vec<int64_t>(keys, "keys");
              auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size),
                                     h.store().dim());
+             float* st = OptionalMutMat(state_out, "state_out", k.size, h.store().state_dim());
              {
                py::gil_scoped_release nogil;
-               h.store().Lookup(k.data, k.size, o.data, insert_missing);
+               h.store().Lookup(k.data, k.size, o.data, st, insert_missing);
              }
              h.FlushWarning();
            },
-           py::arg("keys"), py::arg("out"), py::arg("insert_missing"))
+           py::arg("keys"), py::arg("out"), py::arg("insert_missing"),
+           py::arg("state_out") = py::none())
       .def("assign",
-           [](StoreHandle& h, const py::array& keys, const py::array& rows) {
+           [](StoreHandle& h, const py::array& keys, const py::array& rows,
+              const py::object& state) {
              auto k = Vec<int64_t>(keys, "keys");
              auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), h.store().dim());
+             const float* st = OptionalMat(state, "state", k.size, h.store().state_dim());
              {
                py::gil_scoped_release nogil;
-               h.store().Assign(k.data, k.size, r.data);
+               h.store().Assign(k.data, k.size, r.data, st);
              }
              h.FlushWarning();
            },
-           py::arg("keys"), py::arg("rows"))
+           py::arg("keys"), py::arg("rows"), py::arg("state") = py::none())
+      .def("apply_gradients",
+           [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
+              int grad_divisor) {
+             auto k = Vec<int64_t>(keys, "keys");
+             auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
+             {
+               py::gil_scoped_release nogil;
+               h.store().ApplyGradients(k.data, k.size, g.data, lr, grad_divisor);
+             }
+             h.FlushWarning();
+           },
+           py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"))
       .def("apply_sgd",
            [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
               int grad_divisor) {
@@ -169,18 +222,21 @@ BAGPIPE_BINDING(store) {
            py::arg("n"))
       .def("size", [](StoreHandle& h) { return h.store().Size(); })
       .def("export_chunk",
-           [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows) {
+           [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows,
+              const py::object& state) {
              auto k = CheckedBuffer<int64_t>(keys, "keys", 1, true);
              auto r = MutMat<float>(rows, "rows", k.shape[0], h.store().dim());
+             float* st = OptionalMutMat(state, "state", static_cast<size_t>(k.shape[0]),
+                                        h.store().state_dim());
              size_t n;
              {
                py::gil_scoped_release nogil;
                n = h.store().Export(&cursor, static_cast<size_t>(k.shape[0]),
-                                    static_cast<int64_t*>(k.ptr), r.data);
+                                    static_cast<int64_t*>(k.ptr), r.data, st);
              }
              return py::make_tuple(n, cursor);
            },
-           py::arg("cursor"), py::arg("keys"), py::arg("rows"))
+           py::arg("cursor"), py::arg("keys"), py::arg("rows"), py::arg("state") = py::none())
       .def("save",
            [](StoreHandle& h, const std::string& path, const std::map<std::string, std::string>& meta,
               bool weights_only) {
@@ -205,6 +261,8 @@ BAGPIPE_BINDING(store) {
              d["lookups"] = s.lookups;
              d["updates"] = s.updates;
              d["memory_budget"] = s.memory_budget;
+             d["state_dim"] = s.state_dim;
+             d["slot_bytes"] = s.slot_bytes;
              return d;
            });
 
@@ -238,7 +296,8 @@ BAGPIPE_BINDING(store) {
         d["key_bound"] = mf.key_bound;
         d["num_shards"] = mf.num_shards;
         d["page_rows"] = mf.page_rows;
-        d["optimizer"] = mf.optimizer;
+        d["optimizer"] = store::OptimizerKindName(mf.optimizer.kind);
+        d["optimizer_spec"] = OptimizerDict(mf.optimizer);
         d["state_dim"] = mf.state_dim;
         d["rows"] = mf.rows;
         d["meta"] = mf.meta;
@@ -259,4 +318,22 @@ BAGPIPE_BINDING(store) {
         store::EmbeddingStore::InitialRows(init, dim, k.data, k.size, static_cast<float*>(info.ptr));
       },
       py::arg("keys"), py::arg("out"), py::arg("init"));
+
+  m.def(
+      "store_initial_state",
+      [](const py::array& out, int dim, const OptimizerSpec& spec) {
+        store::ValidateOptimizerSpec(spec);
+        if (dim <= 0) throw ValueError("dim must be > 0, got " + std::to_string(dim));
+        const int state_dim = store::StateDim(spec.kind, dim);
+        auto info = CheckedBuffer<float>(out, "out", 2, true);
+        if (info.shape[1] != state_dim) {
+          throw ValueError("out must have " + std::to_string(state_dim) + " columns, got " +
+                           std::to_string(info.shape[1]));
+        }
+        auto* data = static_cast<float*>(info.ptr);
+        for (py::ssize_t i = 0; i < info.shape[0]; ++i) {
+          store::InitialState(spec, dim, data + i * state_dim);
+        }
+      },
+      py::arg("out"), py::arg("dim"), py::arg("optimizer"));
 }

@@ -39,6 +39,12 @@ BAGPIPE_BINDING(ucx) {
       .def_readwrite("host", &UcxServerOptions::host)
       .def_readwrite("port", &UcxServerOptions::port)
       .def_readwrite("job_token", &UcxServerOptions::job_token)
+      .def_readwrite("allow_no_token", &UcxServerOptions::allow_no_token)
+      .def_readwrite("max_unauthenticated", &UcxServerOptions::max_unauthenticated)
+      .def_readwrite("max_unauthenticated_per_host",
+                     &UcxServerOptions::max_unauthenticated_per_host)
+      .def_readwrite("io_threads", &UcxServerOptions::io_threads)
+      .def_readwrite("progress_threads", &UcxServerOptions::progress_threads)
       .def_property(
           "ucx_tls", [](const UcxServerOptions& o) { return o.config.tls; },
           [](UcxServerOptions& o, const std::string& v) { o.config.tls = v; },

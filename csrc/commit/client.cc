@@ -1,6 +1,7 @@
 #include "commit/client.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -38,7 +39,8 @@ const char* OpName(OpKind k) {
 
 size_t SlotBytesFor(const ClientOptions& o) {
   const size_t rows = std::max<uint32_t>(o.max_packet_rows, 1);
-  size_t bytes = std::max(wire::CommitFrameBytes(rows, o.dim), wire::AssignFrameBytes(rows, o.dim));
+  const size_t width = size_t{o.dim} + store::StateDim(o.optimizer.kind, static_cast<int>(o.dim));
+  size_t bytes = std::max(wire::CommitFrameBytes(rows, o.dim), wire::AssignFrameBytes(rows, width));
   bytes = std::max(bytes, wire::GetFrameBytes(rows));
   bytes = std::max(bytes, kHeaderBytes + sizeof(wire::OpenBody) +
                              o.init.bound_starts.size() * 12 + wire::kMaxTableName);
@@ -107,14 +109,17 @@ class PSClient::GetRequest : public transport::PendingRequest {
         direct_(direct) {}
 
   uint8_t* ReplySink(const Reply& head, size_t payload_len) override {
-    const size_t dim = client_->options_.dim;
+    const size_t width = client_->options_.dim + op_->state_dim_;
     if (!direct_ || head.type() != MsgType::kGetOk || head.status() != Status::kOk ||
-        head.fixed_len != sizeof(wire::GetOkBody) || payload_len != count_ * dim * 4) {
+        head.fixed_len != sizeof(wire::GetOkBody) || payload_len != count_ * width * 4) {
       return nullptr;
     }
     const auto body = wire::Load<wire::GetOkBody>(head.fixed);
-    if (body.nrows != count_ || body.dim != dim) return nullptr;
-    return reinterpret_cast<uint8_t*>(op_->out_ + positions_[0] * static_cast<int64_t>(dim));
+    if (body.nrows != count_ || body.dim != client_->options_.dim ||
+        body.state_dim != op_->state_dim_) {
+      return nullptr;
+    }
+    return reinterpret_cast<uint8_t*>(op_->out_ + positions_[0] * static_cast<int64_t>(width));
   }
   void OnReply(const Reply& r) override {
     client_->OnGetReply(op_, shard_, r, positions_, count_, direct_);
@@ -151,6 +156,8 @@ class PSClient::SyncRequest : public transport::ReplyCapture {
 
 PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Channel>> channels)
     : options_(options),
+      state_dim_(static_cast<uint32_t>(
+          store::StateDim(options.optimizer.kind, static_cast<int>(options.dim)))),
       partitioner_(options.partition, static_cast<uint32_t>(std::max<size_t>(channels.size(), 1))),
       channels_(std::move(channels)) {
   auto close_all = [&] {
@@ -181,7 +188,13 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
                        std::to_string(options_.world_size));
     }
     if (options_.max_packet_rows == 0) throw ValueError("max_packet_rows must be >= 1");
+    // The configured lr (a commit that names none uses it) must be > 0; a step's own lr
+    // under a schedule may be 0 (CommitAsync).
+    if (!(options_.lr > 0) || !std::isfinite(options_.lr)) {
+      throw ValueError("lr must be finite and > 0, got " + std::to_string(options_.lr));
+    }
     if (!(options_.timeout > 0)) throw ValueError("timeout must be > 0 seconds");
+    store::ValidateOptimizerSpec(options_.optimizer);
     if (options_.init.bound_starts.size() != options_.init.bound_values.size() ||
         options_.init.bound_starts.size() > wire::kMaxBoundRanges) {
       throw ValueError("init bound ranges: starts and bounds must pair up (at most 65536)");
@@ -193,6 +206,8 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
       }
     }
     committed_.assign(channels_.size(), -1);
+    checkpoints_.consecutive_failures.assign(channels_.size(), 0);
+    checkpoints_.last_step.assign(channels_.size(), -1);
     for (uint32_t j = 0; j < channels_.size(); ++j) {
       channels_[j]->SetHandlers([this, j](const Reply& r) { OnNotify(j, r); },
                                 [this, j](const Error& e) { OnChannelFailure(j, e); });
@@ -250,7 +265,12 @@ void PSClient::OpenSessions() {
     b.rank = options_.rank;
     b.world_size = options_.world_size;
     b.dim = options_.dim;
-    b.lr = options_.lr;
+    b.optimizer = static_cast<uint8_t>(options_.optimizer.kind);
+    b.eps = options_.optimizer.eps;
+    b.beta1 = options_.optimizer.beta1;
+    b.beta2 = options_.optimizer.beta2;
+    b.weight_decay = options_.optimizer.weight_decay;
+    b.initial_accumulator_value = options_.optimizer.initial_accumulator_value;
     b.grad_division = options_.grad_division ? 1 : 0;
     b.init_kind = static_cast<uint8_t>(options_.init.kind);
     b.name_len = static_cast<uint16_t>(options_.table.size());
@@ -287,6 +307,13 @@ void PSClient::OpenSessions() {
       transport::ThrowError(*err);
     }
     const auto ok = wire::Load<wire::OpenOkBody>(reqs[j]->fixed.data());
+    if (ok.state_dim != state_dim_) {
+      throw ValueError("opening table '" + options_.table + "' on PS shard " + std::to_string(j) +
+                       " (" + channels_[j]->peer() + "): the shard's rows carry " +
+                       std::to_string(ok.state_dim) + " optimizer state floats, " +
+                       store::OptimizerKindName(options_.optimizer.kind) + " keeps " +
+                       std::to_string(state_dim_));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     committed_[j] = std::max(committed_[j], ok.committed_step);
   }
@@ -322,39 +349,53 @@ std::shared_ptr<ClientOp> PSClient::Enqueue(std::shared_ptr<ClientOp> op) {
 }
 
 std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* keys, size_t n,
-                                                const float* grads, std::function<void()> ready) {
+                                                const float* grads, std::function<void()> ready,
+                                                std::optional<float> lr) {
   if (step < 0) throw ValueError("step must be >= 0, got " + std::to_string(step));
+  const float step_lr = lr.value_or(options_.lr);
+  if (!std::isfinite(step_lr) || step_lr < 0.0f) {
+    throw ValueError("lr must be finite and >= 0, got " + std::to_string(step_lr));
+  }
   CheckKeys(keys, n, "keys");
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCommit, step));
   op->keys_ = keys;
   op->n_ = n;
   op->rows_ = grads;
   op->ready_ = std::move(ready);
+  op->lr_ = step_lr;
   return Enqueue(std::move(op));
 }
 
 std::shared_ptr<ClientOp> PSClient::GetAsync(const int64_t* keys, size_t n, int64_t at_step,
-                                             float* out) {
+                                             float* out, bool with_state) {
   if (at_step < -1) throw ValueError("at_step must be >= -1, got " + std::to_string(at_step));
   CheckKeys(keys, n, "keys");
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kGet, at_step));
   op->keys_ = keys;
   op->n_ = n;
   op->out_ = out;
+  op->state_dim_ = with_state ? state_dim_ : 0;
   return Enqueue(std::move(op));
 }
 
-std::shared_ptr<ClientOp> PSClient::AssignAsync(const int64_t* keys, size_t n, const float* rows) {
+std::shared_ptr<ClientOp> PSClient::AssignAsync(const int64_t* keys, size_t n, const float* rows,
+                                                bool with_state) {
   CheckKeys(keys, n, "keys");
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kAssign, -1));
   op->keys_ = keys;
   op->n_ = n;
   op->rows_ = rows;
+  op->state_dim_ = with_state ? state_dim_ : 0;
   return Enqueue(std::move(op));
 }
 
-std::shared_ptr<ClientOp> PSClient::CheckpointAsync() {
+std::shared_ptr<ClientOp> PSClient::CheckpointAsync(const std::string& label) {
+  if (!label.empty() && !wire::ValidTableName(label)) {
+    throw ValueError("checkpoint label '" + label +
+                     "' must be 1-128 characters of [A-Za-z0-9_.:-], not . or ..");
+  }
   std::shared_ptr<ClientOp> op(new ClientOp(OpKind::kCheckpoint, -1));
+  op->label_ = label;
   op->shard_steps_.assign(channels_.size(), -1);
   return Enqueue(std::move(op));
 }
@@ -423,15 +464,54 @@ void PSClient::ExpireQueuedLocked() {
   }
 }
 
+void PSClient::ExpireActiveLocked() {
+  if (failed_) return;
+  const auto now = Clock::now();
+  for (const auto& op : active_) {
+    if (op->finished_ || op->deadline_ > now) continue;
+    // The operation's one deadline passed with a reply or a commit still missing: a shard
+    // hangs or a rank is lost. Its slot cannot be reused, so the client fails (every wait
+    // on it, now and later, raises this at once instead of each timing out in turn).
+    std::string who;
+    if (op->kind_ == OpKind::kCommit && op->staged_) {
+      for (uint32_t j = 0; j < committed_.size(); ++j) {
+        if (committed_[j] < op->step_) who += (who.empty() ? "" : ", ") + ShardName(j);
+      }
+      who = who.empty() ? std::string() : "; not committed by " + who;
+    } else if (op->outstanding_ > 0) {
+      who = "; " + std::to_string(op->outstanding_) + " packet(s) unanswered";
+    }
+    std::string what = OpName(op->kind_);
+    if (op->kind_ == OpKind::kCommit) what += " of step " + std::to_string(op->step_);
+    if (op->kind_ == OpKind::kGet) what += " at step " + std::to_string(op->step_);
+    FailClientLocked(Error{ErrorKind::kTimeout,
+                           what + " did not complete within " + std::to_string(options_.timeout) +
+                               " s of its submission" + who + " (shards committed " +
+                               StepsText(committed_) + "; a PS shard hangs or a rank is lost)"});
+    return;
+  }
+}
+
+Deadline PSClient::StagingDeadline(const std::shared_ptr<ClientOp>& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d = op->deadline_;
+  for (const auto& a : active_) {
+    if (!a->finished_) d = std::min(d, a->deadline_);
+  }
+  return d;
+}
+
 void PSClient::WorkerLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     ExpireQueuedLocked();
+    ExpireActiveLocked();
     if (stop_worker_) break;
     auto op = PickReadyLocked();
     if (!op) {
       auto next = Clock::now() + std::chrono::seconds(1);
       for (const auto& q : queue_) next = std::min(next, q->deadline_);
+      for (const auto& a : active_) next = std::min(next, a->deadline_);
       work_cv_.wait_until(lock, next);
       continue;
     }
@@ -451,6 +531,8 @@ void PSClient::WorkerLoop() {
       Stage(op);
     } catch (const TimeoutError& e) {
       err = Error{ErrorKind::kTimeout, e.what()};
+    } catch (const ShuttingDownError& e) {
+      err = Error{ErrorKind::kShuttingDown, e.what()};
     } catch (const TransportError& e) {
       err = Error{ErrorKind::kTransport, e.what()};
     } catch (const SessionError& e) {
@@ -462,7 +544,9 @@ void PSClient::WorkerLoop() {
     }
     lock.lock();
     if (err) {
-      // A half-sent operation leaves this rank's protocol state unknown: the client fails.
+      // A half-sent operation leaves this rank's protocol state unknown: the client fails
+      // (with the reason of an earlier operation that expired meanwhile, if one did).
+      ExpireActiveLocked();
       if (!op->finished_) FinishLocked(op, *err);
       FailClientLocked(*err);
     } else {
@@ -516,7 +600,7 @@ void PSClient::SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector
       const size_t begin = off[j] + k * maxr;
       const size_t count = std::min(maxr, off[j + 1] - begin);
       Channel& ch = *channels_[j];
-      const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
+      const uint32_t slot = ch.AcquireSlot(StagingDeadline(op), &abort_);
       post_chunk(ch, j, slot, k, chunks[j], begin, count);
     }
   }
@@ -527,7 +611,7 @@ void PSClient::SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector
 
 void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
   const bool is_commit = op->kind_ == OpKind::kCommit;
-  const size_t dim = options_.dim;
+  const size_t dim = options_.dim + op->state_dim_;  // the width of a row on the wire
   partitioner_.Split(op->keys_, op->n_, &scratch_shards_, &scratch_order_, &scratch_offsets_);
   const int64_t* order = scratch_order_.data();
   const bool identity = num_shards() == 1;
@@ -545,7 +629,7 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
       b.chunk_index = k;
       b.chunk_count = chunk_count;
       b.dim = options_.dim;
-      b.lr = options_.lr;
+      b.lr = op->lr_;
       b.nrows = static_cast<uint32_t>(count);
       std::memcpy(f + kHeaderBytes, &b, sizeof(b));
       fixed = sizeof(b);
@@ -555,6 +639,7 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
       b.session = options_.session;
       b.nrows = static_cast<uint32_t>(count);
       b.dim = options_.dim;
+      b.state_dim = op->state_dim_;
       std::memcpy(f + kHeaderBytes, &b, sizeof(b));
       fixed = sizeof(b);
       len = wire::AssignFrameBytes(count, dim);
@@ -596,6 +681,7 @@ void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {
     b.at_step = op->step_;
     b.nrows = static_cast<uint32_t>(count);
     b.dim = options_.dim;
+    b.state_dim = op->state_dim_;
     std::memcpy(f + kHeaderBytes, &b, sizeof(b));
     auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + sizeof(b));
     for (size_t i = 0; i < count; ++i) keys[i] = op->keys_[order[begin + i]];
@@ -613,11 +699,12 @@ void PSClient::StageCheckpoint(const std::shared_ptr<ClientOp>& op) {
   }
   for (uint32_t j = 0; j < num_shards(); ++j) {
     Channel& ch = *channels_[j];
-    const uint32_t slot = ch.AcquireSlot(DeadlineAfter(options_.timeout), &abort_);
+    const uint32_t slot = ch.AcquireSlot(StagingDeadline(op), &abort_);
     uint8_t* f = ch.SlotBuffer(slot);
     wire::SessionBody b{options_.session};
     std::memcpy(f + kHeaderBytes, &b, sizeof(b));
-    const size_t len = kHeaderBytes + sizeof(b);
+    std::memcpy(f + kHeaderBytes + sizeof(b), op->label_.data(), op->label_.size());
+    const size_t len = kHeaderBytes + sizeof(b) + op->label_.size();
     WriteHeader(f, MsgType::kCheckpoint, len);
     ch.Post(slot, len, std::make_shared<ChunkRequest>(this, op, j));
     ch.Flush();
@@ -696,7 +783,7 @@ void PSClient::OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard,
 
 void PSClient::OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const Reply& r,
                           const int64_t* positions, size_t count, bool direct) {
-  const size_t dim = options_.dim;
+  const size_t dim = options_.dim + op->state_dim_;  // the width of a reply row
   const std::string who = ShardName(shard);
   std::optional<Error> err;
   int64_t served = -1;
@@ -708,7 +795,7 @@ void PSClient::OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, c
                                            wire::MsgTypeName(r.header.type)};
   } else {
     const auto body = wire::Load<wire::GetOkBody>(r.fixed);
-    if (body.nrows != count || body.dim != dim) {
+    if (body.nrows != count || body.dim != options_.dim || body.state_dim != op->state_dim_) {
       err = Error{ErrorKind::kTransport, who + " answered a get of " + std::to_string(count) +
                                              " rows with " + std::to_string(body.nrows)};
     } else {
@@ -757,6 +844,27 @@ void PSClient::OnNotify(uint32_t shard, const Reply& r) {
   } else if (r.type() == MsgType::kNotifyFailed) {
     if (quiet_) return;
     FailClientLocked(Error{ErrorKind::kSession, ShardName(shard) + ": " + r.Text()});
+  } else if (r.type() == MsgType::kNotifyShutdown) {
+    // The shard drains: it refuses new work from now on, so this client cannot go on.
+    if (quiet_) return;
+    FailClientLocked(Error{ErrorKind::kShuttingDown,
+                           ShardName(shard) + ": " + r.Text() +
+                               " (it accepts no more commits or reads)"});
+  } else if (r.type() == MsgType::kNotifyCheckpoint &&
+             r.fixed_len == sizeof(wire::CheckpointNoteBody)) {
+    const auto note = wire::Load<wire::CheckpointNoteBody>(r.fixed);
+    if (note.session != options_.session) return;
+    auto& c = checkpoints_;
+    if (r.status() == Status::kOk) {
+      ++c.succeeded;
+      c.consecutive_failures[shard] = 0;
+      c.last_step[shard] = std::max(c.last_step[shard], note.step);
+    } else {
+      ++c.failed;
+      ++c.consecutive_failures[shard];
+      c.last_error = ShardName(shard) + ": periodic checkpoint of step " +
+                     std::to_string(note.step) + " failed: " + r.Text();
+    }
   }
 }
 
@@ -776,6 +884,17 @@ int64_t PSClient::CommittedStep() {
 std::vector<int64_t> PSClient::ShardCommittedSteps() {
   std::lock_guard<std::mutex> lock(mu_);
   return committed_;
+}
+
+CheckpointReport PSClient::checkpoint_report() {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckpointReport r;
+  r.succeeded = checkpoints_.succeeded;
+  r.failed = checkpoints_.failed;
+  for (uint32_t c : checkpoints_.consecutive_failures) r.consecutive_failures = std::max(r.consecutive_failures, c);
+  r.last_step = checkpoints_.last_step;
+  r.last_error = checkpoints_.last_error;
+  return r;
 }
 
 std::optional<Error> PSClient::failure() {

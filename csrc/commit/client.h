@@ -23,8 +23,12 @@
 //      in flight, and nothing queued after them starts before they complete.
 //   5. Failure is sticky: a transport failure, a failed session or an error reply to a
 //      commit fails every pending and later operation of this client with that error.
-//   6. Every wait is bounded (options.timeout); Close drains, closes the session on every
-//      reachable shard and joins every thread; after it no callback runs.
+//   6. Every operation has ONE deadline, its submission + options.timeout, bounding every
+//      wait of it (queueing, slots, replies, the commit): past it a queued operation fails
+//      with TimeoutError and a started one fails the client (a shard hangs or a rank is
+//      lost; every pending and later operation then fails at once). Close drains (bounded),
+//      closes the session on every reachable shard (a failed client: for at most 1 s) and
+//      joins every thread; after it no callback runs.
 #pragma once
 
 #include <atomic>
@@ -43,6 +47,7 @@
 #include "protocol/partitioner.h"
 #include "protocol/wire.h"
 #include "store/init.h"
+#include "store/optimizer.h"
 #include "transport/channel.h"
 #include "transport/connect.h"
 
@@ -56,10 +61,11 @@ struct ClientOptions {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   uint32_t dim = 0;
-  float lr = 0.0f;
+  float lr = 0.0f;               // the learning rate of a commit that names none
   bool grad_division = true;
   store::InitSpec init;          // how the shards initialise never-written rows
   int64_t key_bound = -1;        // >= 0: keys must lie in [0, key_bound)
+  store::OptimizerSpec optimizer;  // the table's optimizer (its rows' state layout)
   protocol::PartitionKind partition = protocol::PartitionKind::kModulo;
   uint32_t max_packet_rows = 4096;
   uint32_t inflight_packets = 8; // slots per shard channel (the in-flight window)
@@ -105,13 +111,16 @@ class ClientOp {
   size_t n_ = 0;
   const float* rows_ = nullptr;  // commit grads / assign rows
   std::function<void()> ready_;   // runs on the worker before the inputs are read
-  float* out_ = nullptr;         // get output (n x dim)
+  float* out_ = nullptr;         // get output (n x width)
+  float lr_ = 0.0f;              // commit: the step's learning rate
+  uint32_t state_dim_ = 0;       // get / assign: 0, or the table's state floats per row
   Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
   int outstanding_ = 0;           // replies not yet received
   bool staged_ = false;           // every packet posted
   bool finished_ = false;
   std::vector<int64_t> shard_steps_;
+  std::string label_;             // checkpoint: the subdirectory ("" : the shard's directory)
 };
 
 struct ClientStats {
@@ -123,6 +132,16 @@ struct ClientStats {
   uint64_t slot_waits = 0;   // times staging waited for an ACK because a window was full
   uint64_t rows_committed = 0;
   uint64_t rows_read = 0;
+};
+
+// What the shards reported about their periodic checkpoints of this table
+// (wire::kNotifyCheckpoint), counted since the client opened.
+struct CheckpointReport {
+  uint64_t succeeded = 0;
+  uint64_t failed = 0;
+  uint32_t consecutive_failures = 0;  // the largest run of failures on one shard, up to now
+  std::vector<int64_t> last_step;     // per shard: the last step checkpointed (-1: none)
+  std::string last_error;             // the latest failure ("" if none)
 };
 
 class PSClient {
@@ -142,28 +161,41 @@ class PSClient {
   PSClient& operator=(const PSClient&) = delete;
 
   const ClientOptions& options() const { return options_; }
+  // Optimizer state floats per row of the table (StateDim of options().optimizer).
+  uint32_t state_dim() const { return state_dim_; }
   uint32_t num_shards() const { return static_cast<uint32_t>(channels_.size()); }
   const protocol::Partitioner& partitioner() const { return partitioner_; }
 
-  // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0).
+  // Commits this rank's gradient rows of `step` (keys n, grads n x dim; n may be 0) with the
+  // step's learning rate `lr` (options().lr when unset; every rank must send the same).
   // `ready`, if set, runs on the worker thread before it reads keys/grads (e.g. waiting for
   // the CUDA event of the stream that produced them); if it throws, the commit fails.
-  // REQUIRES: step >= 0, keys within key_bound (ValueError naming the position otherwise).
+  // REQUIRES: step >= 0, lr finite and >= 0, keys within key_bound (ValueError naming the
+  // argument otherwise).
   std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
                                         const float* grads,
-                                        std::function<void()> ready = nullptr);
-  // Reads n rows into out (n x dim) once every shard committed at_step (-1: now).
-  std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out);
-  // Writes rows (n x dim) for keys on their shards (bulk load; last duplicate wins).
-  std::shared_ptr<ClientOp> AssignAsync(const int64_t* keys, size_t n, const float* rows);
-  // Checkpoints this table on every shard at its committed step.
-  std::shared_ptr<ClientOp> CheckpointAsync();
+                                        std::function<void()> ready = nullptr,
+                                        std::optional<float> lr = std::nullopt);
+  // Reads n rows into out once every shard committed at_step (-1: now): n x dim, or with
+  // their optimizer state n x (dim + state_dim()) when with_state (wire.h invariant 5).
+  std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out,
+                                     bool with_state = false);
+  // Writes rows for keys on their shards (bulk load; last duplicate wins): n x dim (stored
+  // rows keep their optimizer state), or n x (dim + state_dim()) with their state.
+  std::shared_ptr<ClientOp> AssignAsync(const int64_t* keys, size_t n, const float* rows,
+                                        bool with_state = false);
+  // Checkpoints this table on every shard at its committed step, into the shard's checkpoint
+  // directory, or its subdirectory `label` when not empty.
+  // REQUIRES: label empty or a valid table name (wire::ValidTableName); else ValueError.
+  std::shared_ptr<ClientOp> CheckpointAsync(const std::string& label = "");
 
   // Minimum over shards of the committed step this client knows (-1 before any commit).
   int64_t CommittedStep();
   std::vector<int64_t> ShardCommittedSteps();
   // The first fatal error, if the client failed.
   std::optional<transport::Error> failure();
+  // The shards' periodic checkpoints of this table so far.
+  CheckpointReport checkpoint_report();
   ClientStats stats();
   std::vector<transport::ChannelStats> channel_stats();
   std::vector<std::string> shard_peers() const;
@@ -184,6 +216,11 @@ class PSClient {
   void WorkerLoop();
   std::shared_ptr<ClientOp> PickReadyLocked();
   void ExpireQueuedLocked();
+  // Fails the client when a started operation outlived its deadline (invariant 6).
+  void ExpireActiveLocked();
+  // How long staging `op` may wait for a slot: its deadline, or an earlier one of a started
+  // operation (so a hung shard is reported at the first deadline, not the last).
+  Deadline StagingDeadline(const std::shared_ptr<ClientOp>& op);
   void Stage(const std::shared_ptr<ClientOp>& op);
   // Commit / assign: keys and rows (gradients or weights) in chunks per shard.
   void StageRows(const std::shared_ptr<ClientOp>& op);
@@ -215,6 +252,7 @@ class PSClient {
   void WriteHeader(uint8_t* frame, wire::MsgType type, size_t frame_len) const;
 
   const ClientOptions options_;
+  const uint32_t state_dim_;
   const protocol::Partitioner partitioner_;
   std::vector<std::unique_ptr<transport::Channel>> channels_;
 
@@ -231,6 +269,13 @@ class PSClient {
   std::shared_ptr<ClientOp> last_commit_;         // the latest commit that started
   int64_t last_staged_commit_ = -1;               // highest step whose packets all went out
   std::vector<int64_t> committed_;                // per shard
+  struct {
+    uint64_t succeeded = 0;
+    uint64_t failed = 0;
+    std::vector<uint32_t> consecutive_failures;   // per shard
+    std::vector<int64_t> last_step;               // per shard
+    std::string last_error;
+  } checkpoints_;
   std::optional<transport::Error> failed_;
   bool stop_worker_ = false;
   std::atomic<bool> abort_{false};  // set when the client fails or gives up: staging stops

@@ -1,6 +1,7 @@
 #include "commit/coordinator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
@@ -26,40 +27,7 @@ std::string FloatText(float v) {
   return buf;
 }
 
-const char* InitKindName(store::InitKind k) {
-  switch (k) {
-    case store::InitKind::kUniform: return "uniform";
-    case store::InitKind::kZeros: return "zeros";
-    case store::InitKind::kConstant: return "constant";
-  }
-  return "unknown";
-}
-
 }  // namespace
-
-std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b) {
-  if (a.kind != b.kind) {
-    return std::string("init '") + InitKindName(a.kind) + "' differs from the table's init '" +
-           InitKindName(b.kind) + "'";
-  }
-  if (a.kind == store::InitKind::kUniform) {
-    if (!SameBits(a.bound, b.bound)) {
-      return "init_bound " + FloatText(a.bound) + " differs from the table's " + FloatText(b.bound);
-    }
-    bool same_ranges = a.bound_starts == b.bound_starts && a.bound_values.size() == b.bound_values.size();
-    for (size_t i = 0; same_ranges && i < a.bound_values.size(); ++i) {
-      same_ranges = SameBits(a.bound_values[i], b.bound_values[i]);
-    }
-    if (!same_ranges) return "init_bound ranges differ from the table's";
-  }
-  if (a.kind == store::InitKind::kConstant && !SameBits(a.value, b.value)) {
-    return "init_value " + FloatText(a.value) + " differs from the table's " + FloatText(b.value);
-  }
-  if (a.kind == store::InitKind::kUniform && a.seed != b.seed) {
-    return "seed " + std::to_string(a.seed) + " differs from the table's seed " + std::to_string(b.seed);
-  }
-  return {};
-}
 
 CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableBackend> store,
                                      int64_t committed_step, CoordinatorOptions options)
@@ -105,16 +73,12 @@ int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
   std::lock_guard<std::mutex> lock(mu_);
   const std::string where = "table '" + table_ + "': ";
   if (shutting_down_) throw TransportError(where + "the shard is shutting down");
-  if (params.dim != schema_.dim || table_schema.dim != schema_.dim) {
+  if (params.dim != schema_.dim) {
     throw ValueError(where + "dim " + std::to_string(params.dim) + " differs from the table's dim " +
                      std::to_string(schema_.dim));
   }
-  if (const std::string d = InitDifference(table_schema.init, schema_.init); !d.empty()) {
+  if (const std::string d = SchemaDifference(table_schema, schema_); !d.empty()) {
     throw ValueError(where + d);
-  }
-  if (table_schema.key_bound != schema_.key_bound) {
-    throw ValueError(where + "key_bound " + std::to_string(table_schema.key_bound) +
-                     " differs from the table's " + std::to_string(schema_.key_bound));
   }
   if (params.world_size == 0 || rank >= params.world_size) {
     throw ValueError(where + "rank " + std::to_string(rank) + " is not below world_size " +
@@ -131,10 +95,6 @@ int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
       throw ValueError(where + "world_size " + std::to_string(params.world_size) +
                        " differs from the session's world_size " +
                        std::to_string(params_.world_size));
-    }
-    if (!SameBits(params.lr, params_.lr)) {
-      throw ValueError(where + "lr " + FloatText(params.lr) + " differs from the session's lr " +
-                       FloatText(params_.lr));
     }
     if (params.grad_division != params_.grad_division) {
       throw ValueError(where + "gradient_division " + (params.grad_division ? "on" : "off") +
@@ -197,6 +157,7 @@ void CommitCoordinator::ResetIfEmptyLocked() {
     rp.received = 0;
   }
   ranks_complete_ = 0;
+  pending_has_lr_ = false;
 }
 
 int64_t CommitCoordinator::Close(uint32_t rank, ServerLink* link) {
@@ -286,10 +247,9 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
                                                      " differs from the table's " +
                                                      std::to_string(schema_.dim));
   }
-  if (!SameBits(b.lr, params_.lr)) {
-    return reply_error(Status::kInvalidArgument, what + ": lr " + FloatText(b.lr) +
-                                                     " differs from the session's " +
-                                                     FloatText(params_.lr));
+  if (!std::isfinite(b.lr) || b.lr < 0.0f) {
+    return reply_error(Status::kInvalidArgument,
+                       what + ": lr " + FloatText(b.lr) + " must be finite and >= 0");
   }
   if (b.step <= committed_) {
     ++stats_.committed_retries;
@@ -299,6 +259,12 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
     FailLocked("out-of-order step: " + what + " arrived while the shard's committed step is " +
                std::to_string(committed_) + " (it expects step " + std::to_string(committed_ + 1) +
                ")");
+    return reply_error(Status::kSessionFailed, failure_);
+  }
+  if (pending_has_lr_ && !SameBits(b.lr, pending_lr_)) {
+    FailLocked("conflicting lr: " + what + " carries lr " + FloatText(b.lr) +
+               " but the step's chunks received first carry " + FloatText(pending_lr_) +
+               " (every rank must commit a step with the same learning rate)");
     return reply_error(Status::kSessionFailed, failure_);
   }
   RankPending& rp = pending_[b.rank];
@@ -342,10 +308,12 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
   c.len = chunk.payload_len;
   c.nrows = b.nrows;
   c.present = true;
+  pending_has_lr_ = true;
+  pending_lr_ = b.lr;
   ++rp.received;
   ++stats_.chunks_received;
   if (rp.received == rp.chunk_count) ++ranks_complete_;
-  ack(wire::Disposition::kStored);  // before any SGD work: "acknowledged at once"
+  ack(wire::Disposition::kStored);  // before any update work: "acknowledged at once"
   if (ranks_complete_ == params_.world_size) ApplyLocked();
 }
 
@@ -367,8 +335,8 @@ void CommitCoordinator::ApplyLocked() {
   if (total > 0) {
     try {
       // The segments are read in place: no concatenation of the step's gradients.
-      store_->ApplySgdSegments(apply_segments_.data(), apply_segments_.size(), params_.lr,
-                               divisor);
+      store_->ApplyGradientsSegments(apply_segments_.data(), apply_segments_.size(),
+                                     pending_lr_, divisor);
     } catch (const std::exception& e) {
       // The store changed nothing (its invariant 3): the table stays at the committed step.
       FailLocked("applying step " + std::to_string(step) + " failed: " + e.what());
@@ -384,6 +352,7 @@ void CommitCoordinator::ApplyLocked() {
     rp.received = 0;
   }
   ranks_complete_ = 0;
+  pending_has_lr_ = false;
   committed_cv_.notify_all();
   ServeReadyWaitersLocked();
   wire::StepBody body{params_.session, committed_};
@@ -392,13 +361,31 @@ void CommitCoordinator::ApplyLocked() {
   }
   if (options_.checkpoint_every > 0 && !options_.checkpoint_dir.empty() &&
       (committed_ + 1) % options_.checkpoint_every == 0) {
+    std::string error;
     try {
       CheckpointLocked(options_.checkpoint_dir);
     } catch (const std::exception& e) {
-      // The update itself is applied; a failed checkpoint only loses a restore point.
+      // The update itself is applied; a failed checkpoint loses a restore point, which the
+      // trainers are told about (below) so a recovery point that lags is never silent.
+      error = e.what();
       if (log_) log_("table '" + table_ + "': checkpoint of step " + std::to_string(committed_) +
-                     " failed: " + e.what());
+                     " failed: " + error);
     }
+    NotifyCheckpointLocked(error);
+  }
+}
+
+void CommitCoordinator::NotifyCheckpointLocked(const std::string& error) {
+  wire::CheckpointNoteBody body{};
+  body.session = params_.session;
+  body.step = committed_;
+  const size_t n = std::min(error.size(), wire::kMaxMessageBytes);
+  body.text_len = static_cast<uint32_t>(n);
+  const Status status = error.empty() ? Status::kOk : Status::kInternal;
+  for (const auto& l : attached_) {
+    if (!l) continue;
+    l->Send(MsgType::kNotifyCheckpoint, status, 0, wire::kNoSlot, &body, sizeof(body), n,
+            [&](uint8_t* dst) { std::memcpy(dst, error.data(), n); });
   }
 }
 
@@ -408,10 +395,12 @@ void CommitCoordinator::ServeLocked(const Waiter& w) {
   body.served_step = committed_;
   body.nrows = static_cast<uint32_t>(n);
   body.dim = schema_.dim;
+  body.state_dim = w.state_dim;
+  const bool with_state = w.state_dim != 0;
   try {
     w.link->Send(MsgType::kGetOk, Status::kOk, w.tag, w.slot, &body, sizeof(body),
-                 n * schema_.dim * sizeof(float), [&](uint8_t* dst) {
-                   store_->Read(w.keys.data(), n, reinterpret_cast<float*>(dst));
+                 n * (size_t{schema_.dim} + w.state_dim) * sizeof(float), [&](uint8_t* dst) {
+                   store_->Read(w.keys.data(), n, reinterpret_cast<float*>(dst), with_state);
                  });
   } catch (const std::exception& e) {
     w.link->SendError(w.tag, w.slot, Status::kInternal, params_.session,
@@ -435,7 +424,8 @@ void CommitCoordinator::ServeReadyWaitersLocked() {
 }
 
 void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint32_t dim,
-                            const std::shared_ptr<ServerLink>& link, uint64_t tag, uint32_t slot) {
+                            uint32_t state_dim, const std::shared_ptr<ServerLink>& link,
+                            uint64_t tag, uint32_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t session = has_session_ ? params_.session : 0;
   if (failed_) {
@@ -452,12 +442,19 @@ void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint
                         "' dim " + std::to_string(schema_.dim));
     return;
   }
+  if (state_dim != 0 && state_dim != schema_.state_dim()) {
+    link->SendError(tag, slot, Status::kInvalidArgument, session,
+                    "get: state_dim " + std::to_string(state_dim) + " differs from table '" +
+                        table_ + "' state_dim " + std::to_string(schema_.state_dim()) + " (" +
+                        store::OptimizerKindName(schema_.optimizer.kind) + ")");
+    return;
+  }
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) {
     link->SendError(tag, slot, Status::kInvalidArgument, session, "get: " + bad);
     return;
   }
-  Waiter w{at_step, std::vector<int64_t>(n), dim, link, tag, slot};
+  Waiter w{at_step, std::vector<int64_t>(n), state_dim, link, tag, slot};
   if (n > 0) std::memcpy(w.keys.data(), keys, n * sizeof(int64_t));
   if (at_step <= committed_) {
     ServeLocked(w);
@@ -472,25 +469,26 @@ void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint
   waiters_.push_back(std::move(w));
 }
 
-void CommitCoordinator::Assign(const int64_t* keys, size_t n, const float* rows) {
+void CommitCoordinator::Assign(const int64_t* keys, size_t n, const float* rows,
+                               bool with_state) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) throw ValueError("assign: " + bad);
-  if (n > 0) store_->Assign(keys, n, rows);
+  if (n > 0) store_->Assign(keys, n, rows, with_state);
 }
 
-int64_t CommitCoordinator::Read(const int64_t* keys, size_t n, float* out) {
+int64_t CommitCoordinator::Read(const int64_t* keys, size_t n, float* out, bool with_state) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) throw ValueError("keys: " + bad);
-  if (n > 0) store_->Read(keys, n, out);
+  if (n > 0) store_->Read(keys, n, out, with_state);
   ++stats_.reads;
   stats_.rows_read += static_cast<int64_t>(n);
   return committed_;
 }
 
 int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n, float* out,
-                                  Deadline deadline) {
+                                  Deadline deadline, bool with_state) {
   std::unique_lock<std::mutex> lock(mu_);
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) throw ValueError("keys: " + bad);
@@ -505,7 +503,7 @@ int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n
   if (committed_ < at_step) {
     throw SessionError(failed_ ? failure_ : "table '" + table_ + "': the shard is shutting down");
   }
-  if (n > 0) store_->Read(keys, n, out);
+  if (n > 0) store_->Read(keys, n, out, with_state);
   ++stats_.reads;
   stats_.rows_read += static_cast<int64_t>(n);
   return committed_;
@@ -530,11 +528,23 @@ void CommitCoordinator::CheckpointLocked(const std::string& dir) {
 
 void CommitCoordinator::Shutdown(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (shutting_down_) return;
   shutting_down_ = true;
   for (const auto& w : waiters_) {
     w.link->SendError(w.tag, w.slot, Status::kShuttingDown, params_.session, why);
   }
   waiters_.clear();
+  // Tell every attached rank at once (not only those waiting): they stop instead of
+  // carrying on until their next request is refused.
+  wire::MessageBody body{};
+  body.session = params_.session;
+  const size_t n = std::min(why.size(), wire::kMaxMessageBytes);
+  body.text_len = static_cast<uint32_t>(n);
+  for (const auto& l : attached_) {
+    if (!l) continue;
+    l->Send(MsgType::kNotifyShutdown, Status::kShuttingDown, 0, wire::kNoSlot, &body,
+            sizeof(body), n, [&](uint8_t* dst) { std::memcpy(dst, why.data(), n); });
+  }
   committed_cv_.notify_all();
 }
 

@@ -1,15 +1,17 @@
 // CommitCoordinator: the PS side of the sparse-gradient commit protocol for one table of
 // one shard ("Sparse gradient commits" in the PS-owned BagPipe design).
 //
-// A session is one job on this table: session id, world size W, dim, lr and the
-// gradient-division flag, fixed by the first Open and checked on every later Open. Each
-// step t, every rank sends this shard its chunks (chunk_index / chunk_count; a rank with no
-// rows sends one empty chunk, the marker). Each chunk is acknowledged at once (the ACK is
-// sent before any SGD work). When every rank's chunks of the pending step are in, the
-// chunks are applied in the order rank 0 chunk 0, rank 0 chunk 1, ..., rank W-1, with ONE
-// TableBackend::ApplySgdSegments(chunks, lr, grad_division ? W : 1) (bitwise one ApplySgd on
-// their concatenation, without copying the gradients); then committed_step
-// becomes t, deferred reads waiting for t are served and every attached rank is notified.
+// A session is one job on this table: session id, world size W, dim and the
+// gradient-division flag, fixed by the first Open and checked on every later Open, which
+// must also describe this table (TableSchema: dim, init, key bound, optimizer). Each step t,
+// every rank sends this shard its chunks (chunk_index / chunk_count; a rank with no rows
+// sends one empty chunk, the marker), each carrying the step's learning rate. Each chunk is
+// acknowledged at once (the ACK is sent before any update work). When every rank's chunks of
+// the pending step are in, the chunks are applied in the order rank 0 chunk 0, rank 0 chunk
+// 1, ..., rank W-1, with ONE TableBackend::ApplyGradientsSegments(chunks, lr,
+// grad_division ? W : 1) (bitwise one ApplyGradients on their concatenation, without copying
+// the gradients); then committed_step becomes t, deferred reads waiting for t are served and
+// every attached rank is notified.
 //
 // Thread safety: every public method is thread-safe; one internal mutex serializes them,
 // including the store calls, so a read never observes a half-applied step. Link::Send is
@@ -22,7 +24,8 @@
 //      session ("out-of-order step").
 //   3. Conflicts: a second copy of a pending (step, rank, chunk) must be byte-identical,
 //      and a rank's chunk_count must not change within a step; otherwise the session fails
-//      ("conflicting retry").
+//      ("conflicting retry"). Every chunk of a step carries the same lr (bitwise); otherwise
+//      the session fails ("conflicting lr").
 //   4. A failed session stays failed (every request answers kSessionFailed with the first
 //      error) until every rank has left; the next Open starts a fresh session at the same
 //      committed step. Pending chunks are dropped when the last rank leaves.
@@ -31,6 +34,9 @@
 //   6. Reads: Get(at_step) is served once committed_step >= at_step, with the rows of the
 //      committed step current when it is served; deferred reads are served under the same
 //      lock hold that advanced the step, before any later step can be applied.
+//   7. Every attached rank hears of what it cannot see otherwise: each periodic checkpoint's
+//      outcome (kNotifyCheckpoint, failures included) and the shard draining
+//      (kNotifyShutdown).
 #pragma once
 
 #include <condition_variable>
@@ -54,9 +60,6 @@ namespace bagpipe::commit {
 
 namespace wire = protocol::wire;
 
-// Empty if the two init specs define the same rows; otherwise which field differs.
-std::string InitDifference(const store::InitSpec& a, const store::InitSpec& b);
-
 struct CoordinatorOptions {
   LogFn log;                    // one line per session event; may be empty
   std::string checkpoint_dir;   // where the periodic checkpoint goes (empty: none)
@@ -68,7 +71,6 @@ struct SessionParams {
   uint64_t session = 0;
   uint32_t world_size = 1;
   uint32_t dim = 0;
-  float lr = 0.0f;
   bool grad_division = true;
 };
 
@@ -96,9 +98,10 @@ class CommitCoordinator {
   const std::string& table() const { return table_; }
   const TableSchema& schema() const { return schema_; }
 
-  // Attaches `link` as `rank` of the session described by params. The first Open (no rank
-  // attached) fixes the parameters; later ones must agree. Throws ValueError naming the
-  // disagreeing field (dim, lr, world_size, grad_division, session, init, key_bound), or
+  // Attaches `link` as `rank` of the session described by params. `table_schema` must be
+  // this table's (SchemaDifference). The first Open (no rank attached) fixes the parameters;
+  // later ones must agree. Throws ValueError naming the table and the disagreeing field
+  // (dim, init, key_bound, optimizer.<field>, world_size, grad_division, session), or
   // SessionError if the session is failed. Returns the committed step.
   int64_t Open(const SessionParams& params, uint32_t rank, const TableSchema& table_schema,
                const std::shared_ptr<transport::ServerLink>& link);
@@ -121,26 +124,31 @@ class CommitCoordinator {
                    uint64_t tag, uint32_t slot, transport::RecvBuffer* owner = nullptr);
 
   // Serves a read of n keys now or once committed_step >= at_step, replying through `link`
-  // (kGetOk with the rows, or an error). Never throws.
-  void Get(int64_t at_step, const int64_t* keys, size_t n, uint32_t dim,
+  // (kGetOk with the rows, or an error). `state_dim` 0 reads weights only; the table's
+  // state_dim reads rows with their optimizer state (table_backend.h invariant 4); any other
+  // value is refused. Never throws.
+  void Get(int64_t at_step, const int64_t* keys, size_t n, uint32_t dim, uint32_t state_dim,
            const std::shared_ptr<transport::ServerLink>& link, uint64_t tag, uint32_t slot);
 
-  // Bulk load (outside the step protocol). Throws ValueError for a key out of range.
-  void Assign(const int64_t* keys, size_t n, const float* rows);
+  // Bulk load (outside the step protocol); rows with their state when with_state.
+  // Throws ValueError for a key out of range.
+  void Assign(const int64_t* keys, size_t n, const float* rows, bool with_state = false);
 
-  // Reads rows at the current committed step (in-process use). Throws ValueError.
-  int64_t Read(const int64_t* keys, size_t n, float* out);
+  // Reads rows (with their state when with_state) at the current committed step
+  // (in-process use). Throws ValueError.
+  int64_t Read(const int64_t* keys, size_t n, float* out, bool with_state = false);
 
   // Waits until committed_step >= at_step or the deadline, then reads. Throws TimeoutError /
   // SessionError / ValueError.
   int64_t ReadAt(int64_t at_step, const int64_t* keys, size_t n, float* out,
-                 Deadline deadline);
+                 Deadline deadline, bool with_state = false);
 
   // Saves the table at its committed step into dir (meta: options' checkpoint_meta plus
   // committed_step and table). Returns the step saved. Throws IOError / ValueError.
   int64_t Checkpoint(const std::string& dir);
 
-  // Fails every deferred read and the session with kShuttingDown semantics (drain).
+  // Drain: fails every deferred read (kShuttingDown), tells every attached rank
+  // (wire::kNotifyShutdown with `why`), and refuses new work. Idempotent.
   void Shutdown(const std::string& why);
 
   int64_t committed_step() const;
@@ -170,7 +178,7 @@ class CommitCoordinator {
   struct Waiter {
     int64_t at_step;
     std::vector<int64_t> keys;
-    uint32_t dim;
+    uint32_t state_dim;  // 0 or the table's
     std::shared_ptr<transport::ServerLink> link;
     uint64_t tag;
     uint32_t slot;
@@ -178,6 +186,8 @@ class CommitCoordinator {
 
   void FailLocked(const std::string& why);
   void CheckpointLocked(const std::string& dir);
+  // Tells every attached rank how the periodic checkpoint of committed_ went (error "" : ok).
+  void NotifyCheckpointLocked(const std::string& error);
   void ApplyLocked();
   void ServeLocked(const Waiter& w);
   void ServeReadyWaitersLocked();
@@ -203,6 +213,8 @@ class CommitCoordinator {
   std::vector<std::shared_ptr<transport::ServerLink>> attached_;  // by rank; null: absent
   std::vector<RankPending> pending_;  // by rank, for step committed_ + 1
   uint32_t ranks_complete_ = 0;
+  bool pending_has_lr_ = false;  // a chunk of the pending step arrived: pending_lr_ is its lr
+  float pending_lr_ = 0.0f;
   std::deque<Waiter> waiters_;
   std::vector<store::GradSegment> apply_segments_;  // the step's chunks in order (reused)
   std::condition_variable committed_cv_;

@@ -1,6 +1,8 @@
 #include "commit/embedding_store_backend.h"
 
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "common/errors.h"
 #include "store/embedding_store.h"
@@ -15,19 +17,47 @@ class EmbeddingStoreBackend : public TableBackend {
     schema_.dim = static_cast<uint32_t>(o.dim);
     schema_.init = o.init;
     schema_.key_bound = o.key_bound < 0 ? -1 : o.key_bound;
+    schema_.optimizer = o.optimizer;
   }
   const TableSchema& schema() const override { return schema_; }
-  void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int div) override {
-    store_->ApplySgd(keys, n, grads, lr, div);
+  void ApplyGradients(const int64_t* keys, size_t n, const float* grads, float lr,
+                      int div) override {
+    store_->ApplyGradients(keys, n, grads, lr, div);
   }
-  void ApplySgdSegments(const store::GradSegment* segs, size_t count, float lr, int div) override {
-    store_->ApplySgdSegments(segs, count, lr, div);
+  void ApplyGradientsSegments(const store::GradSegment* segs, size_t count, float lr,
+                              int div) override {
+    store_->ApplyGradientsSegments(segs, count, lr, div);
   }
-  void Read(const int64_t* keys, size_t n, float* out) override {
-    store_->Lookup(keys, n, out, /*insert_missing=*/false);
+  void Read(const int64_t* keys, size_t n, float* out, bool with_state) override {
+    const size_t sd = schema_.state_dim();
+    if (!with_state || sd == 0) {
+      store_->Lookup(keys, n, out, /*insert_missing=*/false);
+      return;
+    }
+    // The store keeps weights and state apart: read both, then lay them out row by row.
+    const size_t d = schema_.dim;
+    weights_.resize(n * d);
+    state_.resize(n * sd);
+    store_->Lookup(keys, n, weights_.data(), state_.data(), /*insert_missing=*/false);
+    for (size_t i = 0; i < n; ++i) {
+      std::memcpy(out + i * (d + sd), weights_.data() + i * d, d * sizeof(float));
+      std::memcpy(out + i * (d + sd) + d, state_.data() + i * sd, sd * sizeof(float));
+    }
   }
-  void Assign(const int64_t* keys, size_t n, const float* rows) override {
-    store_->Assign(keys, n, rows);
+  void Assign(const int64_t* keys, size_t n, const float* rows, bool with_state) override {
+    const size_t sd = schema_.state_dim();
+    if (!with_state || sd == 0) {
+      store_->Assign(keys, n, rows);
+      return;
+    }
+    const size_t d = schema_.dim;
+    weights_.resize(n * d);
+    state_.resize(n * sd);
+    for (size_t i = 0; i < n; ++i) {
+      std::memcpy(weights_.data() + i * d, rows + i * (d + sd), d * sizeof(float));
+      std::memcpy(state_.data() + i * sd, rows + i * (d + sd) + d, sd * sizeof(float));
+    }
+    store_->Assign(keys, n, weights_.data(), state_.data());
   }
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta) override {
     store_->Save(dir, meta, /*weights_only=*/false);
@@ -44,12 +74,16 @@ class EmbeddingStoreBackend : public TableBackend {
             {"swap_ins", s.swap_ins},
             {"lookups", s.lookups},
             {"updates", s.updates},
-            {"memory_budget", s.memory_budget}};
+            {"memory_budget", s.memory_budget},
+            {"state_dim", s.state_dim},
+            {"slot_bytes", s.slot_bytes}};
   }
 
  private:
   std::unique_ptr<store::EmbeddingStore> store_;
   TableSchema schema_;
+  std::vector<float> weights_;  // Read / Assign with state: the store's separate halves
+  std::vector<float> state_;
 };
 
 }  // namespace
@@ -60,6 +94,7 @@ TableBackendFactory MakeEmbeddingStoreBackendFactory(const store::StoreOptions& 
     o.dim = static_cast<int>(schema.dim);
     o.init = schema.init;
     o.key_bound = schema.key_bound;
+    o.optimizer = schema.optimizer;
     return std::make_unique<EmbeddingStoreBackend>(std::make_unique<store::EmbeddingStore>(o));
   };
 }

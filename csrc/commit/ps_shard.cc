@@ -34,23 +34,6 @@ bool TokenEquals(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-bool SameSchema(const TableSchema& a, const TableSchema& b, std::string* why) {
-  if (a.dim != b.dim) {
-    *why = "dim " + std::to_string(a.dim) + " differs from the table's dim " + std::to_string(b.dim);
-    return false;
-  }
-  if (const std::string d = InitDifference(a.init, b.init); !d.empty()) {
-    *why = d;
-    return false;
-  }
-  if (a.key_bound != b.key_bound) {
-    *why = "key_bound " + std::to_string(a.key_bound) + " differs from the table's " +
-           std::to_string(b.key_bound);
-    return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 PSShard::PSShard(ShardOptions options, TableBackendFactory factory, TableBackendLoader loader,
@@ -96,11 +79,15 @@ CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSche
     throw ValueError("dim " + std::to_string(schema.dim) + " of table '" + name +
                      "' differs from this shard's --dim " + std::to_string(options_.expected_dim));
   }
+  try {
+    store::ValidateOptimizerSpec(schema.optimizer);
+  } catch (const ValueError& e) {
+    throw ValueError("table '" + name + "': " + e.what());
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto it = tables_.find(name);
   if (it != tables_.end()) {
-    std::string why;
-    if (!SameSchema(schema, it->second->schema(), &why)) {
+    if (const std::string why = SchemaDifference(schema, it->second->schema()); !why.empty()) {
       throw ValueError("table '" + name + "': " + why);
     }
     return it->second.get();
@@ -111,7 +98,8 @@ CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSche
   auto* raw = coord.get();
   tables_.emplace(name, std::move(coord));
   if (log_) {
-    log_("table '" + name + "' created (dim " + std::to_string(schema.dim) + ")");
+    log_("table '" + name + "' created (dim " + std::to_string(schema.dim) + ", " +
+         store::OptimizerKindName(schema.optimizer.kind) + ")");
   }
   return raw;
 }
@@ -293,11 +281,16 @@ bool PSShard::OnOpen(const Request& r) {
   schema.init.bound_starts = open.bound_starts;
   schema.init.bound_values = open.bound_values;
   schema.key_bound = open.body.key_bound;
+  schema.optimizer.kind = static_cast<store::OptimizerKind>(open.body.optimizer);
+  schema.optimizer.eps = open.body.eps;
+  schema.optimizer.beta1 = open.body.beta1;
+  schema.optimizer.beta2 = open.body.beta2;
+  schema.optimizer.weight_decay = open.body.weight_decay;
+  schema.optimizer.initial_accumulator_value = open.body.initial_accumulator_value;
   SessionParams params;
   params.session = open.body.session;
   params.world_size = open.body.world_size;
   params.dim = open.body.dim;
-  params.lr = open.body.lr;
   params.grad_division = open.body.grad_division != 0;
   int64_t committed;
   CommitCoordinator* table;
@@ -322,6 +315,7 @@ bool PSShard::OnOpen(const Request& r) {
   wire::OpenOkBody ok{};
   ok.committed_step = committed;
   ok.dim = schema.dim;
+  ok.state_dim = table->schema().state_dim();
   r.link->Send(MsgType::kOpenOk, Status::kOk, r.header.tag, r.header.slot, &ok, sizeof(ok), 0,
                nullptr);
   return true;
@@ -349,8 +343,8 @@ bool PSShard::OnGet(const Request& r) {
                   "Get for session " + std::to_string(get.body.session) +
                       " on a connection of session " + std::to_string(ls.session), true);
   }
-  ls.coordinator->Get(get.body.at_step, get.keys, get.body.nrows, get.body.dim, r.link,
-                      r.header.tag, r.header.slot);
+  ls.coordinator->Get(get.body.at_step, get.keys, get.body.nrows, get.body.dim,
+                      get.body.state_dim, r.link, r.header.tag, r.header.slot);
   return true;
 }
 
@@ -367,8 +361,14 @@ bool PSShard::OnAssign(const Request& r) {
     return Reject(r, Status::kInvalidArgument,
                   "Assign: session or dim differs from the open session", true);
   }
+  if (as.body.state_dim != 0 && as.body.state_dim != coord->schema().state_dim()) {
+    return Reject(r, Status::kInvalidArgument,
+                  "Assign: state_dim " + std::to_string(as.body.state_dim) + " differs from table '" +
+                      ls.table + "' state_dim " + std::to_string(coord->schema().state_dim()),
+                  true);
+  }
   try {
-    coord->Assign(as.keys, as.body.nrows, as.rows);
+    coord->Assign(as.keys, as.body.nrows, as.rows, as.body.state_dim != 0);
   } catch (const ValueError& e) {
     return Reject(r, Status::kInvalidArgument, e.what(), true);
   } catch (const std::exception& e) {
@@ -399,9 +399,9 @@ bool PSShard::OnClose(const Request& r) {
 
 bool PSShard::OnCheckpoint(const Request& r) {
   const LinkSession& ls = r.session;
-  wire::SessionBody sb;
+  wire::CheckpointView cp;
   std::string why;
-  if (!wire::ParseSession(r.body, r.len, &sb, &why)) {
+  if (!wire::ParseCheckpoint(r.body, r.len, &cp, &why)) {
     return Reject(r, Status::kProtocolError, why, true);
   }
   if (!ls.open) return Reject(r, Status::kNotOpen, "Checkpoint before Open on this connection", true);
@@ -412,7 +412,11 @@ bool PSShard::OnCheckpoint(const Request& r) {
   }
   int64_t step;
   try {
-    step = ls.coordinator->Checkpoint(TableDir(options_.checkpoint_dir, ls.table));
+    const std::string dir =
+        cp.label.empty()
+            ? options_.checkpoint_dir
+            : (std::filesystem::path(options_.checkpoint_dir) / std::string(cp.label)).string();
+    step = ls.coordinator->Checkpoint(TableDir(dir, ls.table));
   } catch (const std::exception& e) {
     return Reject(r, Status::kInternal, std::string("checkpoint failed: ") + e.what(), true);
   }

@@ -41,6 +41,13 @@ class TransportError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A PS shard is draining (SIGTERM, or stopped by its owner): it refuses new work and told its
+// clients so (Python torchrec_bagpipe.ShuttingDownError, a TransportError).
+class ShuttingDownError : public TransportError {
+ public:
+  using TransportError::TransportError;
+};
+
 // The disk tier or a checkpoint could not be read or written (Python OSError).
 class IOError : public std::runtime_error {
  public:

@@ -57,6 +57,8 @@ const char* MsgTypeName(uint16_t type) {
     case MsgType::kError: return "Error";
     case MsgType::kNotifyCommitted: return "NotifyCommitted";
     case MsgType::kNotifyFailed: return "NotifyFailed";
+    case MsgType::kNotifyShutdown: return "NotifyShutdown";
+    case MsgType::kNotifyCheckpoint: return "NotifyCheckpoint";
   }
   return "Unknown";
 }
@@ -78,7 +80,7 @@ const char* StatusName(Status status) {
 
 bool IsKnownType(uint16_t type) {
   return type >= static_cast<uint16_t>(MsgType::kHello) &&
-         type <= static_cast<uint16_t>(MsgType::kNotifyFailed);
+         type <= static_cast<uint16_t>(MsgType::kNotifyCheckpoint);
 }
 
 bool IsRequestType(MsgType type) {
@@ -118,6 +120,8 @@ size_t FixedBodyBytes(MsgType type) {
     case MsgType::kError: return sizeof(MessageBody);
     case MsgType::kNotifyCommitted: return sizeof(StepBody);
     case MsgType::kNotifyFailed: return sizeof(MessageBody);
+    case MsgType::kNotifyShutdown: return sizeof(MessageBody);
+    case MsgType::kNotifyCheckpoint: return sizeof(CheckpointNoteBody);
   }
   return 0;
 }
@@ -200,7 +204,12 @@ bool ParseOpen(const uint8_t* body, size_t len, OpenView* out, std::string* why)
                          std::to_string(b.world_size));
   }
   if (!CheckDim(b.dim, "Open", why)) return false;
-  if (!std::isfinite(b.lr)) return Fail(why, "Open: lr must be finite");
+  if (b.optimizer > kMaxOptimizerKind) {
+    return Fail(why, "Open: optimizer " + std::to_string(b.optimizer) + " unknown");
+  }
+  for (double v : {b.eps, b.beta1, b.beta2, b.weight_decay, b.initial_accumulator_value}) {
+    if (!std::isfinite(v)) return Fail(why, "Open: the optimizer's constants must be finite");
+  }
   if (b.grad_division > 1) return Fail(why, "Open: grad_division must be 0 or 1");
   if (b.init_kind > 2) return Fail(why, "Open: init_kind " + std::to_string(b.init_kind) + " unknown");
   if (!std::isfinite(b.init_bound) || !std::isfinite(b.init_value)) {
@@ -233,7 +242,7 @@ bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* 
                          " is not below chunk_count " + std::to_string(b.chunk_count));
   }
   if (b.step < 0) return Fail(why, "Commit: step " + std::to_string(b.step) + " is negative");
-  if (!std::isfinite(b.lr)) return Fail(why, "Commit: lr must be finite");
+  if (!std::isfinite(b.lr) || b.lr < 0.0f) return Fail(why, "Commit: lr must be finite and >= 0");
   out->payload = body + sizeof(CommitBody);
   out->payload_len = len - sizeof(CommitBody);
   out->keys = reinterpret_cast<const int64_t*>(out->payload);
@@ -245,6 +254,7 @@ bool ParseGet(const uint8_t* body, size_t len, GetView* out, std::string* why) {
   if (len < sizeof(GetBody)) return Fail(why, "Get: body too short");
   out->body = Load<GetBody>(body);
   if (!CheckDim(out->body.dim, "Get", why)) return false;
+  if (out->body.state_dim > kMaxStateDim) return Fail(why, "Get: state_dim is too large");
   if (!ExactPayload(len, sizeof(GetBody), out->body.nrows, 8, "Get", why)) return false;
   if (out->body.at_step < -1) return Fail(why, "Get: at_step must be >= -1");
   out->keys = reinterpret_cast<const int64_t*>(body + sizeof(GetBody));
@@ -255,8 +265,9 @@ bool ParseAssign(const uint8_t* body, size_t len, AssignView* out, std::string* 
   if (len < sizeof(AssignBody)) return Fail(why, "Assign: body too short");
   out->body = Load<AssignBody>(body);
   if (!CheckDim(out->body.dim, "Assign", why)) return false;
-  if (!ExactPayload(len, sizeof(AssignBody), out->body.nrows, 8 + uint64_t{out->body.dim} * 4,
-                    "Assign", why)) {
+  if (out->body.state_dim > kMaxStateDim) return Fail(why, "Assign: state_dim is too large");
+  const uint64_t width = uint64_t{out->body.dim} + out->body.state_dim;
+  if (!ExactPayload(len, sizeof(AssignBody), out->body.nrows, 8 + width * 4, "Assign", why)) {
     return false;
   }
   out->keys = reinterpret_cast<const int64_t*>(body + sizeof(AssignBody));
@@ -271,9 +282,18 @@ bool ParseClose(const uint8_t* body, size_t len, CloseBody* out, std::string* wh
   return true;
 }
 
-bool ParseSession(const uint8_t* body, size_t len, SessionBody* out, std::string* why) {
-  if (len != sizeof(SessionBody)) return Fail(why, "Checkpoint: body_len must be 8");
-  *out = Load<SessionBody>(body);
+bool ParseCheckpoint(const uint8_t* body, size_t len, CheckpointView* out, std::string* why) {
+  if (len < sizeof(SessionBody) || len > sizeof(SessionBody) + kMaxTableName) {
+    return Fail(why, "Checkpoint: body_len must be 8 plus a label of at most " +
+                         std::to_string(kMaxTableName) + " bytes");
+  }
+  out->body = Load<SessionBody>(body);
+  out->label = std::string_view(reinterpret_cast<const char*>(body) + sizeof(SessionBody),
+                                len - sizeof(SessionBody));
+  if (!out->label.empty() && !ValidTableName(out->label)) {
+    return Fail(why, "Checkpoint: a label must be 1-128 characters of [A-Za-z0-9_.:-], "
+                     "not . or ..");
+  }
   return true;
 }
 

@@ -14,6 +14,8 @@
 //      match what its fixed fields announce.
 //   3. Bulk arrays (int64 keys) start 8-byte aligned relative to the frame start.
 //   4. Parse* never throws: it returns false and a reason that names the offending field.
+//   5. Rows on the wire (GetOk, Assign) are `dim + state_dim` floats wide: the weights, then
+//      the row's optimizer state when the request asked for it (state_dim > 0), else 0.
 #pragma once
 
 #include <bit>
@@ -29,7 +31,7 @@ namespace bagpipe::protocol::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
-inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr uint16_t kProtocolVersion = 2;  // 2: optimizers (spec, per-step lr, state)
 inline constexpr size_t kHeaderBytes = 40;
 inline constexpr uint32_t kNoSlot = 0xFFFFFFFFu;  // notifications: not the reply to a slot
 inline constexpr size_t kMaxTokenBytes = 1024;
@@ -37,6 +39,8 @@ inline constexpr size_t kMaxTableName = 128;
 inline constexpr size_t kMaxMessageBytes = 4096;   // error / failure texts
 inline constexpr uint32_t kMaxWorldSize = 1u << 16;
 inline constexpr uint32_t kMaxDim = 1u << 16;
+inline constexpr uint32_t kMaxStateDim = 2 * kMaxDim;  // Adam: first and second moments
+inline constexpr uint8_t kMaxOptimizerKind = 3;        // store::OptimizerKind
 inline constexpr uint32_t kMaxChunkCount = 1u << 24;
 inline constexpr size_t kDefaultMaxFrameBytes = size_t{256} << 20;
 
@@ -48,18 +52,21 @@ enum class MsgType : uint16_t {
   kCommit = 5,           // C->S  CommitBody + keys[nrows] + grads[nrows * dim]
   kAck = 6,              // S->C  AckBody
   kGet = 7,              // C->S  GetBody + keys[nrows]
-  kGetOk = 8,            // S->C  GetOkBody + rows[nrows * dim]
-  kAssign = 9,           // C->S  AssignBody + keys[nrows] + rows[nrows * dim]
+  kGetOk = 8,            // S->C  GetOkBody + rows[nrows * (dim + state_dim)]
+  kAssign = 9,           // C->S  AssignBody + keys[nrows] + rows[nrows * (dim + state_dim)]
   kAssignOk = 10,        // S->C  StepBody
   kClose = 11,           // C->S  CloseBody
   kCloseOk = 12,         // S->C  StepBody
-  kCheckpoint = 13,      // C->S  SessionBody
+  kCheckpoint = 13,      // C->S  SessionBody + optional label (a subdirectory, table-name rules)
   kCheckpointOk = 14,    // S->C  StepBody (the checkpointed step)
   kPing = 15,            // C->S  empty
   kPong = 16,            // S->C  empty
   kError = 17,           // S->C  MessageBody + text; header.status says which error
   kNotifyCommitted = 18, // S->C  StepBody (pushed to every attached rank after each commit)
   kNotifyFailed = 19,    // S->C  MessageBody + text (the session failed)
+  kNotifyShutdown = 20,  // S->C  MessageBody + text (the shard is draining: new work is refused)
+  kNotifyCheckpoint = 21,  // S->C  CheckpointNoteBody + text: a periodic checkpoint's outcome
+                           //       (header.status kOk, or kInternal with the error text)
 };
 
 // Reply status, carried in FrameHeader::status. Maps 1:1 onto the Python exception a client
@@ -105,12 +112,16 @@ struct HelloOkBody {
 };
 static_assert(sizeof(HelloOkBody) == 24);
 
+// The table's optimizer (store::OptimizerSpec) travels with every Open: the session's ranks
+// and the table's store must agree on it. The learning rate does not: each Commit carries
+// its step's.
 struct OpenBody {
   uint64_t session;
   uint32_t rank;
   uint32_t world_size;
   uint32_t dim;
-  float lr;
+  uint8_t optimizer;      // store::OptimizerKind, <= kMaxOptimizerKind
+  uint8_t reserved[3];
   uint8_t grad_division;  // 1: divide the summed gradient by world_size
   uint8_t init_kind;      // store::InitKind of rows never written
   uint16_t name_len;      // table name bytes that follow, 1..kMaxTableName
@@ -119,14 +130,20 @@ struct OpenBody {
   uint32_t num_bound_ranges;  // r: per-key-range uniform bounds (store::InitSpec), <= 2^16
   uint64_t init_seed;
   int64_t key_bound;      // >= 0: keys lie in [0, key_bound); -1: any int64
+  double eps;             // the optimizer's constants (store::OptimizerSpec), finite
+  double beta1;
+  double beta2;
+  double weight_decay;
+  double initial_accumulator_value;
 };
-static_assert(sizeof(OpenBody) == 56);
+static_assert(sizeof(OpenBody) == 96);
+static_assert((kHeaderBytes + sizeof(OpenBody)) % 8 == 0);
 inline constexpr uint32_t kMaxBoundRanges = 1u << 16;
 
 struct OpenOkBody {
   int64_t committed_step;
   uint32_t dim;
-  uint32_t reserved;
+  uint32_t state_dim;  // optimizer state floats per row of the table
 };
 static_assert(sizeof(OpenOkBody) == 16);
 
@@ -138,7 +155,8 @@ struct CommitBody {
   uint32_t chunk_index;
   uint32_t chunk_count;
   uint32_t dim;
-  float lr;
+  float lr;          // the step's learning rate (Adam: its bias-corrected step size); finite,
+                     // >= 0, the same in every chunk of the step (else the session fails)
   uint32_t nrows;
   uint32_t reserved;
 };
@@ -167,23 +185,29 @@ struct GetBody {
   int64_t at_step;  // served once committed_step >= at_step (-1: now)
   uint32_t nrows;
   uint32_t dim;
+  uint32_t state_dim;  // 0: weights only; the table's state_dim: rows with their state
+  uint32_t reserved;
 };
-static_assert(sizeof(GetBody) == 24);
+static_assert(sizeof(GetBody) == 32);
 static_assert((kHeaderBytes + sizeof(GetBody)) % 8 == 0);
 
 struct GetOkBody {
   int64_t served_step;  // the committed step the rows are from (>= at_step)
   uint32_t nrows;
   uint32_t dim;
+  uint32_t state_dim;   // as requested
+  uint32_t reserved;
 };
-static_assert(sizeof(GetOkBody) == 16);
+static_assert(sizeof(GetOkBody) == 24);
 
 struct AssignBody {
   uint64_t session;
   uint32_t nrows;
   uint32_t dim;
+  uint32_t state_dim;  // 0: weights only (rows keep their state); the table's: weights + state
+  uint32_t reserved;
 };
-static_assert(sizeof(AssignBody) == 16);
+static_assert(sizeof(AssignBody) == 24);
 static_assert((kHeaderBytes + sizeof(AssignBody)) % 8 == 0);
 
 struct CloseBody {
@@ -211,6 +235,14 @@ struct MessageBody {
 };
 static_assert(sizeof(MessageBody) == 16);
 
+struct CheckpointNoteBody {
+  uint64_t session;
+  int64_t step;       // the committed step the checkpoint holds (or failed to hold)
+  uint32_t text_len;  // <= kMaxMessageBytes; the text follows (the error, or the directory)
+  uint32_t reserved;
+};
+static_assert(sizeof(CheckpointNoteBody) == 24);
+
 // Size of the fixed body struct of `type`; 0 for empty bodies (Ping/Pong).
 size_t FixedBodyBytes(MsgType type);
 bool IsKnownType(uint16_t type);
@@ -225,8 +257,9 @@ inline size_t CommitFrameBytes(size_t nrows, size_t dim) {
   return kHeaderBytes + sizeof(CommitBody) + nrows * 8 + nrows * dim * 4;
 }
 inline size_t GetFrameBytes(size_t nrows) { return kHeaderBytes + sizeof(GetBody) + nrows * 8; }
-inline size_t AssignFrameBytes(size_t nrows, size_t dim) {
-  return kHeaderBytes + sizeof(AssignBody) + nrows * 8 + nrows * dim * 4;
+// `width`: dim + state_dim floats per row.
+inline size_t AssignFrameBytes(size_t nrows, size_t width) {
+  return kHeaderBytes + sizeof(AssignBody) + nrows * 8 + nrows * width * 4;
 }
 
 // ---- header -----------------------------------------------------------------------------
@@ -290,7 +323,14 @@ bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* 
 bool ParseGet(const uint8_t* body, size_t len, GetView* out, std::string* why);
 bool ParseAssign(const uint8_t* body, size_t len, AssignView* out, std::string* why);
 bool ParseClose(const uint8_t* body, size_t len, CloseBody* out, std::string* why);
-bool ParseSession(const uint8_t* body, size_t len, SessionBody* out, std::string* why);
+// A Checkpoint: the session, then an optional label (0..kMaxTableName bytes following
+// ValidTableName's rules; empty: the shard's checkpoint directory itself, else its
+// subdirectory of that name).
+struct CheckpointView {
+  SessionBody body;
+  std::string_view label;
+};
+bool ParseCheckpoint(const uint8_t* body, size_t len, CheckpointView* out, std::string* why);
 
 // Valid table names: 1..kMaxTableName characters from [A-Za-z0-9_.:-] (they become
 // checkpoint directory names).

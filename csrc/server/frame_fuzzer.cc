@@ -49,7 +49,6 @@ FuzzFrame FrameFuzzer::BrokenOpen() {
   o.world_size = 1 + static_cast<uint32_t>(U(4));
   o.rank = static_cast<uint32_t>(U(o.world_size));
   o.dim = 1 + static_cast<uint32_t>(U(64));
-  o.lr = 0.5f;
   o.init_kind = static_cast<uint8_t>(U(3));
   o.key_bound = -1;
   char name_buf[24];
@@ -64,7 +63,13 @@ FuzzFrame FrameFuzzer::BrokenOpen() {
     case 4: o.grad_division = static_cast<uint8_t>(2 + U(250)); break;
     case 5: o.init_kind = static_cast<uint8_t>(3 + U(250)); break;
     case 6: name[U(name.size())] = "/ \x01*"[U(4)]; break;
-    case 7: o.lr = U(2) ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity(); break;
+    case 7:
+      if (U(2)) {
+        o.optimizer = static_cast<uint8_t>(wire::kMaxOptimizerKind + 1 + U(250));
+      } else {
+        o.eps = U(2) ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+      }
+      break;
     case 8: o.num_bound_ranges = 1 + static_cast<uint32_t>(U(4)); break;  // ranges missing
     default: o.key_bound = -2 - static_cast<int64_t>(U(1000)); break;
   }

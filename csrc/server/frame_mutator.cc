@@ -56,7 +56,7 @@ FrameMutator::Bytes FrameMutator::BitFlippedCommitBody() {
 
 FrameMutator::Bytes FrameMutator::GetBody() {
   protocol::wire::GetBody g{rng_(), static_cast<int64_t>(U(10)) - 1, static_cast<uint32_t>(U(4)),
-                  1 + static_cast<uint32_t>(U(8))};
+                            1 + static_cast<uint32_t>(U(8)), 0, 0};
   Bytes b;
   Append(&b, g);
   const Bytes keys = RandomBytes(size_t{g.nrows} * 8);

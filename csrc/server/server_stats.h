@@ -10,12 +10,17 @@ namespace bagpipe::server {
 
 struct ServerStats {
   uint64_t accepted = 0;
-  uint64_t refused = 0;           // TCP: over max_connections; UCX: a failed bootstrap
-  uint64_t active = 0;
+  uint64_t refused = 0;           // over max_connections (every slot authenticated); UCX: a failed bootstrap
+  uint64_t shed = 0;              // unauthenticated connections closed to admit newer ones
+  uint64_t handshake_timeouts = 0;  // connections that did not authenticate in time
+  uint64_t idle_timeouts = 0;     // authenticated connections closed after idle_timeout
+  uint64_t active = 0;            // open connections (any state)
+  uint64_t unauthenticated = 0;   // of which not authenticated yet
   uint64_t frames = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
   uint64_t closed_by_server = 0;  // connections closed for a protocol / auth violation
+  uint64_t threads = 0;           // threads serving connections (loop threads)
 };
 
 }  // namespace bagpipe::server

@@ -1,29 +1,35 @@
 // The shard side of the UCX transport's bootstrap: a TCP listener whose accepted control
-// connections run the ucx_wire.h handshake (Endpoint::Accept), each on its own short-lived
-// handshake thread, so a slow or hostile client never delays another.
+// connections run the ucx_wire.h handshake. Event-driven like the TCP server
+// (server/event_loop.h, server/admission.h): a connection's bootstrap request is read
+// without blocking on a small pool of loop threads, bounded as soon as its fixed part
+// arrives, and only a complete request reaches Endpoint::Accept (a few milliseconds of UCX
+// set-up on the loop thread). A slow or hostile client costs a registration, never a thread.
 //
-// Thread safety: all methods are thread-safe. Callbacks run on handshake threads, concurrently
-// for different connections.
+// Thread safety: all methods are thread-safe. Callbacks run on loop threads, concurrently for
+// different connections.
 //
 // Invariants:
-//   1. A handshake never outlives options.handshake_timeout; garbage, a wrong token or
-//      oversized ring parameters get a BootReply saying why (when the client still listens)
-//      and never reach on_connection.
-//   2. on_connection runs once per accepted endpoint, before its client may send a frame; the
+//   1. A handshake never outlives options.handshake_timeout from accept (an absolute
+//      deadline); garbage, a wrong token or oversized ring parameters get a BootReply saying
+//      why (when the client still listens) and never reach on_connection.
+//   2. Connections still bootstrapping are bounded as the TCP server's unauthenticated ones
+//      (options.admission): a new one sheds the oldest, so a legitimate client gets in
+//      during a flood.
+//   3. on_connection runs once per accepted endpoint, before its client may send a frame; the
 //      returned handlers own what they capture; the callback's caller keeps the endpoint.
-//   3. After Stop() returns no callback runs and no thread of the acceptor is left.
+//   4. After Stop() returns no callback runs and no thread of the acceptor is left.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
+#include <unordered_map>
 
-#include "transport/socket.h"
+#include "server/admission.h"
+#include "server/event_loop.h"
 #include "transport/ucx_endpoint.h"
 
 namespace bagpipe::server {
@@ -33,7 +39,11 @@ struct UcxAcceptorOptions {
   uint16_t port = 0;  // 0: an ephemeral port
   transport::ucx::UcxConfig config;
   transport::ucx::Endpoint::AcceptLimits limits;
-  double handshake_timeout = 10.0;  // seconds
+  double handshake_timeout = 10.0;  // seconds from accept to the reply (absolute)
+  // max_connections bounds the connections still bootstrapping here (established ones are
+  // the server's business).
+  AdmissionLimits admission{256, 256, 32};
+  size_t io_threads = 2;
 };
 
 class UcxAcceptor {
@@ -53,36 +63,51 @@ class UcxAcceptor {
   UcxAcceptor(const UcxAcceptor&) = delete;
   UcxAcceptor& operator=(const UcxAcceptor&) = delete;
 
-  uint16_t port() const { return listener_.port(); }
-  const std::string& host() const { return listener_.host(); }
-  // Stops accepting and joins every handshake thread. Idempotent.
+  uint16_t port() const { return port_; }
+  const std::string& host() const { return options_.host; }
+  // Stops accepting and ends every handshake in progress. Idempotent.
   void Stop();
 
   uint64_t accepted() const { return accepted_.load(); }
   uint64_t refused() const { return refused_.load(); }
+  uint64_t shed() const { return shed_.load(); }
+  uint64_t handshake_timeouts() const { return handshake_timeouts_.load(); }
+  size_t bootstrapping() const;
+  size_t threads() const { return loop_ ? loop_->threads() : 0; }
   // Why the most recent failed handshake failed ("" if none did).
   std::string last_error() const;
 
  private:
-  void AcceptLoop();
-  void Reap(bool all);
+  class Listener;
+  class Bootstrap;
+  friend class Listener;
+  friend class Bootstrap;
+
+  uint32_t AcceptBatch();
+  void Admit(int fd);
+  void Finished(uint64_t id, bool accepted, const std::string& error);
+  void Tick();
 
   const UcxAcceptorOptions options_;
   const Authorize authorize_;
   const OnConnection on_connection_;
   std::shared_ptr<transport::ucx::Context> context_;
-  transport::Listener listener_;
-  std::thread accept_thread_;
+  uint16_t port_ = 0;
+  int listen_fd_ = -1;
+  std::unique_ptr<EventLoop> loop_;
+  std::shared_ptr<EventLoop::Registration> listener_;
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> accepted_{0};
   std::atomic<uint64_t> refused_{0};
+  std::atomic<uint64_t> shed_{0};
+  std::atomic<uint64_t> handshake_timeouts_{0};
 
-  struct Handshake {
-    std::thread thread;
-    std::atomic<bool> done{false};
-  };
-  mutable std::mutex mu_;  // guards every field below
-  std::list<std::unique_ptr<Handshake>> handshakes_;
+  std::mutex stop_mu_;  // serializes Stop
+  mutable std::mutex mu_;  // guards every field below (a leaf)
+  Admission admission_;
+  std::unordered_map<uint64_t, std::shared_ptr<Bootstrap>> boots_;
+  uint64_t next_id_ = 1;
+  Clock::time_point accept_paused_until_{};
   std::string last_error_;
 };
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "transport/socket.h"
 
 namespace bagpipe::server {
 
@@ -92,11 +93,26 @@ class UcxShardServer::Link : public transport::ServerLink, public std::enable_sh
 UcxShardServer::UcxShardServer(std::shared_ptr<transport::FrameHandler> shard, UcxServerOptions options)
     : shard_(std::move(shard)), options_(std::move(options)) {
   if (!shard_) throw ValueError("UcxShardServer needs a shard");
+  if (options_.job_token.empty() && !options_.allow_no_token &&
+      !transport::IsLoopbackHost(options_.host)) {
+    throw ValueError("refusing to serve on " + options_.host +
+                     " without a job token: anyone who reaches this address could read and "
+                     "write every table; set a job token (BAGPIPE_JOB_TOKEN / --job-token), "
+                     "bind 127.0.0.1, or allow it explicitly (--allow-no-token)");
+  }
   UcxAcceptorOptions ao;
   ao.host = options_.host;
   ao.port = options_.port;
   ao.config = options_.config;
   ao.handshake_timeout = options_.handshake_timeout;
+  ao.admission = AdmissionLimits{options_.max_unauthenticated, options_.max_unauthenticated,
+                                 options_.max_unauthenticated_per_host};
+  ao.io_threads = options_.io_threads;
+  if (options_.progress_threads == 0 || options_.progress_threads > 64) {
+    throw ValueError("progress_threads must be in [1, 64]");
+  }
+  progress_ = std::make_shared<ucx::ProgressPool>(options_.progress_threads);
+  ao.limits.progress = progress_;
   ao.limits.max_slot_bytes = shard_->identity().max_frame_bytes;
   ao.limits.max_ring_bytes = options_.max_ring_bytes;
   reaper_ = std::thread([this] { ReaperLoop(); });
@@ -246,11 +262,16 @@ ServerStats UcxShardServer::stats() {
   ServerStats s;
   s.accepted = acceptor_->accepted();
   s.refused = acceptor_->refused();
+  s.shed = acceptor_->shed();
+  s.handshake_timeouts = acceptor_->handshake_timeouts();
+  s.unauthenticated = acceptor_->bootstrapping();
   s.frames = frames_.load();
   s.bytes_in = bytes_in_.load();
   s.closed_by_server = closed_by_server_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.active = conns_.size();
+  // Bootstrap loop threads, the reaper, and the progress threads of every endpoint.
+  s.threads = acceptor_->threads() + 1 + progress_->threads();
   s.bytes_out = bytes_out_;
   return s;
 }

@@ -40,9 +40,14 @@ struct UcxServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;                  // 0: an ephemeral port (see port())
   std::string job_token;
+  bool allow_no_token = false;        // as TcpServerOptions: no token off loopback needs it
   ucx::UcxConfig config;              // empty fields: UCX_TLS / UCX_NET_DEVICES
-  double handshake_timeout = 10.0;
-  size_t max_connections = 1024;
+  double handshake_timeout = 10.0;    // seconds from accept to the bootstrap reply (absolute)
+  size_t max_connections = 1024;      // established connections
+  size_t max_unauthenticated = 256;   // connections still bootstrapping (ucx_acceptor.h)
+  size_t max_unauthenticated_per_host = 32;
+  size_t io_threads = 2;              // bootstrap loop threads
+  size_t progress_threads = 2;        // threads driving every established connection
   size_t max_ring_bytes = size_t{1} << 30;  // per connection
 };
 
@@ -81,6 +86,7 @@ class UcxShardServer {
 
   const std::shared_ptr<transport::FrameHandler> shard_;
   const UcxServerOptions options_;
+  std::shared_ptr<ucx::ProgressPool> progress_;  // drives every endpoint (ucx_progress.h)
   std::unique_ptr<UcxAcceptor> acceptor_;
   std::atomic<bool> stopped_{false};
   std::atomic<uint64_t> frames_{0};

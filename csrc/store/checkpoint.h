@@ -6,7 +6,8 @@
 //   MANIFEST              JSON + checksum trailer, written last
 //   keys-SSSS.bin         int64 keys of segment SSSS (one segment per shard of the writer)
 //   rows-SSSS.bin         float32 rows, count x dim, row-major, no padding
-//   state-SSSS.bin        float32 optimizer state, count x state_dim (absent for SGD)
+//   state-SSSS.bin        float32 optimizer state, count x state_dim (absent for SGD and in
+//                         weights-only checkpoints)
 //
 // Crash safety: everything is written into a sibling temp directory ".<name>.tmp-<pid>-<n>",
 // each file and the directory are fsync'd, then the temp directory replaces <name> in one

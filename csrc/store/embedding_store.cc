@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "store/splitmix64.h"
 #include "store/key_map.h"
 #include "common/os_memory.h"
+#include "store/optimizer_kernels.h"
 #include "store/page_arena.h"
 
 namespace bagpipe::store {
@@ -31,9 +33,30 @@ constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
 
 size_t RowStride(int dim) { return RoundUp(static_cast<size_t>(dim) * sizeof(float), kRowAlign); }
 
+// Bytes between the optimizer states of consecutive rows in a page's state block: a state
+// of at most half a cache line is packed at a power-of-two stride (never straddling a line),
+// a larger one starts on a cache line like the weight rows.
+size_t StateStride(int state_dim) {
+  const size_t bytes = static_cast<size_t>(state_dim) * sizeof(float);
+  if (bytes == 0) return 0;
+  if (bytes > kRowAlign / 2) return RoundUp(bytes, kRowAlign);
+  size_t p = sizeof(float);
+  while (p < bytes) p *= 2;
+  return p;
+}
+
+// The width of the row-sum tree (optimizer_kernels.h): the smallest power of two >= dim.
+int PaddedDim(int dim) {
+  int p = 1;
+  while (p < dim) p *= 2;
+  return p;
+}
+
 bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
 int Log2(uint64_t v) { return 63 - __builtin_clzll(v); }
+
+size_t SlotBytes(int dim, int state_dim) { return RowStride(dim) + StateStride(state_dim); }
 
 StoreOptions Resolve(StoreOptions o) {
   if (o.dim <= 0 || o.dim > (1 << 20)) {
@@ -46,8 +69,8 @@ StoreOptions Resolve(StoreOptions o) {
   if (o.num_threads < 1 || o.num_threads > 1024) {
     throw ValueError("num_threads must be in [1, 1024], got " + std::to_string(o.num_threads));
   }
-  if (o.page_rows != 0 && (!IsPowerOfTwo(o.page_rows) || o.page_rows > (1u << 24))) {
-    throw ValueError("page_rows must be a power of two in [1, 16777216], got " +
+  if (o.page_rows > (1u << 24)) {
+    throw ValueError("page_rows must be in [1, 16777216] (0: automatic), got " +
                      std::to_string(o.page_rows));
   }
   if (o.memory_budget < -1) {
@@ -60,9 +83,19 @@ StoreOptions Resolve(StoreOptions o) {
                      std::to_string(o.high_watermark));
   }
   ValidateInitSpec(o.init);
+  ValidateOptimizerSpec(o.optimizer);
   if (o.page_rows == 0) {
-    size_t rows = std::max<size_t>(1, kTargetPageBytes / RowStride(o.dim));
-    o.page_rows = uint32_t{1} << Log2(rows);
+    const int state_dim = StateDim(o.optimizer.kind, o.dim);
+    if (state_dim == 0) {
+      // About 2 MiB of rows, a power of two (one huge page when the stride is one too).
+      const size_t rows = std::max<size_t>(1, kTargetPageBytes / RowStride(o.dim));
+      o.page_rows = uint32_t{1} << Log2(rows);
+    } else {
+      // As many rows as fit, weights and state, in 2 MiB: one huge page holds both (a
+      // power of two would leave the state block of a row-wise store on 4 KiB pages).
+      const size_t rows = kTargetPageBytes / SlotBytes(o.dim, state_dim);
+      o.page_rows = static_cast<uint32_t>(std::max<size_t>(1, rows));
+    }
   }
   if (o.memory_budget == -1) o.memory_budget = static_cast<int64_t>(DetectMemoryLimit() / 2);
   return o;
@@ -99,7 +132,8 @@ struct Shard {
   };
   std::vector<Fresh> fresh;
 
-  std::vector<float> acc;                       // ApplySgd: one group's gradient sum
+  std::vector<float> acc;                       // ApplyGradients: one group's gradient sum
+  std::vector<float> scratch;                   // ApplyGradients: the row kernels' scratch
   std::vector<uint32_t> freed;                  // slots the current Erase released
 };
 
@@ -112,10 +146,14 @@ class EmbeddingStore::Impl {
         dim_(opt_.dim),
         row_bytes_(static_cast<size_t>(opt_.dim) * sizeof(float)),
         stride_(RowStride(opt_.dim)),
-        page_shift_(Log2(opt_.page_rows)),
-        page_mask_(opt_.page_rows - 1),
+        state_dim_(StateDim(opt_.optimizer.kind, opt_.dim)),
+        state_bytes_(static_cast<size_t>(state_dim_) * sizeof(float)),
+        state_stride_(StateStride(state_dim_)),
+        state_offset_(stride_ * opt_.page_rows),
+        initial_state_(ConstantsOf(opt_.optimizer).initial_state),
+        index_(opt_.page_rows),
         num_shards_(static_cast<uint32_t>(opt_.num_shards)),
-        arena_(stride_, opt_.page_rows),
+        arena_(stride_ + state_stride_, opt_.page_rows),
         spill_(&arena_, SpillTier::Options{opt_.memory_budget, opt_.spill_dir,
                                            opt_.high_watermark, opt_.low_watermark}),
         pool_(opt_.num_threads, kPoolSpinMicros) {
@@ -126,16 +164,18 @@ class EmbeddingStore::Impl {
   }
 
   const StoreOptions& options() const { return opt_; }
+  int state_dim() const { return state_dim_; }
 
-  void Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing);
-  void Assign(const int64_t* keys, size_t n, const float* rows);
-  void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int divisor);
-  void ApplySgdSegments(const GradSegment* segs, size_t count, float lr, int divisor);
+  void Lookup(const int64_t* keys, size_t n, float* out, float* state_out, bool insert_missing);
+  void Assign(const int64_t* keys, size_t n, const float* rows, const float* state);
+  void ApplyGradients(const int64_t* keys, size_t n, const float* grads, float lr, int divisor);
+  void ApplyGradientsSegments(const GradSegment* segs, size_t count, float lr, int divisor);
+  void RequireSgd(const char* method) const;
   void Contains(const int64_t* keys, size_t n, uint8_t* present);
   size_t Erase(const int64_t* keys, size_t n);
   void Reserve(size_t total_rows);
   size_t Size();
-  size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows);
+  size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows, float* state);
   StoreStats Stats();
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
             bool weights_only);
@@ -149,41 +189,53 @@ class EmbeddingStore::Impl {
     return static_cast<uint32_t>(((hash >> 32) * num_shards_) >> 32);
   }
   char* Row(uint32_t slot) const {
-    return page_addr_[slot >> page_shift_] + static_cast<size_t>(slot & page_mask_) * stride_;
+    const uint32_t page = index_.Page(slot);
+    return page_addr_[page] + static_cast<size_t>(index_.RowIn(slot, page)) * stride_;
   }
-  void Touch(uint32_t slot, uint32_t epoch) const { pages_[slot >> page_shift_]->Touch(epoch); }
+  // The optimizer state of a slot (REQUIRES: state_dim_ > 0).
+  char* State(uint32_t slot) const {
+    const uint32_t page = index_.Page(slot);
+    return page_addr_[page] + state_offset_ +
+           static_cast<size_t>(index_.RowIn(slot, page)) * state_stride_;
+  }
+  void FillInitialState(float* state) const { std::fill(state, state + state_dim_, initial_state_); }
+  void Touch(uint32_t slot, uint32_t epoch) const { pages_[index_.Page(slot)]->Touch(epoch); }
   void CheckKeys(const int64_t* keys, size_t n) const;
   void Route(const int64_t* keys, size_t n);
   void RunShards(const std::function<void(Shard&, uint32_t begin, uint32_t end)>& fn);
   void GroupShard(Shard& sh, const int64_t* keys, uint32_t begin, uint32_t end);
   void Materialize(const int64_t* keys);
-  void Publish(Shard& sh, bool init, uint32_t epoch);
-  template <bool kTrack, size_t kRowBytes>
-  void ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
-                  std::vector<uint32_t>* misses);
-  template <bool kTrack>
-  void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, bool record_misses,
-               std::vector<uint32_t>* misses);
+  void Publish(Shard& sh, bool init_rows, bool init_state, uint32_t epoch);
+  template <bool kTrack, size_t kRowBytes, bool kState>
+  void ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out, float* state_out,
+                  bool record_misses, std::vector<uint32_t>* misses);
+  template <bool kTrack, bool kState>
+  void ReadAny(const int64_t* keys, size_t begin, size_t end, float* out, float* state_out,
+               bool record_misses, std::vector<uint32_t>* misses);
   // Gradient row i is grads + i * dim, or grad_rows[i] when grad_rows is not null.
-  void ApplySgdLocked(const int64_t* keys, size_t n, const float* grads,
-                      const float* const* grad_rows, float lr, int divisor);
-  template <int kDim, bool kRowTable>
-  void SgdShard(Shard& sh, uint32_t begin, const float* grads, const float* const* grad_rows,
-                float lr, int divisor);
+  void ApplyLocked(const int64_t* keys, size_t n, const float* grads,
+                   const float* const* grad_rows, float lr, int divisor);
+  template <int kDim, bool kRowTable, OptimizerKind kKind>
+  void UpdateShard(Shard& sh, uint32_t begin, const float* grads, const float* const* grad_rows,
+                   const StepArgs& args);
   void Finish() { spill_.AfterOp(epoch_); }
 
   const StoreOptions opt_;
   const int dim_;
   const size_t row_bytes_;
-  const size_t stride_;
-  const int page_shift_;
-  const uint32_t page_mask_;
+  const size_t stride_;        // bytes between weight rows
+  const int state_dim_;        // optimizer state floats per row
+  const size_t state_bytes_;
+  const size_t state_stride_;  // bytes between states in a page's state block (0: none)
+  const size_t state_offset_;  // the state block's offset in a page
+  const float initial_state_;  // every float of a fresh row's state
+  const PageIndex index_;      // slot -> page, row in the page
   const uint32_t num_shards_;
 
   std::mutex mu_;  // serializes batch ops; guards every field below
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<KeyMap::View> views_;  // map snapshots for read loops, refreshed per read op
-  // Slots are global to the store: slot -> page slot >> page_shift_, row slot & page_mask_.
+  // Slots are global to the store: slot -> page index_.Page(slot), row index_.RowIn(...).
   std::vector<char*> page_addr_;             // page -> first row address
   std::vector<PageArena::Page*> pages_;      // page -> arena page (for Touch)
   uint32_t next_slot_ = 0;                   // slots [0, next_slot_) have been handed out
@@ -206,8 +258,8 @@ class EmbeddingStore::Impl {
   std::vector<uint32_t> miss_rows_;
   std::vector<uint32_t> route_pos_;
   std::vector<uint16_t> route_shard_;          // shard of each routed key (< 4096)
-  std::vector<int64_t> segment_keys_;          // ApplySgdSegments: the segments' keys in order
-  std::vector<const float*> segment_rows_;     // ApplySgdSegments: each key's gradient row
+  std::vector<int64_t> segment_keys_;          // ApplyGradientsSegments: the segments' keys
+  std::vector<const float*> segment_rows_;     // ApplyGradientsSegments: each key's gradient
 };
 
 void EmbeddingStore::Impl::CheckKeys(const int64_t* keys, size_t n) const {
@@ -281,9 +333,12 @@ void EmbeddingStore::Impl::GroupShard(Shard& sh, const int64_t* keys, uint32_t b
   sh.item_group.resize(m);
   sh.next_item.resize(m);
   sh.deferred.reserve(m);
-  // Size the ApplySgd scratch now, while a failure can still be rolled back: nothing in
-  // the write phase allocates.
+  // Size the update scratch now, while a failure can still be rolled back: nothing in the
+  // write phase allocates.
   if (sh.acc.size() < static_cast<size_t>(dim_)) sh.acc.resize(dim_);
+  // Room to align the kernels' scratch (UpdateShard) to kScratchAlign bytes.
+  const size_t scratch = KernelScratchFloats(dim_, PaddedDim(dim_)) + kScratchAlign / sizeof(float);
+  if (sh.scratch.size() < scratch) sh.scratch.resize(scratch);
   const KeyMap::View v = sh.map.view();
   uint32_t* table = sh.dedupe.data();
   uint32_t* next_item = sh.next_item.data();
@@ -340,6 +395,7 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
         const char* r = Row(slot);
         __builtin_prefetch(r, 1);
         if (stride_ > 64) __builtin_prefetch(r + 64, 1);
+        if (state_stride_ != 0) __builtin_prefetch(State(slot), 1);
       };
       for (size_t g = 0; g < ng; ++g) {
         Shard::Group& grp = groups[g];
@@ -386,7 +442,7 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
             taken < reused ? free_slots_[free_before - 1 - taken++] : next_slot_++;
       }
     }
-    const size_t want = (static_cast<size_t>(next_slot_) + page_mask_) >> page_shift_;
+    const size_t want = index_.PagesFor(next_slot_);
     if (want > page_addr_.size()) {
       spill_.MakeRoom(want - page_addr_.size());
       page_addr_.reserve(want);
@@ -414,10 +470,12 @@ void EmbeddingStore::Impl::Materialize(const int64_t* keys) {
   ++mutations_;
 }
 
-// Publishes the slots of this op's new keys in the map and, when `init`, writes their
-// initial rows. Cannot fail: the pages were secured by Materialize.
-void EmbeddingStore::Impl::Publish(Shard& sh, bool init, uint32_t epoch) {
+// Publishes the slots of this op's new keys in the map and writes their initial rows (when
+// `init_rows`) and initial optimizer state (when `init_state`). Cannot fail: the pages were
+// secured by Materialize.
+void EmbeddingStore::Impl::Publish(Shard& sh, bool init_rows, bool init_state, uint32_t epoch) {
   const bool track = spill_.tracking();
+  init_state = init_state && state_dim_ > 0;
   for (const auto& f : sh.fresh) {
     const Shard::Group& grp = sh.groups[f.group];
     if (sh.map.capacity() == f.capacity) {
@@ -425,7 +483,10 @@ void EmbeddingStore::Impl::Publish(Shard& sh, bool init, uint32_t epoch) {
     } else {
       sh.map.SetSlot(grp.key, grp.hash, grp.slot);
     }
-    if (init) InitRow(opt_.init, dim_, grp.key, grp.hash, reinterpret_cast<float*>(Row(grp.slot)));
+    if (init_rows) {
+      InitRow(opt_.init, dim_, grp.key, grp.hash, reinterpret_cast<float*>(Row(grp.slot)));
+    }
+    if (init_state) FillInitialState(reinterpret_cast<float*>(State(grp.slot)));
     if (track) Touch(grp.slot, epoch);
   }
 }
@@ -448,23 +509,25 @@ inline void CopyRow(float* dst, const char* src, size_t bytes) {
 // empty entry means absent, a full bucket without the key (about 9% of keys at load 0.7)
 // defers the key and prefetches the next bucket; (C) group g: finish the deferred keys and
 // prefetch their rows; (D) group g-1: copy the rows out. Every line a stage touches was
-// prefetched at least one stage earlier, so the misses of a few dozen keys overlap.
-template <bool kTrack, size_t kRowBytes>
+// prefetched at least one stage earlier, so the misses of a few dozen keys overlap. kState:
+// the rows' optimizer state goes to state_out alongside (prefetched with the row).
+template <bool kTrack, size_t kRowBytes, bool kState>
 void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t end, float* out,
-                                      bool record_misses, std::vector<uint32_t>* misses) {
+                                      float* state_out, bool record_misses,
+                                      std::vector<uint32_t>* misses) {
   constexpr size_t G = kReadGroup;
   struct Stage {
     const KeyMap::View* view[G];    // the key's shard
     const KeyMap::Entry* bucket[G]; // home bucket (A), then the next one for deferred keys (B)
     const char* row[G];             // nullptr: absent
+    const char* state[G];           // kState: the row's optimizer state
     uint8_t deferred[G];            // indices in the group of keys B could not resolve
     uint32_t num_deferred;
   };
   Stage stages[4];
   const KeyMap::View* views = views_.data();
   char* const* page_addr = page_addr_.data();
-  const int page_shift = page_shift_;
-  const uint32_t page_mask = page_mask_;
+  const PageIndex index = index_;
   constexpr size_t kStride = RoundUp(kRowBytes, kRowAlign);
   const size_t stride = kRowBytes > 0 ? kStride : stride_;
   const size_t row_bytes = row_bytes_;
@@ -474,16 +537,24 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
   const size_t lines = std::min<size_t>(stride / 64, 4);
   const size_t n = end - begin;
   const size_t groups = (n + G - 1) / G;
+  const size_t state_dim = static_cast<size_t>(state_dim_);
   keys += begin;
   out += begin * dim;
-  auto row_of = [&](uint32_t slot) -> const char* {
-    const char* r = page_addr[slot >> page_shift] + static_cast<size_t>(slot & page_mask) * stride;
+  if constexpr (kState) state_out += begin * state_dim;
+  auto locate = [&](Stage& st, size_t j, uint32_t slot) {
+    const uint32_t page = index.Page(slot);
+    const char* r = page_addr[page] + static_cast<size_t>(index.RowIn(slot, page)) * stride;
     __builtin_prefetch(r);
     if (kStride > 64 || (kRowBytes == 0 && lines > 1)) {
       for (size_t l = 1; l < lines; ++l) __builtin_prefetch(r + 64 * l);
     }
-    if constexpr (kTrack) pages_[slot >> page_shift]->Touch(epoch);
-    return r;
+    st.row[j] = r;
+    if constexpr (kState) {
+      const char* sp = State(slot);
+      __builtin_prefetch(sp);
+      st.state[j] = sp;
+    }
+    if constexpr (kTrack) pages_[page]->Touch(epoch);
   };
   auto hash_stage = [&](size_t g) {
     if (g >= groups) return;
@@ -509,7 +580,7 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
       const KeyMap::Entry* e = st.bucket[j];
       const KeyMap::Match mt = KeyMap::MatchBucket(e, k[j]);
       if (mt.hit != 0) {
-        st.row[j] = row_of(e[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag - 1);
+        locate(st, j, e[KeyMap::EntryOf(__builtin_ctz(mt.hit))].tag - 1);
       } else if (mt.empty != 0) {
         st.row[j] = nullptr;
       } else {
@@ -530,7 +601,11 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
       const size_t j = st.deferred[q];
       const KeyMap::View* v = st.view[j];
       const uint32_t slot = v->FindFrom(v->BucketOf(st.bucket[j]), k[j]);
-      st.row[j] = slot != KeyMap::kNotFound ? row_of(slot) : nullptr;
+      if (slot != KeyMap::kNotFound) {
+        locate(st, j, slot);
+      } else {
+        st.row[j] = nullptr;
+      }
     }
   };
   auto copy_stage = [&](size_t g) {
@@ -541,10 +616,12 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
       float* dst = out + i * dim;
       if (st.row[j] != nullptr) {
         CopyRow<kRowBytes>(dst, st.row[j], row_bytes);
+        if constexpr (kState) std::memcpy(state_out + i * state_dim, st.state[j], state_bytes_);
       } else if (record_misses) {
         misses->push_back(static_cast<uint32_t>(begin + i));
       } else {
         InitRow(opt_.init, dim_, keys[i], KeyHash(keys[i]), dst);
+        if constexpr (kState) FillInitialState(state_out + i * state_dim);
       }
     }
   };
@@ -559,19 +636,26 @@ void EmbeddingStore::Impl::ReadGroups(const int64_t* keys, size_t begin, size_t 
   }
 }
 
-template <bool kTrack>
+template <bool kTrack, bool kState>
 void EmbeddingStore::Impl::ReadAny(const int64_t* keys, size_t begin, size_t end, float* out,
-                                   bool record_misses, std::vector<uint32_t>* misses) {
+                                   float* state_out, bool record_misses,
+                                   std::vector<uint32_t>* misses) {
+  auto read = [&](auto row_bytes) {
+    ReadGroups<kTrack, decltype(row_bytes)::value, kState>(keys, begin, end, out, state_out,
+                                                          record_misses, misses);
+  };
   switch (row_bytes_) {
-    case 64: return ReadGroups<kTrack, 64>(keys, begin, end, out, record_misses, misses);
-    case 128: return ReadGroups<kTrack, 128>(keys, begin, end, out, record_misses, misses);
-    case 256: return ReadGroups<kTrack, 256>(keys, begin, end, out, record_misses, misses);
-    case 512: return ReadGroups<kTrack, 512>(keys, begin, end, out, record_misses, misses);
-    default: return ReadGroups<kTrack, 0>(keys, begin, end, out, record_misses, misses);
+    case 64: return read(std::integral_constant<size_t, 64>{});
+    case 128: return read(std::integral_constant<size_t, 128>{});
+    case 256: return read(std::integral_constant<size_t, 256>{});
+    case 512: return read(std::integral_constant<size_t, 512>{});
+    default: return read(std::integral_constant<size_t, 0>{});
   }
 }
 
-void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing) {
+void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, float* state_out,
+                                  bool insert_missing) {
+  if (state_dim_ == 0) state_out = nullptr;  // nothing to copy
   std::lock_guard<std::mutex> lock(mu_);
   CheckKeys(keys, n);
   if (n == 0) return;
@@ -586,10 +670,17 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
   for (uint32_t s = 0; s < num_shards_; ++s) views_[s] = shards_[s]->map.view();
   pool_.Run(tasks, [&](size_t t) {
     const size_t b = n * t / tasks, e = n * (t + 1) / tasks;
-    if (track) {
-      ReadAny<true>(keys, b, e, out, insert_missing, &task_misses_[t]);
+    std::vector<uint32_t>* misses = &task_misses_[t];
+    if (state_out != nullptr) {
+      if (track) {
+        ReadAny<true, true>(keys, b, e, out, state_out, insert_missing, misses);
+      } else {
+        ReadAny<false, true>(keys, b, e, out, state_out, insert_missing, misses);
+      }
+    } else if (track) {
+      ReadAny<true, false>(keys, b, e, out, nullptr, insert_missing, misses);
     } else {
-      ReadAny<false>(keys, b, e, out, insert_missing, &task_misses_[t]);
+      ReadAny<false, false>(keys, b, e, out, nullptr, insert_missing, misses);
     }
   });
   if (insert_missing) {
@@ -607,11 +698,14 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
       Materialize(miss_keys_.data());
       const uint32_t epoch = epoch_;
       RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
-        Publish(sh, /*init=*/true, epoch);
+        Publish(sh, /*init_rows=*/true, /*init_state=*/true, epoch);
         for (uint32_t k = 0; k < e - b; ++k) {
           const uint32_t slot = sh.groups[sh.item_group[k]].slot;
-          std::memcpy(out + static_cast<size_t>(miss_rows[order_[b + k]]) * dim_, Row(slot),
-                      row_bytes_);
+          const size_t i = miss_rows[order_[b + k]];
+          std::memcpy(out + i * dim_, Row(slot), row_bytes_);
+          if (state_out != nullptr) {
+            std::memcpy(state_out + i * state_dim_, State(slot), state_bytes_);
+          }
         }
       });
     }
@@ -620,7 +714,9 @@ void EmbeddingStore::Impl::Lookup(const int64_t* keys, size_t n, float* out, boo
   Finish();
 }
 
-void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* rows) {
+void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* rows,
+                                  const float* state) {
+  if (state_dim_ == 0) state = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   CheckKeys(keys, n);
   if (n == 0) return;
@@ -631,12 +727,14 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
   RunShards([&](Shard& sh, uint32_t b, uint32_t) {
-    // New rows are fully overwritten: no initialisation. Each distinct key takes the row of
-    // its last occurrence.
-    Publish(sh, /*init=*/false, epoch);
+    // New rows are fully overwritten: no initialisation of their weights; their state
+    // starts from the initial state unless it is assigned too. Each distinct key takes the
+    // row (and state) of its last occurrence.
+    Publish(sh, /*init_rows=*/false, /*init_state=*/state == nullptr, epoch);
     for (const Shard::Group& grp : sh.groups) {
-      std::memcpy(Row(grp.slot), rows + static_cast<size_t>(order_[b + grp.last]) * dim_,
-                  row_bytes_);
+      const size_t last = order_[b + grp.last];
+      std::memcpy(Row(grp.slot), rows + last * dim_, row_bytes_);
+      if (state != nullptr) std::memcpy(State(grp.slot), state + last * state_dim_, state_bytes_);
       if (track) Touch(grp.slot, epoch);
     }
   });
@@ -645,26 +743,6 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
 }
 
 namespace {
-// w -= lr * (g / div): the §1 arithmetic, one fp32 op at a time (built with
-// -ffp-contract=off, so no FMA). kDim > 0 fixes the trip count at compile time.
-template <int kDim>
-inline void SgdRow(float* __restrict w, const float* __restrict g, float lr, float div,
-                   bool divide, int runtime_dim) {
-  const int dim = kDim > 0 ? kDim : runtime_dim;
-  if (divide) {
-    for (int c = 0; c < dim; ++c) {
-      float u = g[c] / div;
-      u = u * lr;
-      w[c] = w[c] - u;
-    }
-  } else {
-    for (int c = 0; c < dim; ++c) {
-      const float u = g[c] * lr;
-      w[c] = w[c] - u;
-    }
-  }
-}
-
 template <int kDim>
 inline void AddRow(float* __restrict a, const float* __restrict g, int runtime_dim) {
   const int dim = kDim > 0 ? kDim : runtime_dim;
@@ -673,20 +751,21 @@ inline void AddRow(float* __restrict a, const float* __restrict g, int runtime_d
 }  // namespace
 
 // One update per group, in group order: the gradient rows of a key's occurrences are summed
-// in input order (the first copied, the rest added), then applied once. Rows were
-// prefetched for writing by Materialize.
-template <int kDim, bool kRowTable>
-void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads,
-                                    const float* const* grad_rows, float lr, int divisor) {
+// in input order (the first copied, the rest added), then applied once by the optimizer's
+// row kernel. Rows (and states) were prefetched for writing by Materialize.
+template <int kDim, bool kRowTable, OptimizerKind kKind>
+void EmbeddingStore::Impl::UpdateShard(Shard& sh, uint32_t b, const float* grads,
+                                       const float* const* grad_rows, const StepArgs& args) {
   const size_t ng = sh.groups.size();
-  const float div = static_cast<float>(divisor);
-  const bool divide = divisor != 1;
   const bool track = spill_.tracking();
   const uint32_t epoch = epoch_;
   const size_t dim = static_cast<size_t>(kDim > 0 ? kDim : dim_);
   const uint32_t* order = order_.data() + b;
   const uint32_t* next_item = sh.next_item.data();
-  float* acc = sh.acc.data();  // sized by GroupShard
+  float* acc = sh.acc.data();          // sized by GroupShard
+  // Sized by GroupShard, with room for the alignment the kernels require.
+  float* scratch = reinterpret_cast<float*>(
+      RoundUp(reinterpret_cast<uintptr_t>(sh.scratch.data()), kScratchAlign));
   auto row = [&](uint32_t i) -> const float* {
     if constexpr (kRowTable) {
       return grad_rows[i];
@@ -697,6 +776,8 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads,
   for (size_t g = 0; g < ng; ++g) {
     const Shard::Group& grp = sh.groups[g];
     float* w = reinterpret_cast<float*>(Row(grp.slot));
+    float* state = nullptr;
+    if constexpr (kKind != OptimizerKind::kSgd) state = reinterpret_cast<float*>(State(grp.slot));
     const float* grad = row(order[grp.first]);
     if (grp.count > 1) {
       std::memcpy(acc, grad, dim * sizeof(float));
@@ -705,28 +786,40 @@ void EmbeddingStore::Impl::SgdShard(Shard& sh, uint32_t b, const float* grads,
       }
       grad = acc;
     }
-    SgdRow<kDim>(w, grad, lr, div, divide, dim_);
+    kernels::UpdateRow<kDim, kKind>(w, state, grad, args, scratch);
     if (track) Touch(grp.slot, epoch);
   }
 }
 
-void EmbeddingStore::Impl::ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr,
-                                    int divisor) {
+void EmbeddingStore::Impl::RequireSgd(const char* method) const {
+  if (opt_.optimizer.kind != OptimizerKind::kSgd) {
+    throw ValueError(std::string("optimizer: ") + method + " needs an SGD store, this one runs '" +
+                     OptimizerKindName(opt_.optimizer.kind) + "' (use ApplyGradients)");
+  }
+}
+
+namespace {
+void CheckStep(float lr, int divisor) {
   if (divisor < 1) throw ValueError("grad_divisor must be >= 1, got " + std::to_string(divisor));
   if (!std::isfinite(lr)) throw ValueError("lr must be finite");
+}
+}  // namespace
+
+void EmbeddingStore::Impl::ApplyGradients(const int64_t* keys, size_t n, const float* grads,
+                                          float lr, int divisor) {
+  CheckStep(lr, divisor);
   std::lock_guard<std::mutex> lock(mu_);
   CheckKeys(keys, n);
   if (n == 0) return;
-  ApplySgdLocked(keys, n, grads, nullptr, lr, divisor);
+  ApplyLocked(keys, n, grads, nullptr, lr, divisor);
 }
 
 // The segments' keys are gathered (routing wants one key array, 8 bytes a row); their
 // gradient rows stay where they are and are reached through a per-row pointer table, so the
-// update reads every gradient byte once, as ApplySgd on the concatenation would.
-void EmbeddingStore::Impl::ApplySgdSegments(const GradSegment* segs, size_t count, float lr,
-                                            int divisor) {
-  if (divisor < 1) throw ValueError("grad_divisor must be >= 1, got " + std::to_string(divisor));
-  if (!std::isfinite(lr)) throw ValueError("lr must be finite");
+// update reads every gradient byte once, as ApplyGradients on the concatenation would.
+void EmbeddingStore::Impl::ApplyGradientsSegments(const GradSegment* segs, size_t count,
+                                                  float lr, int divisor) {
+  CheckStep(lr, divisor);
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
   size_t nonempty = 0;
@@ -744,7 +837,7 @@ void EmbeddingStore::Impl::ApplySgdSegments(const GradSegment* segs, size_t coun
   if (n == 0) return;
   if (nonempty == 1) {
     CheckKeys(only->keys, n);
-    ApplySgdLocked(only->keys, n, only->grads, nullptr, lr, divisor);
+    ApplyLocked(only->keys, n, only->grads, nullptr, lr, divisor);
     return;
   }
   segment_keys_.resize(n);
@@ -760,32 +853,60 @@ void EmbeddingStore::Impl::ApplySgdSegments(const GradSegment* segs, size_t coun
     at += seg.n;
   }
   CheckKeys(segment_keys_.data(), n);
-  ApplySgdLocked(segment_keys_.data(), n, nullptr, segment_rows_.data(), lr, divisor);
+  ApplyLocked(segment_keys_.data(), n, nullptr, segment_rows_.data(), lr, divisor);
 }
 
-void EmbeddingStore::Impl::ApplySgdLocked(const int64_t* keys, size_t n, const float* grads,
-                                          const float* const* grad_rows, float lr, int divisor) {
+void EmbeddingStore::Impl::ApplyLocked(const int64_t* keys, size_t n, const float* grads,
+                                       const float* const* grad_rows, float lr, int divisor) {
   ++epoch_;
   Route(keys, n);
   Materialize(keys);
   ++mutations_;
   const uint32_t epoch = epoch_;
-  auto sgd = [&](auto row_table, Shard& sh, uint32_t b) {
+  const OptimizerConstants k = ConstantsOf(opt_.optimizer);
+  StepArgs args;
+  args.lr = lr;
+  args.div = static_cast<float>(divisor);
+  args.divide = divisor != 1;
+  args.wd = k.weight_decay;
+  args.decay = k.weight_decay != 0.0f;
+  args.eps = k.eps;
+  args.c1 = k.c1;
+  args.c2 = k.c2;
+  args.fdim = static_cast<float>(dim_);
+  args.dim = dim_;
+  args.padded = PaddedDim(dim_);
+  // Template dispatch: the gradient addressing, the optimizer, then the dimension.
+  auto by_dim = [&](auto row_table, auto kind, Shard& sh, uint32_t b) {
     constexpr bool kTable = decltype(row_table)::value;
+    constexpr OptimizerKind kKind = decltype(kind)::value;
     switch (dim_) {
-      case 16: return SgdShard<16, kTable>(sh, b, grads, grad_rows, lr, divisor);
-      case 32: return SgdShard<32, kTable>(sh, b, grads, grad_rows, lr, divisor);
-      case 64: return SgdShard<64, kTable>(sh, b, grads, grad_rows, lr, divisor);
-      case 128: return SgdShard<128, kTable>(sh, b, grads, grad_rows, lr, divisor);
-      default: return SgdShard<0, kTable>(sh, b, grads, grad_rows, lr, divisor);
+      case 16: return UpdateShard<16, kTable, kKind>(sh, b, grads, grad_rows, args);
+      case 32: return UpdateShard<32, kTable, kKind>(sh, b, grads, grad_rows, args);
+      case 64: return UpdateShard<64, kTable, kKind>(sh, b, grads, grad_rows, args);
+      case 128: return UpdateShard<128, kTable, kKind>(sh, b, grads, grad_rows, args);
+      default: return UpdateShard<0, kTable, kKind>(sh, b, grads, grad_rows, args);
+    }
+  };
+  auto by_kind = [&](auto row_table, Shard& sh, uint32_t b) {
+    using K = OptimizerKind;
+    switch (opt_.optimizer.kind) {
+      case K::kSgd:
+        return by_dim(row_table, std::integral_constant<K, K::kSgd>{}, sh, b);
+      case K::kAdagrad:
+        return by_dim(row_table, std::integral_constant<K, K::kAdagrad>{}, sh, b);
+      case K::kRowWiseAdagrad:
+        return by_dim(row_table, std::integral_constant<K, K::kRowWiseAdagrad>{}, sh, b);
+      case K::kAdam:
+        return by_dim(row_table, std::integral_constant<K, K::kAdam>{}, sh, b);
     }
   };
   RunShards([&](Shard& sh, uint32_t b, uint32_t) {
-    Publish(sh, /*init=*/true, epoch);
+    Publish(sh, /*init_rows=*/true, /*init_state=*/true, epoch);
     if (grad_rows != nullptr) {
-      sgd(std::true_type{}, sh, b);
+      by_kind(std::true_type{}, sh, b);
     } else {
-      sgd(std::false_type{}, sh, b);
+      by_kind(std::false_type{}, sh, b);
     }
   });
   for (auto& sh : shards_) updates_ += static_cast<int64_t>(sh->groups.size());
@@ -843,7 +964,7 @@ void EmbeddingStore::Impl::Reserve(size_t total_rows) {
   // Keys spread binomially over shards: leave four standard deviations of headroom.
   const double per = static_cast<double>(total_rows) / num_shards_;
   const size_t want = static_cast<size_t>(per + 4.0 * std::sqrt(per) + 16.0);
-  const size_t want_pages = (total_rows + page_mask_) >> page_shift_;
+  const size_t want_pages = index_.PagesFor(total_rows);
   page_addr_.reserve(want_pages);
   pages_.reserve(want_pages);
   pool_.Run(num_shards_, [&](size_t s) { shards_[s]->map.Reserve(want); });
@@ -857,7 +978,9 @@ size_t EmbeddingStore::Impl::Size() {
   return n;
 }
 
-size_t EmbeddingStore::Impl::Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows) {
+size_t EmbeddingStore::Impl::Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows,
+                                    float* state) {
+  if (state_dim_ == 0) state = nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   constexpr int kPosBits = 40;
   if (*cursor < 0) throw ValueError("export: cursor is exhausted (-1)");
@@ -879,6 +1002,10 @@ size_t EmbeddingStore::Impl::Export(int64_t* cursor, size_t max_rows, int64_t* k
       if (e.tag == 0) continue;
       keys[written] = e.key;
       std::memcpy(rows + written * static_cast<size_t>(dim_), Row(e.tag - 1), row_bytes_);
+      if (state != nullptr) {
+        std::memcpy(state + written * static_cast<size_t>(state_dim_), State(e.tag - 1),
+                    state_bytes_);
+      }
       ++written;
     }
     if (pos >= cap) {
@@ -910,6 +1037,8 @@ StoreStats EmbeddingStore::Impl::Stats() {
   st.lookups = lookups_;
   st.updates = updates_;
   st.memory_budget = spill_.budget_bytes();
+  st.state_dim = state_dim_;
+  st.slot_bytes = static_cast<int64_t>(stride_ + state_stride_);
   return st;
 }
 
@@ -925,9 +1054,10 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
   m.key_bound = opt_.key_bound;
   m.num_shards = opt_.num_shards;
   m.page_rows = opt_.page_rows;
-  m.optimizer = "sgd";
-  m.state_dim = 0;
+  m.optimizer = opt_.optimizer;
+  m.state_dim = state_dim_;
   m.meta = meta;
+  const bool with_state = state_dim_ > 0 && !weights_only;
   m.segments.resize(num_shards_);
   pool_.Run(num_shards_, [&](size_t s) {
     char name[32];
@@ -935,17 +1065,26 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
     CheckpointWriter::File keys = writer.Create(name);
     std::snprintf(name, sizeof(name), "rows-%04zu.bin", s);
     CheckpointWriter::File rows = writer.Create(name);
+    std::optional<CheckpointWriter::File> state;
+    if (with_state) {
+      std::snprintf(name, sizeof(name), "state-%04zu.bin", s);
+      state.emplace(writer.Create(name));
+    }
     // Stage rows in chunks so each file write is large.
     constexpr size_t kChunk = 4096;
     std::vector<int64_t> kbuf;
     std::vector<float> rbuf;
+    std::vector<float> sbuf;
     kbuf.reserve(kChunk);
     rbuf.reserve(kChunk * static_cast<size_t>(dim_));
+    if (with_state) sbuf.reserve(kChunk * static_cast<size_t>(state_dim_));
     auto flush = [&] {
       keys.Write(kbuf.data(), kbuf.size() * sizeof(int64_t));
       rows.Write(rbuf.data(), rbuf.size() * sizeof(float));
+      if (state) state->Write(sbuf.data(), sbuf.size() * sizeof(float));
       kbuf.clear();
       rbuf.clear();
+      sbuf.clear();
     };
     const KeyMap& map = shards_[s]->map;
     uint64_t count = 0;
@@ -955,6 +1094,10 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
       kbuf.push_back(e.key);
       const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
       rbuf.insert(rbuf.end(), r, r + dim_);
+      if (with_state) {
+        const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
+        sbuf.insert(sbuf.end(), st, st + state_dim_);
+      }
       ++count;
       if (kbuf.size() == kChunk) flush();
     }
@@ -963,6 +1106,10 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
     seg.count = count;
     seg.keys = keys.Finish();
     seg.rows = rows.Finish();
+    if (state) {
+      seg.has_state = true;
+      seg.state = state->Finish();
+    }
   });
   for (const auto& seg : m.segments) m.rows += seg.count;
   writer.Commit(m);
@@ -974,20 +1121,37 @@ EmbeddingStore::EmbeddingStore(const StoreOptions& options) : impl_(std::make_un
 EmbeddingStore::~EmbeddingStore() = default;
 const StoreOptions& EmbeddingStore::options() const { return impl_->options(); }
 int EmbeddingStore::dim() const { return impl_->options().dim; }
+int EmbeddingStore::state_dim() const { return impl_->state_dim(); }
 void EmbeddingStore::Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing) {
-  impl_->Lookup(keys, n, out, insert_missing);
+  impl_->Lookup(keys, n, out, nullptr, insert_missing);
+}
+void EmbeddingStore::Lookup(const int64_t* keys, size_t n, float* out, float* state_out,
+                            bool insert_missing) {
+  impl_->Lookup(keys, n, out, state_out, insert_missing);
 }
 void EmbeddingStore::Assign(const int64_t* keys, size_t n, const float* rows) {
-  impl_->Assign(keys, n, rows);
+  impl_->Assign(keys, n, rows, nullptr);
+}
+void EmbeddingStore::Assign(const int64_t* keys, size_t n, const float* rows, const float* state) {
+  impl_->Assign(keys, n, rows, state);
+}
+void EmbeddingStore::ApplyGradients(const int64_t* keys, size_t n, const float* grads, float lr,
+                                    int grad_divisor) {
+  impl_->ApplyGradients(keys, n, grads, lr, grad_divisor);
+}
+void EmbeddingStore::ApplyGradientsSegments(const GradSegment* segs, size_t count, float lr,
+                                            int grad_divisor) {
+  impl_->ApplyGradientsSegments(segs, count, lr, grad_divisor);
 }
 void EmbeddingStore::ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr,
                               int grad_divisor) {
-  impl_->ApplySgd(keys, n, grads, lr, grad_divisor);
+  impl_->RequireSgd("ApplySgd");
+  impl_->ApplyGradients(keys, n, grads, lr, grad_divisor);
 }
-
 void EmbeddingStore::ApplySgdSegments(const GradSegment* segs, size_t count, float lr,
                                       int grad_divisor) {
-  impl_->ApplySgdSegments(segs, count, lr, grad_divisor);
+  impl_->RequireSgd("ApplySgdSegments");
+  impl_->ApplyGradientsSegments(segs, count, lr, grad_divisor);
 }
 void EmbeddingStore::Contains(const int64_t* keys, size_t n, uint8_t* present) {
   impl_->Contains(keys, n, present);
@@ -995,8 +1159,9 @@ void EmbeddingStore::Contains(const int64_t* keys, size_t n, uint8_t* present) {
 size_t EmbeddingStore::Erase(const int64_t* keys, size_t n) { return impl_->Erase(keys, n); }
 void EmbeddingStore::Reserve(size_t total_rows) { impl_->Reserve(total_rows); }
 size_t EmbeddingStore::Size() { return impl_->Size(); }
-size_t EmbeddingStore::Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows) {
-  return impl_->Export(cursor, max_rows, keys, rows);
+size_t EmbeddingStore::Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows,
+                              float* state) {
+  return impl_->Export(cursor, max_rows, keys, rows, state);
 }
 StoreStats EmbeddingStore::Stats() { return impl_->Stats(); }
 void EmbeddingStore::SetSpillCallback(SpillCallback cb) { impl_->SetSpillCallback(std::move(cb)); }
@@ -1006,69 +1171,6 @@ void EmbeddingStore::Save(const std::string& dir, const std::map<std::string, st
   impl_->Save(dir, meta, weights_only);
 }
 
-std::unique_ptr<EmbeddingStore> EmbeddingStore::Load(const std::string& dir,
-                                                     const LoadOverrides& ov,
-                                                     std::map<std::string, std::string>* meta) {
-  CheckpointReader reader(dir);
-  const Manifest& m = reader.manifest();
-  if (ov.dim && *ov.dim != m.dim) {
-    throw ValueError("dim: the checkpoint in " + dir + " has dim " + std::to_string(m.dim) +
-                     ", expected " + std::to_string(*ov.dim) + " (mismatched checkpoint)");
-  }
-  if (ov.init && !(*ov.init == m.init)) {
-    throw ValueError("init: the checkpoint in " + dir +
-                     " was written with a different initialisation (kind, bound, value or "
-                     "seed); mismatched checkpoint");
-  }
-  if (m.state_dim > 0 && !m.weights_only && m.optimizer != "sgd" && !ov.weights_only) {
-    throw ValueError("path: the checkpoint in " + dir + " holds state of optimizer '" +
-                     m.optimizer + "', which this store does not run; load it weights_only");
-  }
-  StoreOptions o;
-  o.dim = m.dim;
-  o.init = m.init;
-  o.key_bound = ov.key_bound.value_or(m.key_bound);
-  o.num_shards = ov.num_shards.value_or(m.num_shards);
-  o.page_rows = ov.page_rows.value_or(m.page_rows);
-  if (ov.num_threads) o.num_threads = *ov.num_threads;
-  if (ov.memory_budget) o.memory_budget = *ov.memory_budget;
-  if (ov.spill_dir) o.spill_dir = *ov.spill_dir;
-  if (ov.high_watermark) o.high_watermark = *ov.high_watermark;
-  if (ov.low_watermark) o.low_watermark = *ov.low_watermark;
-  auto store = std::make_unique<EmbeddingStore>(o);
-  store->Reserve(m.rows);
-  constexpr size_t kChunk = 65536;
-  std::vector<int64_t> keys(kChunk);
-  std::vector<float> rows(kChunk * static_cast<size_t>(m.dim));
-  for (const SegmentEntry& seg : m.segments) {
-    CheckpointReader::File kf = reader.Open(seg.keys);
-    CheckpointReader::File rf = reader.Open(seg.rows);
-    for (uint64_t done = 0; done < seg.count;) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, seg.count - done));
-      if (kf.Read(keys.data(), n * sizeof(int64_t)) != n * sizeof(int64_t) ||
-          rf.Read(rows.data(), n * m.dim * sizeof(float)) != n * m.dim * sizeof(float)) {
-        throw ValueError(reader.dir() + ": torn checkpoint (a data file ended early)");
-      }
-      store->Assign(keys.data(), n, rows.data());
-      done += n;
-    }
-    kf.Finish();
-    rf.Finish();
-    if (seg.has_state) reader.Open(seg.state).Finish();  // verified; SGD keeps no state
-  }
-  if (store->Size() != m.rows) {
-    throw ValueError(reader.dir() + ": corrupt checkpoint (duplicate keys: " +
-                     std::to_string(store->Size()) + " distinct of " + std::to_string(m.rows) +
-                     " rows)");
-  }
-  if (meta != nullptr) *meta = m.meta;
-  return store;
-}
-
-std::map<std::string, std::string> EmbeddingStore::ReadCheckpointMeta(const std::string& dir) {
-  return CheckpointReader(dir).manifest().meta;
-}
-
 void EmbeddingStore::InitialRows(const InitSpec& init, int dim, const int64_t* keys, size_t n,
                                  float* out) {
   ValidateInitSpec(init);
@@ -1076,6 +1178,15 @@ void EmbeddingStore::InitialRows(const InitSpec& init, int dim, const int64_t* k
   for (size_t i = 0; i < n; ++i) {
     InitRow(init, dim, keys[i], KeyHash(keys[i]), out + i * static_cast<size_t>(dim));
   }
+}
+
+void EmbeddingStore::InitialRows(const InitSpec& init, int dim, const OptimizerSpec& optimizer,
+                                 const int64_t* keys, size_t n, float* out, float* state_out) {
+  ValidateOptimizerSpec(optimizer);
+  InitialRows(init, dim, keys, n, out);
+  if (state_out == nullptr) return;
+  const size_t state_dim = static_cast<size_t>(StateDim(optimizer.kind, dim));
+  for (size_t i = 0; i < n; ++i) InitialState(optimizer, dim, state_out + i * state_dim);
 }
 
 }  // namespace bagpipe::store

@@ -1,8 +1,14 @@
-// EmbeddingStore: fp32 rows of one dimension keyed by int64, the storage engine of a PS shard.
+// EmbeddingStore: fp32 rows of one dimension keyed by int64, each with the state of the
+// store's optimizer, the storage engine of a PS shard.
 //
 // Layout: N hash shards (top bits of KeyHash(key)); each shard is a KeyMap (key -> slot)
-// plus a page table into one PageArena of cache-line-aligned rows. A SpillTier keeps the
-// arena under a DRAM budget (spilling cold pages to disk, or refusing in memory-only mode).
+// plus a page table into one PageArena. A page holds page_rows cache-line-aligned weight
+// rows, then the same rows' optimizer state (StateDim floats each; a state of 4..32 bytes is
+// packed at a power-of-two stride, a larger one is cache-line aligned), so a row's state
+// spills, comes back and is counted with its page, and by default weights and state share
+// one 2 MiB huge page. SGD keeps no state: its pages are weight rows only, as before. A
+// SpillTier keeps the arena under a DRAM budget (spilling cold pages to disk, or refusing in
+// memory-only mode).
 //
 // Thread safety:
 //   Every public method may be called from any thread. Batch operations are serialized by
@@ -12,20 +18,44 @@
 // Invariants:
 //   1. Logically every key in the key domain has a row. A row never written reads as its
 //      deterministic initial value, a pure function of (InitSpec, key, column): independent
-//      of shard count, thread count, insertion order and history (init.h).
+//      of shard count, thread count, insertion order and history (init.h); its state reads
+//      as the optimizer's initial state (InitialState, optimizer.h).
 //   2. Results are bitwise independent of the thread count and the shard count: duplicate
-//      keys of one ApplySgd call are summed in input order before the single update.
+//      keys of one update call are summed in input order before the single update.
 //   3. A call that throws has changed nothing (arguments are validated and capacity is
 //      secured before the first row is written; spilling moves bytes, never values).
 //   4. Resident arena bytes never exceed the memory budget after a call returns (spill mode),
 //      or a call that would exceed it throws MemoryBudgetError (memory-only mode).
 //   5. A row's slot is stable until it is erased; spilling moves pages to disk without
 //      moving their addresses.
+//   6. An update touches only the rows of its keys: a NaN or inf gradient poisons its own
+//      row (and state) and no other.
 //
-// SGD arithmetic (shared, bitwise, with the trainer caches, which use separate torch ops):
-//   g = sum of the key's gradient rows in input order (the first one copied, not added to 0)
-//   if grad_divisor != 1:  g = g / float(grad_divisor)        (IEEE division, fp32)
-//   w = w - float(lr) * g                                      (fp32 multiply, then subtract)
+// Update arithmetic (shared, bitwise, with the trainer caches, which run the same sequence
+// as separate torch ops, each rounding once in fp32; built with -ffp-contract=off). Per
+// distinct key of an ApplyGradients call, with lr the call's fp32 learning rate, W its
+// grad_divisor and the spec's constants rounded once to fp32 (optimizer.h):
+//   1. G = the key's gradient rows summed in input order (the first copied, not added to 0).
+//   2. u = G / float(W)                                       (skipped when W == 1)
+//   3. u = u + w * wd                                         (only when weight_decay != 0;
+//                                                              L2, as fbgemm / torch Adagrad)
+//   4. SGD:             t = u * lr;  w = w - t
+//   5. Adagrad:         s = s + u*u;  d = sqrt(s) + eps;  w = w - (u / d) * lr   (s per column)
+//   6. Row-wise Adagrad (fbgemm EXACT_ROWWISE_ADAGRAD): r = rowsum(u*u) / float(dim);
+//                       s = s + r;  d = sqrt(s) + eps;  m = lr / d;  w = w - u * m
+//                       (s one float per row)
+//   7. rowsum is a fixed pairwise tree: zero-pad the columns to P, the smallest power of two
+//      >= dim, then x[c] = x[c] + x[c + h] for c < h, h = P/2, P/4, ..., 1; the sum is x[0].
+//   8. Adam (lazy: rows absent from the call keep their state):
+//                       m = m + (u - m) * c1;  v = v + (u*u - v) * c2;  d = sqrt(v) + eps;
+//                       w = w - (m / d) * lr,  with c1 = float(1.0 - beta1) and
+//                       c2 = float(1.0 - beta2) computed in double. The caller passes as lr
+//                       the bias-corrected step size lr*sqrt(1 - beta2^t)/(1 - beta1^t),
+//                       rounded to fp32: the store is step-agnostic.
+//   9. sqrt is IEEE sqrt; every other step is one IEEE fp32 operation; NaN and inf follow the
+//      arithmetic with no special casing.
+//   10. Initial state: Adagrad kinds float(initial_accumulator_value) (default 0); Adam
+//      m = v = 0.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +66,7 @@
 #include <string>
 
 #include "store/init.h"
+#include "store/optimizer.h"
 #include "store/spill.h"
 
 namespace bagpipe::store {
@@ -45,8 +76,11 @@ struct StoreOptions {
   int num_shards = 16;          // internal hash shards; REQUIRES: power of two in [1, 4096]
   int num_threads = 1;          // batch-op parallelism; REQUIRES: >= 1
   InitSpec init;
+  OptimizerSpec optimizer;      // REQUIRES: ValidateOptimizerSpec passes
   int64_t key_bound = -1;       // >= 0: keys must lie in [0, key_bound); < 0: any int64
-  uint32_t page_rows = 0;       // rows per arena page, a power of two; 0: about 2 MiB pages
+  uint32_t page_rows = 0;       // rows per arena page, in [1, 2^24]; 0: automatic (SGD: a power
+                                // of two, about 2 MiB of rows; with optimizer state: as many
+                                // rows as fit, weights and state, in 2 MiB)
   int64_t memory_budget = 0;    // arena DRAM budget in bytes; 0: unlimited; -1: automatic
   std::string spill_dir;        // where pages above the budget go; empty: memory-only
   double high_watermark = 0.8;  // fraction of the budget that starts spilling
@@ -65,8 +99,10 @@ struct StoreStats {
   int64_t swap_outs = 0;       // RAM -> file page moves
   int64_t swap_ins = 0;        // file -> RAM page moves
   int64_t lookups = 0;         // keys looked up
-  int64_t updates = 0;         // rows updated by ApplySgd / Assign
+  int64_t updates = 0;         // rows updated by ApplyGradients / ApplySgd / Assign
   int64_t memory_budget = 0;   // effective budget in bytes (0: unlimited)
+  int64_t state_dim = 0;       // optimizer state floats per row
+  int64_t slot_bytes = 0;      // arena bytes of one row: weights and state, with padding
 };
 
 // Options of EmbeddingStore::Load. Unset fields come from the checkpoint (shards, page
@@ -83,11 +119,16 @@ struct LoadOverrides {
   // Expectations: a checkpoint that disagrees is refused (ValueError naming the field).
   std::optional<int> dim;
   std::optional<InitSpec> init;
-  // Load weights only, ignoring any optimizer state (inference).
+  // The optimizer to run. A full load refuses a checkpoint written with a different one
+  // (ValueError naming the first differing field, OptimizerSpecDifference); unset: the
+  // checkpoint's. A weights-only load (below, or of a weights-only checkpoint) may change
+  // it: every row then starts from the initial state.
+  std::optional<OptimizerSpec> optimizer;
+  // Load weights only, ignoring any optimizer state (inference, or a new optimizer).
   bool weights_only = false;
 };
 
-// One run of gradient rows for EmbeddingStore::ApplySgdSegments: keys[0..n) and their
+// One run of gradient rows for EmbeddingStore::ApplyGradientsSegments: keys[0..n) and their
 // gradients (n x dim, row-major). The store only reads through the pointers.
 struct GradSegment {
   const int64_t* keys = nullptr;
@@ -106,24 +147,38 @@ class EmbeddingStore {
   // Options as resolved at construction (memory_budget -1 becomes the detected bytes).
   const StoreOptions& options() const;
   int dim() const;
+  // Optimizer state floats per row (StateDim of the store's optimizer; 0 for SGD).
+  int state_dim() const;
 
-  // Copies the rows of keys[0..n) into out (n x dim, row-major). Duplicates allowed.
-  // insert_missing=false reads absent rows as their initial value without storing them.
-  // REQUIRES: keys within key_bound (ValueError otherwise, nothing written).
+  // Copies the rows of keys[0..n) into out (n x dim, row-major) and, when state_out is not
+  // null, their optimizer state into state_out (n x state_dim). Duplicates allowed.
+  // insert_missing=false reads absent rows as their initial value and state without storing
+  // them. REQUIRES: keys within key_bound (ValueError otherwise, nothing written).
   void Lookup(const int64_t* keys, size_t n, float* out, bool insert_missing);
+  void Lookup(const int64_t* keys, size_t n, float* out, float* state_out, bool insert_missing);
 
-  // Sets rows (n x dim) for keys; for duplicate keys the last occurrence wins.
+  // Sets rows (n x dim) for keys; for duplicate keys the last occurrence wins. With state
+  // (n x state_dim, not null) the state is set the same way; without, stored rows keep their
+  // state and new rows start from the initial state.
   void Assign(const int64_t* keys, size_t n, const float* rows);
+  void Assign(const int64_t* keys, size_t n, const float* rows, const float* state);
 
-  // One SGD update per distinct key (see the header comment for the arithmetic).
-  // Absent keys are materialised from their initial value first.
-  // REQUIRES: grad_divisor >= 1, lr finite.
+  // One update per distinct key with the store's optimizer (the arithmetic contract in the
+  // header comment). Absent keys are materialised from their initial value and state first.
+  // REQUIRES: grad_divisor >= 1, lr finite (ValueError otherwise, nothing written).
+  void ApplyGradients(const int64_t* keys, size_t n, const float* grads, float lr,
+                      int grad_divisor);
+
+  // ApplyGradients over the concatenation of segs[0..count) in order, without copying the
+  // gradients: bitwise equal to ApplyGradients on the concatenated keys and grads
+  // (duplicates across segments are summed in segment order). A bad key is reported at its
+  // index in the concatenation. REQUIRES: as ApplyGradients; the segments' total below 2^32
+  // rows.
+  void ApplyGradientsSegments(const GradSegment* segs, size_t count, float lr, int grad_divisor);
+
+  // ApplyGradients / ApplyGradientsSegments of an SGD store.
+  // REQUIRES: the store's optimizer is SGD (ValueError naming `optimizer` otherwise).
   void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int grad_divisor);
-
-  // ApplySgd over the concatenation of segs[0..count) in order, without copying the
-  // gradients: bitwise equal to ApplySgd on the concatenated keys and grads (duplicates
-  // across segments are summed in segment order). A bad key is reported at its index in
-  // the concatenation. REQUIRES: as ApplySgd; the segments' total below 2^32 rows.
   void ApplySgdSegments(const GradSegment* segs, size_t count, float lr, int grad_divisor);
 
   // Writes 1 to present[i] if keys[i] is stored, else 0.
@@ -140,8 +195,10 @@ class EmbeddingStore {
   // Chunked export in a deterministic order (by shard, then key-map position). Returns the
   // number of rows written into keys/rows (at most max_rows), starting at `*cursor` (0 for
   // the first chunk); *cursor advances and becomes -1 when the export is complete. A
-  // mutation between chunks invalidates the export (ValueError on the next call).
-  size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows);
+  // mutation between chunks invalidates the export (ValueError on the next call). state, when
+  // not null, receives the rows' optimizer state (max_rows x state_dim).
+  size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows,
+                float* state = nullptr);
 
   StoreStats Stats();
 
@@ -149,13 +206,15 @@ class EmbeddingStore {
 
   // Crash-safe checkpoint into `dir` (format and guarantees: checkpoint.h, manifest.h).
   // `meta` is stored verbatim in the manifest (the commit layer records its committed step
-  // there). weights_only: an inference export without optimizer state.
+  // there). The manifest records the optimizer spec; the state files are written unless
+  // weights_only (an inference export: loading it gives every row the initial state).
   // REQUIRES: dir absent, empty or a previous checkpoint (ValueError otherwise).
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
             bool weights_only);
 
-  // Opens a checkpoint written by Save; fills *meta (if not null) with its meta strings.
-  // Throws ValueError for a torn, corrupt, mismatched or unknown-version checkpoint.
+  // Opens a checkpoint written by Save (any version this build reads); fills *meta (if not
+  // null) with its meta strings. Throws ValueError for a torn, corrupt, mismatched (dim,
+  // init, optimizer: see LoadOverrides) or unknown-version checkpoint.
   static std::unique_ptr<EmbeddingStore> Load(const std::string& dir,
                                               const LoadOverrides& overrides,
                                               std::map<std::string, std::string>* meta);
@@ -167,6 +226,11 @@ class EmbeddingStore {
   // REQUIRES: ValidateInitSpec(init) passes (ValueError otherwise), dim > 0.
   static void InitialRows(const InitSpec& init, int dim, const int64_t* keys, size_t n,
                           float* out);
+  // The same, plus the initial optimizer state of each row into state_out
+  // (n x StateDim(optimizer.kind, dim)) when it is not null.
+  // REQUIRES: as above, and ValidateOptimizerSpec(optimizer) passes.
+  static void InitialRows(const InitSpec& init, int dim, const OptimizerSpec& optimizer,
+                          const int64_t* keys, size_t n, float* out, float* state_out);
 
  private:
   class Impl;

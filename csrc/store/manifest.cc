@@ -188,6 +188,34 @@ std::string Readable(float f) {
   std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(f));
   return buf;
 }
+uint64_t DoubleBits(double d) {
+  uint64_t b;
+  std::memcpy(&b, &d, 8);
+  return b;
+}
+double BitsDouble(uint64_t b) {
+  double d;
+  std::memcpy(&d, &b, 8);
+  return d;
+}
+std::string Readable(double d) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.17g", d);
+  return buf;
+}
+
+// The optimizer's double fields, in manifest order.
+struct DoubleField {
+  const char* name;
+  double OptimizerSpec::*member;
+};
+constexpr DoubleField kOptimizerFields[] = {
+    {"eps", &OptimizerSpec::eps},
+    {"beta1", &OptimizerSpec::beta1},
+    {"beta2", &OptimizerSpec::beta2},
+    {"weight_decay", &OptimizerSpec::weight_decay},
+    {"initial_accumulator_value", &OptimizerSpec::initial_accumulator_value},
+};
 
 const char* KindName(InitKind k) {
   switch (k) {
@@ -300,8 +328,14 @@ std::string EncodeManifest(const Manifest& m) {
   }
   os << "]},\n  \"key_bound\": " << m.key_bound << ",\n  \"num_shards\": " << m.num_shards
      << ",\n  \"page_rows\": " << m.page_rows << ",\n  \"optimizer\": {\"name\": ";
-  Quote(os, m.optimizer);
-  os << ", \"state_dim\": " << m.state_dim << "},\n  \"rows\": " << m.rows
+  Quote(os, OptimizerKindName(m.optimizer.kind));
+  os << ", \"state_dim\": " << m.state_dim;
+  for (const DoubleField& f : kOptimizerFields) {
+    const double v = m.optimizer.*f.member;
+    os << ", \"" << f.name << "_bits\": " << DoubleBits(v) << ", \"" << f.name << "\": \""
+       << Readable(v) << "\"";
+  }
+  os << "},\n  \"rows\": " << m.rows
      << ",\n  \"segments\": [";
   for (size_t i = 0; i < m.segments.size(); ++i) {
     const SegmentEntry& s = m.segments[i];
@@ -351,9 +385,10 @@ Manifest DecodeManifest(const std::string& text, const std::string& what) {
   }
   Manifest m;
   const int64_t version = r.Int("version");
-  if (version != kCheckpointVersion) {
+  if (version < kOldestCheckpointVersion || version > kCheckpointVersion) {
     throw ValueError(what + ": unknown checkpoint version " + std::to_string(version) +
-                     " (this build reads version " + std::to_string(kCheckpointVersion) + ")");
+                     " (this build reads versions " + std::to_string(kOldestCheckpointVersion) +
+                     " to " + std::to_string(kCheckpointVersion) + ")");
   }
   m.version = static_cast<int>(version);
   const std::string contents = r.Str("contents");
@@ -400,9 +435,27 @@ Manifest DecodeManifest(const std::string& text, const std::string& what) {
   if (page_rows > (1u << 24)) r.Fail("page_rows", "is out of range");
   m.page_rows = static_cast<uint32_t>(page_rows);
   const Reader opt = r.Obj("optimizer");
-  m.optimizer = opt.Str("name");
+  try {
+    m.optimizer.kind = ParseOptimizerKind(opt.Str("name"));
+  } catch (const ValueError& e) {
+    opt.Fail("optimizer.name", std::string("is invalid: ") + e.what());
+  }
+  if (version >= 2) {
+    for (const DoubleField& f : kOptimizerFields) {
+      m.optimizer.*f.member = BitsDouble(opt.UInt(std::string(f.name) + "_bits"));
+    }
+  } else if (m.optimizer.kind != OptimizerKind::kSgd) {
+    opt.Fail("optimizer.name", "is not 'sgd' in a version 1 checkpoint");
+  }
+  try {
+    ValidateOptimizerSpec(m.optimizer);
+  } catch (const ValueError& e) {
+    throw ValueError(what + ": manifest field 'optimizer' is invalid: " + e.what());
+  }
   const int64_t state_dim = opt.Int("state_dim");
-  if (state_dim < 0 || state_dim > (1 << 20)) opt.Fail("optimizer.state_dim", "is out of range");
+  if (state_dim != StateDim(m.optimizer.kind, m.dim)) {
+    opt.Fail("optimizer.state_dim", "does not fit the optimizer and dim");
+  }
   m.state_dim = static_cast<int>(state_dim);
   m.rows = r.UInt("rows");
 

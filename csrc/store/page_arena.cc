@@ -22,10 +22,16 @@ void* RemapFixed(void* from, size_t bytes, void* to) {
 }
 }  // namespace
 
-PageArena::PageArena(size_t row_stride, uint32_t page_rows)
-    : row_stride_(row_stride),
+PageIndex::PageIndex(uint32_t rows)
+    : rows_(rows),
+      pow2_((rows & (rows - 1)) == 0),
+      shift_(63 - __builtin_clzll(rows)),
+      magic_(pow2_ ? 0 : ~uint64_t{0} / rows + 1) {}
+
+PageArena::PageArena(size_t slot_bytes, uint32_t page_rows)
+    : slot_bytes_(slot_bytes),
       page_rows_(page_rows),
-      page_bytes_(RoundUp(row_stride * page_rows, kOsPageBytes)) {}
+      page_bytes_(RoundUp(slot_bytes * page_rows, kOsPageBytes)) {}
 
 PageArena::~PageArena() {
   for (auto& p : pages_) UnmapMemory(p.addr, page_bytes_);

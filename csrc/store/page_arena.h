@@ -1,7 +1,8 @@
-// PageArena: the row memory of one EmbeddingStore, in fixed-size pages of cache-line-aligned
-// rows. A page is one mapping of page_bytes(); its address never changes while the arena
-// lives, whether its contents sit in anonymous DRAM or in a file extent (spilled): the move
-// between the two is an address-stable remap (see MoveToFile / MoveToMemory).
+// PageArena: the row memory of one EmbeddingStore, in fixed-size pages of row slots (the
+// store decides the layout inside a page: weight rows, then their optimizer state). A page
+// is one mapping of page_bytes(); its address never changes while the arena lives, whether
+// its contents sit in anonymous DRAM or in a file extent (spilled): the move between the two
+// is an address-stable remap (see MoveToFile / MoveToMemory).
 //
 // Thread safety: Allocate, MoveToFile and MoveToMemory require exclusive access to the
 // arena (the store's op mutex). Reading or writing rows through page addresses and
@@ -22,6 +23,30 @@
 
 namespace bagpipe::store {
 
+// slot -> (page, row in the page) for pages of `rows` rows, any count >= 1: a shift for a
+// power of two, else an exact multiply-high division (Lemire, Kaser and Kurz, "Faster
+// remainder by direct computation", 2019: with M = floor((2^64 - 1) / d) + 1 and d >= 2,
+// n / d == (n * M) >> 64 for every 32-bit n).
+class PageIndex {
+ public:
+  explicit PageIndex(uint32_t rows);  // REQUIRES: rows >= 1
+  uint32_t rows() const { return rows_; }
+  uint32_t Page(uint32_t slot) const {
+    if (pow2_) return slot >> shift_;
+    return static_cast<uint32_t>((static_cast<unsigned __int128>(magic_) * slot) >> 64);
+  }
+  // REQUIRES: page == Page(slot).
+  uint32_t RowIn(uint32_t slot, uint32_t page) const { return slot - page * rows_; }
+  // Pages that hold slots [0, slots).
+  size_t PagesFor(size_t slots) const { return (slots + rows_ - 1) / rows_; }
+
+ private:
+  uint32_t rows_;
+  bool pow2_;
+  int shift_;
+  uint64_t magic_;
+};
+
 class PageArena {
  public:
   struct Page {
@@ -41,13 +66,14 @@ class PageArena {
     }
   };
 
-  // REQUIRES: row_stride a multiple of 64, page_rows >= 1.
-  PageArena(size_t row_stride, uint32_t page_rows);
+  // slot_bytes: the page bytes one row slot takes (weights and state, with padding).
+  // REQUIRES: slot_bytes >= 1, page_rows >= 1.
+  PageArena(size_t slot_bytes, uint32_t page_rows);
   ~PageArena();
   PageArena(const PageArena&) = delete;
   PageArena& operator=(const PageArena&) = delete;
 
-  size_t row_stride() const { return row_stride_; }
+  size_t slot_bytes() const { return slot_bytes_; }
   uint32_t page_rows() const { return page_rows_; }
   size_t page_bytes() const { return page_bytes_; }  // mapping size, a multiple of 4 KiB
 
@@ -67,7 +93,7 @@ class PageArena {
   Page* page(size_t i) { return &pages_[i]; }
 
  private:
-  const size_t row_stride_;
+  const size_t slot_bytes_;
   const uint32_t page_rows_;
   const size_t page_bytes_;
   std::deque<Page> pages_;       // deque: element addresses are stable as it grows

@@ -76,7 +76,7 @@ inline Batch SeededBatch(uint64_t seed, int max_rows, int64_t num_keys) {
   return b;
 }
 
-// The reference: one ApplySgd per step over rank 0's rows, then rank 1's, ..., divided by
+// The reference: one SGD update per step over rank 0's rows, then rank 1's, ..., divided by
 // the world size.
 inline std::unique_ptr<MapTable> ReferenceModel(
     int steps, uint32_t world, const std::function<Batch(int step, uint32_t rank)>& batch) {
@@ -93,7 +93,7 @@ inline std::unique_ptr<MapTable> ReferenceModel(
       keys.insert(keys.end(), b.keys.begin(), b.keys.end());
       grads.insert(grads.end(), b.grads.begin(), b.grads.end());
     }
-    ref->ApplySgd(keys.data(), keys.size(), grads.data(), kClientLr, static_cast<int>(world));
+    ref->ApplyGradients(keys.data(), keys.size(), grads.data(), kClientLr, static_cast<int>(world));
   }
   return ref;
 }

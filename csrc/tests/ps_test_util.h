@@ -1,11 +1,13 @@
 // Helpers for the commit/transport tests: a map-based reference TableBackend with the
-// store's SGD arithmetic, a ServerLink that records frames, and a reference SGD model.
+// store's SGD arithmetic (an SGD table: no optimizer state), a ServerLink that records
+// frames, and a reference SGD model.
 #pragma once
 
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -19,7 +21,11 @@ namespace bagpipe::testing {
 // deterministic initialiser that still differs per key).
 class MapTable : public commit::TableBackend {
  public:
-  explicit MapTable(const commit::TableSchema& spec) : schema_(spec) {}
+  explicit MapTable(const commit::TableSchema& spec) : schema_(spec) {
+    if (spec.optimizer.kind != store::OptimizerKind::kSgd) {
+      throw std::invalid_argument("MapTable models SGD tables only");
+    }
+  }
   const commit::TableSchema& schema() const override { return schema_; }
 
   std::vector<float> Row(int64_t key) const {
@@ -32,7 +38,8 @@ class MapTable : public commit::TableBackend {
     return r;
   }
 
-  void ApplySgd(const int64_t* keys, size_t n, const float* grads, float lr, int div) override {
+  void ApplyGradients(const int64_t* keys, size_t n, const float* grads, float lr,
+                      int div) override {
     ++apply_calls;
     const size_t d = schema_.dim;
     std::map<int64_t, std::vector<float>> sum;
@@ -58,13 +65,14 @@ class MapTable : public commit::TableBackend {
       rows_[k] = w;
     }
   }
-  void Read(const int64_t* keys, size_t n, float* out) override {
+  // SGD rows carry no state: with or without it, a row is dim floats.
+  void Read(const int64_t* keys, size_t n, float* out, bool /*with_state*/) override {
     for (size_t i = 0; i < n; ++i) {
       auto r = Row(keys[i]);
       std::memcpy(out + i * schema_.dim, r.data(), schema_.dim * 4);
     }
   }
-  void Assign(const int64_t* keys, size_t n, const float* rows) override {
+  void Assign(const int64_t* keys, size_t n, const float* rows, bool /*with_state*/) override {
     for (size_t i = 0; i < n; ++i) {
       rows_[keys[i]] = std::vector<float>(rows + i * schema_.dim, rows + (i + 1) * schema_.dim);
     }

@@ -42,7 +42,6 @@ struct Fixture {
     params.session = 77;
     params.world_size = world;
     params.dim = kDim;
-    params.lr = kLr;
     params.grad_division = division;
     for (uint32_t r = 0; r < world; ++r) {
       links.push_back(std::make_shared<RecordingLink>());
@@ -53,7 +52,7 @@ struct Fixture {
   // Submits a chunk from rank r; returns the frames its link received.
   std::vector<RecordingLink::Frame> Send(int64_t step, uint32_t rank, uint32_t index,
                                          uint32_t count, const std::vector<int64_t>& keys,
-                                         const std::vector<float>& grads) {
+                                         const std::vector<float>& grads, float lr = kLr) {
     wire::CommitBody b{};
     b.session = params.session;
     b.step = step;
@@ -62,7 +61,7 @@ struct Fixture {
     b.chunk_index = index;
     b.chunk_count = count;
     b.dim = kDim;
-    b.lr = kLr;
+    b.lr = lr;
     b.nrows = static_cast<uint32_t>(keys.size());
     auto bytes = bagpipe::testing::CommitBodyBytes(b, keys, grads);
     const uint8_t* body = bytes.data();
@@ -98,7 +97,7 @@ bool HasError(const std::vector<RecordingLink::Frame>& frames, Status st, const 
 
 std::vector<float> ReadRow(CommitCoordinator& c, int64_t key) {
   std::vector<float> out(kDim);
-  c.Read(&key, 1, out.data());
+  c.Read(&key, 1, out.data(), /*with_state=*/false);
   return out;
 }
 
@@ -119,9 +118,6 @@ TEST_CASE(coordinator_open_refuses_mismatches_naming_the_field) {
     throw bagpipe::testing::CheckFailure(std::string("open with another ") + field + " was accepted");
   };
   auto p = fx.params;
-  p.lr = 0.5f;
-  refused(p, fx.spec, "lr");
-  p = fx.params;
   p.world_size = 3;
   refused(p, fx.spec, "world_size");
   p = fx.params;
@@ -141,6 +137,13 @@ TEST_CASE(coordinator_open_refuses_mismatches_naming_the_field) {
   s = fx.spec;
   s.key_bound = 5;
   refused(fx.params, s, "key_bound");
+  // The table's optimizer: another kind, or another constant the kind uses.
+  s = fx.spec;
+  s.optimizer.kind = store::OptimizerKind::kRowWiseAdagrad;
+  refused(fx.params, s, "optimizer.kind 'rowwise_adagrad' differs from the table's 'sgd'");
+  s = fx.spec;
+  s.optimizer.weight_decay = 0.01;
+  refused(fx.params, s, "optimizer.weight_decay");
   // Rank 0 is attached through another link.
   refused(fx.params, fx.spec, "already has the session open");
 }
@@ -164,11 +167,11 @@ TEST_CASE(coordinator_sums_in_rank_then_chunk_order_and_applies_once) {
   CHECK(notified);
   CHECK(fx.links[0]->Take().size() == 1);
 
-  // The reference: one ApplySgd over rank 0 chunk 0, rank 1 chunk 0, rank 1 chunk 1.
+  // The reference: one update over rank 0 chunk 0, rank 1 chunk 0, rank 1 chunk 1.
   MapTable ref(fx.spec);
   std::vector<int64_t> keys{5, 9, 9, 5, 5};
   std::vector<float> grads{0.1f, 0.2f, 1.5f, 2.5f, 0.5f, 0.5f, 0.25f, 0.125f, 0.3f, -0.7f};
-  ref.ApplySgd(keys.data(), keys.size(), grads.data(), kLr, 2);
+  ref.ApplyGradients(keys.data(), keys.size(), grads.data(), kLr, 2);
   for (int64_t k : {5, 9}) {
     auto got = ReadRow(*fx.coord, k);
     auto want = ref.Row(k);
@@ -203,7 +206,7 @@ TEST_CASE(coordinator_owned_receive_buffers_stay_exact) {
     std::vector<float> grads = g00;
     grads.insert(grads.end(), g10.begin(), g10.end());
     grads.insert(grads.end(), g11.begin(), g11.end());
-    ref.ApplySgd(keys.data(), keys.size(), grads.data(), kLr, 2);
+    ref.ApplyGradients(keys.data(), keys.size(), grads.data(), kLr, 2);
     for (int64_t k : {5, 7, 9}) {
       auto got = ReadRow(*fx.coord, k);
       auto want = ref.Row(k);
@@ -214,6 +217,50 @@ TEST_CASE(coordinator_owned_receive_buffers_stay_exact) {
   // A conflicting retry of a kept chunk is still detected.
   fx.Send(4, 0, 0, 1, {1}, {1.f, 1.f});
   CHECK(HasError(fx.Send(4, 0, 0, 1, {1}, {1.f, 2.f}), Status::kSessionFailed, "conflicting retry"));
+}
+
+// Each step applies the learning rate its chunks carry (an LR schedule): here a different
+// one per step, 0 included (a warm-up may start there).
+TEST_CASE(coordinator_applies_each_steps_lr) {
+  Fixture fx(2);
+  MapTable ref(fx.spec);
+  const float lrs[] = {0.0f, 0.5f, 0.125f, 3.0f};
+  for (int64_t step = 0; step < 4; ++step) {
+    const float lr = lrs[step];
+    fx.Send(step, 1, 0, 1, {9, 5}, {0.5f, 0.25f, 1.f, -1.f}, lr);
+    fx.Send(step, 0, 0, 1, {5}, {2.f, 0.75f}, lr);
+    CHECK_EQ(fx.coord->committed_step(), step);
+    std::vector<int64_t> keys{5, 9, 5};
+    std::vector<float> grads{2.f, 0.75f, 0.5f, 0.25f, 1.f, -1.f};
+    ref.ApplyGradients(keys.data(), keys.size(), grads.data(), lr, 2);
+    for (int64_t k : {5, 9}) {
+      auto got = ReadRow(*fx.coord, k);
+      auto want = ref.Row(k);
+      CHECK(std::memcmp(got.data(), want.data(), kDim * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE(coordinator_conflicting_lr_fails_the_session) {
+  Fixture fx(2);
+  CHECK(AckOf(fx.Send(0, 0, 0, 1, {1}, {1.f, 1.f}, 0.25f)) == Disposition::kStored);
+  auto frames = fx.Send(0, 1, 0, 1, {2}, {1.f, 1.f}, 0.5f);
+  CHECK(HasError(frames, Status::kSessionFailed, "conflicting lr"));
+  CHECK(fx.coord->failed());
+  CHECK(fx.coord->failure().find("0.25") != std::string::npos);
+  CHECK_EQ(fx.table->apply_calls, 0);
+}
+
+TEST_CASE(coordinator_get_refuses_another_state_width) {
+  Fixture fx(1);
+  auto link = fx.links[0];
+  const int64_t key = 3;
+  fx.coord->Get(-1, &key, 1, kDim, 7, link, 5, 0);
+  CHECK(HasError(link->Take(), Status::kInvalidArgument, "state_dim 7"));
+  fx.coord->Get(-1, &key, 1, kDim, 0, link, 6, 0);
+  bool served = false;
+  for (const auto& f : link->Take()) served |= f.type == MsgType::kGetOk && f.payload.size() == kDim * 4;
+  CHECK(served);
 }
 
 TEST_CASE(coordinator_empty_step_advances) {
@@ -262,7 +309,7 @@ TEST_CASE(coordinator_bad_chunk_is_refused_without_failing) {
 TEST_CASE(coordinator_deferred_get_is_served_at_its_step) {
   Fixture fx(2);
   int64_t key = 4;
-  fx.coord->Get(0, &key, 1, kDim, fx.links[0], 55, 2);
+  fx.coord->Get(0, &key, 1, kDim, 0, fx.links[0], 55, 2);
   CHECK(fx.links[0]->Take().empty());  // waits for step 0
   fx.Send(0, 0, 0, 1, {4}, {1.f, 1.f});
   fx.Send(0, 1, 0, 1, {}, {});
@@ -278,9 +325,9 @@ TEST_CASE(coordinator_deferred_get_is_served_at_its_step) {
   }
   CHECK(served);
   // A get of a committed step is served at once; a wrong dim is refused.
-  fx.coord->Get(0, &key, 1, kDim, fx.links[1], 56, 0);
+  fx.coord->Get(0, &key, 1, kDim, 0, fx.links[1], 56, 0);
   CHECK(fx.links[1]->Take().back().type == MsgType::kGetOk);
-  fx.coord->Get(0, &key, 1, kDim + 1, fx.links[1], 57, 0);
+  fx.coord->Get(0, &key, 1, kDim + 1, 0, fx.links[1], 57, 0);
   CHECK(HasError(fx.links[1]->Take(), Status::kInvalidArgument, "dim"));
 }
 

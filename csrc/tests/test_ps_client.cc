@@ -155,14 +155,27 @@ TEST_CASE(client_open_refusal_names_the_field) {
   c.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o)));
   PSClient first(o, std::move(c));
   auto o2 = Options(1, 2);
-  o2.lr = 0.5f;
+  o2.world_size = 3;
   std::vector<std::unique_ptr<transport::Channel>> c2;
   c2.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o2)));
   try {
     PSClient second(o2, std::move(c2));
-    throw bagpipe::testing::CheckFailure("open with another lr was accepted");
+    throw bagpipe::testing::CheckFailure("open with another world_size was accepted");
   } catch (const ValueError& e) {
-    CHECK(std::string(e.what()).find("lr") != std::string::npos);
+    CHECK(std::string(e.what()).find("world_size") != std::string::npos);
+  }
+  // Another optimizer than the table holds: refused at open, naming the table.
+  auto o3 = Options(1, 2);
+  o3.optimizer.kind = store::OptimizerKind::kAdam;
+  std::vector<std::unique_ptr<transport::Channel>> c3;
+  c3.push_back(std::make_unique<transport::LocalChannel>(shard, ChannelOpts(o3)));
+  try {
+    PSClient third(o3, std::move(c3));
+    throw bagpipe::testing::CheckFailure("open with another optimizer was accepted");
+  } catch (const ValueError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("optimizer.kind") != std::string::npos);
+    CHECK(what.find("'emb'") != std::string::npos);
   }
 }
 
@@ -216,7 +229,7 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
     int fd = transport::ConnectTcp("127.0.0.1", srv.port(), DeadlineAfter(5)).Release();
     std::vector<uint8_t> frame(protocol::wire::kHeaderBytes + 5000, 0x11);
     auto h = protocol::wire::MakeHeader(protocol::wire::MsgType::kHello, 0, 5000);
-    h.version = 2;
+    h.version = protocol::wire::kProtocolVersion + 1;
     protocol::wire::StoreHeader(frame.data(), h);
     transport::WriteAll(fd, frame.data(), frame.size(), "srv");
     transport::SetRecvTimeout(fd, 5);
@@ -226,7 +239,9 @@ TEST_CASE(tcp_refuses_strangers_and_survives_garbage) {
     CHECK(reply.type == static_cast<uint16_t>(protocol::wire::MsgType::kError));
     std::string body(reply.body_len, '\0');
     transport::ReadFull(fd, body.data(), body.size(), false, "srv");
-    CHECK(body.find("protocol version 2 is not supported") != std::string::npos);
+    const std::string want =
+        "protocol version " + std::to_string(protocol::wire::kProtocolVersion + 1) + " is not supported";
+    CHECK(body.find(want) != std::string::npos);
     CHECK(!transport::ReadFull(fd, hb, 1, true, "srv"));  // then EOF
     ::close(fd);
   }

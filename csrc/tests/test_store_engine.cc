@@ -207,7 +207,7 @@ TEST_CASE(store_engine_bad_input_changes_nothing) {
   CHECK(SameBits(out, rows, 4));
 
   for (auto mutate : {+[](StoreOptions& x) { x.dim = 0; }, +[](StoreOptions& x) { x.num_shards = 3; },
-                      +[](StoreOptions& x) { x.num_threads = 0; }, +[](StoreOptions& x) { x.page_rows = 24; },
+                      +[](StoreOptions& x) { x.num_threads = 0; }, +[](StoreOptions& x) { x.page_rows = (1u << 24) + 1; },
                       +[](StoreOptions& x) { x.memory_budget = -2; },
                       +[](StoreOptions& x) { x.low_watermark = 0.9; },
                       +[](StoreOptions& x) { x.init.bound = -1; }}) {

@@ -1,6 +1,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "store/checksum.h"
 #include "store/manifest.h"
 #include "tests/test_harness.h"
 
@@ -56,7 +57,53 @@ TEST_CASE(store_manifest_round_trip) {
   CHECK_EQ(d.segments[0].keys.file, std::string("keys-0000.bin"));
   CHECK(d.meta == m.meta);
   CHECK(!d.weights_only);
-  CHECK_EQ(d.optimizer, std::string("sgd"));
+  CHECK(d.optimizer == OptimizerSpec{});
+  CHECK_EQ(d.version, kCheckpointVersion);
+}
+
+TEST_CASE(store_manifest_optimizer_spec_round_trips_bit_for_bit) {
+  Manifest m = Sample();
+  m.optimizer.kind = OptimizerKind::kAdam;
+  m.optimizer.eps = 1e-300;  // below fp32 range: rounds to 0, still a valid spec
+  m.optimizer.beta1 = 0.1 + 0.2;
+  m.optimizer.beta2 = 0.9999999999999999;
+  m.optimizer.weight_decay = 5e-324;
+  m.optimizer.initial_accumulator_value = 0.7;
+  m.state_dim = 2 * m.dim;
+  for (auto& s : m.segments) {
+    s.has_state = true;
+    s.state = {"state.bin", s.count * 4 * 8, 1};
+  }
+  const Manifest d = DecodeManifest(EncodeManifest(m), "x");
+  CHECK(d.optimizer == m.optimizer);
+  CHECK_EQ(d.state_dim, 8);
+}
+
+TEST_CASE(store_manifest_reads_version_1_as_sgd) {
+  // A version 1 manifest: the optimizer has a name and a state_dim, no *_bits fields.
+  std::string text = EncodeManifest(Sample());
+  text = text.substr(0, text.rfind("#xxh64 "));
+  auto cut = [&](const std::string& from, const std::string& to) {
+    const size_t a = text.find(from);
+    const size_t b = text.find(to, a);
+    CHECK(a != std::string::npos && b != std::string::npos);
+    text.erase(a, b - a);
+  };
+  cut(", \"eps_bits\"", "}");
+  const size_t v = text.find("\"version\": 2");
+  CHECK(v != std::string::npos);
+  text.replace(v, 12, "\"version\": 1");
+  auto sign = [](const std::string& body) {
+    Checksum c;
+    c.Update(body.data(), body.size());
+    return body + "#xxh64 " + Checksum::Hex(c.Digest()) + "\n";
+  };
+  const Manifest d = DecodeManifest(sign(text), "v1");
+  CHECK_EQ(d.version, 1);
+  CHECK(d.optimizer == OptimizerSpec{});
+  std::string adagrad = text;
+  adagrad.replace(adagrad.find("\"sgd\""), 5, "\"adagrad\"");
+  CHECK(Contains(ErrorOf(sign(adagrad)), "optimizer.name"));
 }
 
 TEST_CASE(store_manifest_refuses_torn_corrupt_and_unknown) {
@@ -67,9 +114,12 @@ TEST_CASE(store_manifest_refuses_torn_corrupt_and_unknown) {
   flipped[20] = flipped[20] == 'a' ? 'b' : 'a';
   CHECK(Contains(ErrorOf(flipped), "checksum mismatch"));
 
-  Manifest v2 = Sample();
-  v2.version = 2;
-  CHECK(Contains(ErrorOf(EncodeManifest(v2)), "unknown checkpoint version 2"));
+  Manifest v3 = Sample();
+  v3.version = 3;
+  CHECK(Contains(ErrorOf(EncodeManifest(v3)), "unknown checkpoint version 3"));
+  Manifest v0 = Sample();
+  v0.version = 0;
+  CHECK(Contains(ErrorOf(EncodeManifest(v0)), "unknown checkpoint version 0"));
 
   Manifest bad_rows = Sample();
   bad_rows.rows = 4;
@@ -88,14 +138,22 @@ TEST_CASE(store_manifest_refuses_torn_corrupt_and_unknown) {
   CHECK(Contains(ErrorOf(EncodeManifest(bad_init)), "'init'"));
 
   Manifest state = Sample();
-  state.state_dim = 2;  // segments lack state files
-  CHECK(Contains(ErrorOf(EncodeManifest(state)), "state"));
+  state.optimizer.kind = OptimizerKind::kRowWiseAdagrad;
+  state.state_dim = 1;  // segments lack state files
+  CHECK(Contains(ErrorOf(EncodeManifest(state)), "segments[0].state"));
+  Manifest wrong_dim = Sample();
+  wrong_dim.optimizer.kind = OptimizerKind::kAdagrad;
+  wrong_dim.state_dim = 3;  // Adagrad keeps dim (4) floats
+  CHECK(Contains(ErrorOf(EncodeManifest(wrong_dim)), "optimizer.state_dim"));
+  Manifest bad_beta = Sample();
+  bad_beta.optimizer.beta2 = 1.0;
+  CHECK(Contains(ErrorOf(EncodeManifest(bad_beta)), "optimizer.beta2"));
   CHECK(Contains(ErrorOf("{}\n#xxh64 0000000000000000\n"), "checksum mismatch"));
 }
 
 TEST_CASE(store_manifest_weights_only_and_state_files) {
   Manifest m = Sample();
-  m.optimizer = "adagrad";
+  m.optimizer.kind = OptimizerKind::kRowWiseAdagrad;
   m.state_dim = 1;
   for (auto& s : m.segments) {
     s.has_state = true;
@@ -104,8 +162,16 @@ TEST_CASE(store_manifest_weights_only_and_state_files) {
   const Manifest d = DecodeManifest(EncodeManifest(m), "x");
   CHECK(d.segments[0].has_state);
   CHECK_EQ(d.segments[0].state.bytes, 12u);
-  CHECK_EQ(d.optimizer, std::string("adagrad"));
+  CHECK(d.optimizer.kind == OptimizerKind::kRowWiseAdagrad);
   Manifest w = Sample();
   w.weights_only = true;
   CHECK(DecodeManifest(EncodeManifest(w), "x").weights_only);
+  // A weights-only checkpoint records its optimizer and state_dim, without state files.
+  Manifest wa = m;
+  wa.weights_only = true;
+  for (auto& s : wa.segments) s.has_state = false;
+  const Manifest dwa = DecodeManifest(EncodeManifest(wa), "x");
+  CHECK(dwa.weights_only && dwa.state_dim == 1 && !dwa.segments[0].has_state);
+  for (auto& s : wa.segments) s.has_state = true;
+  CHECK(Contains(ErrorOf(EncodeManifest(wa)), "state"));
 }

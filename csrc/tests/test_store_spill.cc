@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -147,5 +148,32 @@ TEST_CASE(store_spill_dir_errors_name_the_field) {
     CHECK(false);
   } catch (const bagpipe::ValueError& e) {
     CHECK(std::string(e.what()).find("spill_dir") != std::string::npos);
+  }
+}
+
+TEST_CASE(store_arena_page_index_divides_exactly) {
+  std::mt19937_64 rng(3);
+  std::vector<uint32_t> divisors = {1, 2, 3, 7, 16, 100, 4096, 15887, 5461, 65535, 1u << 24,
+                                    (1u << 24) - 1};
+  for (int i = 0; i < 40; ++i) divisors.push_back(1 + static_cast<uint32_t>(rng() % (1u << 24)));
+  for (uint32_t d : divisors) {
+    const PageIndex index(d);
+    std::vector<uint32_t> slots = {0, 1, d - 1, d, d + 1, 0xFFFFFFFFu, 0xFFFFFFFEu, 0xFFFFFFFDu};
+    for (int i = 0; i < 2000; ++i) slots.push_back(static_cast<uint32_t>(rng()));
+    for (uint32_t k = 1; k < 50; ++k) {  // around multiples of d, up to the largest slot
+      const uint64_t m = static_cast<uint64_t>(d) * (rng() % (0xFFFFFFFFull / d + 1));
+      for (int64_t off = -1; off <= 1; ++off) {
+        const int64_t v = static_cast<int64_t>(m) + off;
+        if (v >= 0 && v <= 0xFFFFFFFFll) slots.push_back(static_cast<uint32_t>(v));
+      }
+    }
+    for (uint32_t s : slots) {
+      const uint32_t page = index.Page(s);
+      CHECK_EQ(page, s / d);
+      CHECK_EQ(index.RowIn(s, page), s % d);
+    }
+    CHECK_EQ(index.PagesFor(0), 0u);
+    CHECK_EQ(index.PagesFor(d), 1u);
+    CHECK_EQ(index.PagesFor(static_cast<size_t>(d) + 1), 2u);
   }
 }

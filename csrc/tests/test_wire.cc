@@ -80,6 +80,45 @@ TEST_CASE(wire_commit_parse_validates_every_field) {
   bad([](wire::CommitBody& c) { c.dim = 0; }, "dim");
   bad([](wire::CommitBody& c) { c.nrows = 0xFFFFFFFFu; }, "nrows");
   bad([](wire::CommitBody& c) { c.lr = std::numeric_limits<float>::quiet_NaN(); }, "lr");
+  bad([](wire::CommitBody& c) { c.lr = -0.5f; }, "lr");
+  bad([](wire::CommitBody& c) { c.lr = std::numeric_limits<float>::infinity(); }, "lr");
+}
+
+TEST_CASE(wire_open_parse_validates_the_optimizer) {
+  wire::OpenBody b{};
+  b.session = 3;
+  b.rank = 0;
+  b.world_size = 1;
+  b.dim = 4;
+  b.optimizer = 2;  // row-wise Adagrad
+  b.eps = 1e-8;
+  b.beta1 = 0.9;
+  b.beta2 = 0.999;
+  b.key_bound = -1;
+  const std::string name = "emb";
+  b.name_len = static_cast<uint16_t>(name.size());
+  auto bytes = [&](const wire::OpenBody& body) {
+    std::vector<uint8_t> out(sizeof(body) + name.size());
+    std::memcpy(out.data(), &body, sizeof(body));
+    std::memcpy(out.data() + sizeof(body), name.data(), name.size());
+    return out;
+  };
+  wire::OpenView v;
+  std::string why;
+  auto ok = bytes(b);
+  CHECK(wire::ParseOpen(ok.data(), ok.size(), &v, &why));
+  CHECK_EQ(v.body.optimizer, uint8_t{2});
+  CHECK(v.table == "emb");
+  wire::OpenBody bad = b;
+  bad.optimizer = wire::kMaxOptimizerKind + 1;
+  auto bad_kind = bytes(bad);
+  CHECK(!wire::ParseOpen(bad_kind.data(), bad_kind.size(), &v, &why));
+  CHECK(why.find("optimizer") != std::string::npos);
+  bad = b;
+  bad.beta2 = std::numeric_limits<double>::quiet_NaN();
+  auto bad_beta = bytes(bad);
+  CHECK(!wire::ParseOpen(bad_beta.data(), bad_beta.size(), &v, &why));
+  CHECK(why.find("optimizer") != std::string::npos);
 }
 
 TEST_CASE(wire_table_names_and_digest) {

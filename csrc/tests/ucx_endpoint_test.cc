@@ -29,6 +29,8 @@ namespace {
 using namespace std::chrono_literals;
 
 const char* const kTls[] = {"sm", "tcp"};
+// Whether EchoServer drives its endpoints from a shared ProgressPool (set by ForEachTls).
+bool g_shared_progress = false;
 const char* const kToken = "test-token";
 
 uint8_t Pattern(uint64_t id, size_t i) { return static_cast<uint8_t>((id * 131 + i * 7) & 0xff); }
@@ -56,6 +58,7 @@ class EchoServer {
     o.limits.fault = fault;
     o.limits.max_ring_bytes = max_ring_bytes;
     o.handshake_timeout = 5;
+    if (g_shared_progress) o.limits.progress = std::make_shared<ProgressPool>(1);
     acceptor_ = std::make_unique<server::UcxAcceptor>(
         o, [](const std::string& t, std::string*) { return t == kToken; },
         [this](const std::shared_ptr<Endpoint>& ep) { return Attach(ep); });
@@ -235,12 +238,19 @@ class TestClient {
 template <typename F>
 void ForEachTls(F f) {
   for (const char* tls : kTls) {
-    try {
-      f(std::string(tls));
-    } catch (const std::exception& e) {
-      throw std::runtime_error(std::string("[UCX_TLS=") + tls + "] " + e.what());
+    // Shard endpoints with a progress thread each, then driven by a shared ProgressGroup.
+    for (const bool shared : {false, true}) {
+      g_shared_progress = shared;
+      try {
+        f(std::string(tls));
+      } catch (const std::exception& e) {
+        g_shared_progress = false;
+        throw std::runtime_error(std::string("[UCX_TLS=") + tls + (shared ? ", shared progress" : "") +
+                                 "] " + e.what());
+      }
     }
   }
+  g_shared_progress = false;
 }
 
 }  // namespace
@@ -452,6 +462,24 @@ TEST_CASE(ucx_torn_connection_fails_both_sides) {
     CHECK(!client.failure().peer_closed);
     CHECK_THROWS(TransportError, client.ep().PostPut(1, 64, 2));
     CHECK_THROWS(TransportError, client.ep().FlushAndRing());
+  });
+}
+
+TEST_CASE(ucx_a_failed_endpoint_tells_its_peer_before_it_is_closed) {
+  ForEachTls([](const std::string& tls) {
+    EchoServer server(tls);
+    TestClient client(tls, server.port(), 2, 4096);
+    client.Stage(0, 1, 10, 64);
+    client.ep().FlushAndRing();
+    CHECK(client.WaitReply(1));
+    // The shard gives up on the connection (a protocol violation, a failed send) but its
+    // owner has not closed the endpoint yet: the client must learn of it now, from the
+    // control connection, whatever UCX itself reports (shared memory reports nothing).
+    auto eps = server.WaitEndpoints(1);
+    eps[0]->Fail("test: the shard gives up on this connection");
+    CHECK(client.WaitFailure(5s));
+    CHECK(client.failure().message.find("torn") != std::string::npos);
+    CHECK(!client.failure().peer_closed);
   });
 }
 

@@ -21,8 +21,9 @@ ErrorKind KindOfStatus(Status status) {
       return ErrorKind::kSession;
     case Status::kUnauthorized:
     case Status::kProtocolError:
-    case Status::kShuttingDown:
       return ErrorKind::kTransport;
+    case Status::kShuttingDown:
+      return ErrorKind::kShuttingDown;
     case Status::kInternal:
     case Status::kOk:
       return ErrorKind::kInternal;
@@ -37,6 +38,7 @@ void ThrowError(const Error& error) {
     case ErrorKind::kValue: throw ValueError(error.message);
     case ErrorKind::kTimeout: throw TimeoutError(error.message);
     case ErrorKind::kInternal: throw std::runtime_error(error.message);
+    case ErrorKind::kShuttingDown: throw ShuttingDownError(error.message);
   }
   throw std::runtime_error(error.message);
 }

@@ -55,6 +55,7 @@ enum class ErrorKind : uint8_t {
   kValue = 2,      // ValueError
   kTimeout = 3,    // TimeoutError
   kInternal = 4,   // RuntimeError
+  kShuttingDown = 5,  // ShuttingDownError (a TransportError): the shard is draining
 };
 
 struct Error {
@@ -135,12 +136,19 @@ struct ChannelOptions {
   uint32_t num_slots = 8;  // the in-flight window; REQUIRES: >= 1
   size_t slot_bytes = 0;   // capacity of each request slot (the largest frame); REQUIRES: > header
   double io_timeout = 120.0;  // seconds a blocking socket write may make no progress
+  // tcp: a channel that has sent nothing for this many seconds sends a keep-alive Ping
+  // (notification-style, no slot), so a server's idle_timeout never closes a live client;
+  // 0: never. Set from ConnectOptions by ConnectChannel.
+  double keepalive_interval = 30.0;
 };
 
 // How a channel to a remote shard is established (tcp, ucx; the local backend needs none).
 struct ConnectOptions {
   std::string job_token;        // presented in the Hello; REQUIRES: <= wire::kMaxTokenBytes
   double connect_timeout = 30.0;  // seconds to connect and authenticate
+  // tcp: keep-alive Ping after this many seconds without sending (ChannelOptions); keep it
+  // well below the servers' idle_timeout (default 300 s). 0: never.
+  double keepalive_interval = 30.0;
 };
 
 struct ChannelStats {

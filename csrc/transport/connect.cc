@@ -39,9 +39,12 @@ std::unique_ptr<Channel> ConnectChannel(const ShardEndpoint& endpoint,
     case ShardEndpoint::Kind::kRdma:
       return ConnectRdmaChannel(endpoint.host, endpoint.port, connect.job_token, options,
                                 connect.connect_timeout);
-    case ShardEndpoint::Kind::kTcp:
-      return TcpChannel::Connect(endpoint.host, endpoint.port, connect.job_token, options,
+    case ShardEndpoint::Kind::kTcp: {
+      ChannelOptions o = options;
+      o.keepalive_interval = connect.keepalive_interval;
+      return TcpChannel::Connect(endpoint.host, endpoint.port, connect.job_token, o,
                                  connect.connect_timeout);
+    }
   }
   throw ValueError("unknown shard endpoint kind");
 }

@@ -115,6 +115,30 @@ std::string PeerName(int fd) {
   return AddressText(ss);
 }
 
+bool IsLoopbackHost(const std::string& host) {
+  if (host.empty()) return false;  // the wildcard address
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  bool loopback = res != nullptr;
+  for (addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    if (ai->ai_family == AF_INET) {
+      const auto* a = reinterpret_cast<const sockaddr_in*>(ai->ai_addr);
+      loopback = loopback && (ntohl(a->sin_addr.s_addr) >> 24) == 127;
+    } else if (ai->ai_family == AF_INET6) {
+      const auto* a = reinterpret_cast<const sockaddr_in6*>(ai->ai_addr);
+      loopback = loopback && IN6_IS_ADDR_LOOPBACK(&a->sin6_addr);
+    } else {
+      loopback = false;
+    }
+  }
+  ::freeaddrinfo(res);
+  return loopback;
+}
+
 // ---- connect / listen -------------------------------------------------------------------------
 
 Socket ConnectTcp(const std::string& host, uint16_t port, Deadline deadline) {

@@ -140,5 +140,8 @@ void SetSendTimeout(int fd, double seconds);
 void SetNoDelay(int fd);
 // "host:port" of the socket's peer.
 std::string PeerName(int fd);
+// True if every address `host` resolves to is a loopback address (127.0.0.0/8, ::1);
+// false for wildcard and routable addresses, and for a name that does not resolve.
+bool IsLoopbackHost(const std::string& host);
 
 }  // namespace bagpipe::transport

@@ -1,7 +1,10 @@
 #include "transport/tcp_channel.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstring>
 #include <vector>
@@ -25,15 +28,30 @@ std::unique_ptr<TcpChannel> TcpChannel::Connect(const std::string& host, uint16_
                      " bytes");
   }
   const Deadline deadline = DeadlineAfter(connect_timeout);
-  const int fd = ConnectTcp(host, port, deadline).Release();
-  std::unique_ptr<TcpChannel> ch(new TcpChannel(fd, "tcp " + host + ":" + std::to_string(port), options));
-  ch->Handshake(job_token, deadline);  // on failure ~TcpChannel closes the socket
-  ch->receiver_ = std::thread([raw = ch.get()] { raw->ReceiveLoop(); });
-  return ch;
+  const std::string peer = "tcp " + host + ":" + std::to_string(port);
+  for (int attempt = 1;; ++attempt) {
+    const int fd = ConnectTcp(host, port, deadline).Release();
+    std::unique_ptr<TcpChannel> ch(new TcpChannel(fd, peer, options));
+    try {
+      ch->Handshake(job_token, deadline);  // on failure ~TcpChannel closes the socket
+    } catch (const TransportError&) {
+      // A server under a connection flood may shed a connection before its Hello was read
+      // (server/admission.h): the connection closes without an answer. Connect again
+      // while the deadline allows; an answer (a refusal) is final.
+      const auto backoff = std::chrono::milliseconds(std::min(100, 5 * attempt));
+      if (ch->handshake_answered_ || Clock::now() + backoff >= deadline) throw;
+      std::this_thread::sleep_for(backoff);
+      continue;
+    }
+    ch->receiver_ = std::thread([raw = ch.get()] { raw->ReceiveLoop(); });
+    return ch;
+  }
 }
 
 TcpChannel::TcpChannel(int fd, std::string peer, const ChannelOptions& options)
-    : Channel(std::move(peer), options), fd_(fd), io_timeout_(options.io_timeout) {}
+    : Channel(std::move(peer), options), fd_(fd), io_timeout_(options.io_timeout),
+      keepalive_(options.keepalive_interval),
+      last_send_(Clock::now().time_since_epoch().count()) {}
 
 TcpChannel::~TcpChannel() {
   Close();
@@ -58,6 +76,7 @@ void TcpChannel::Handshake(const std::string& token, Deadline deadline) {
   if (!ReadFull(fd_, hb, kHeaderBytes, true, peer())) {
     throw TransportError(peer() + " closed the connection during the handshake (not a PS shard?)");
   }
+  handshake_answered_ = true;
   const FrameHeader h = protocol::wire::LoadHeader(hb);
   std::string why;
   if (!protocol::wire::CheckHeader(h, 1 << 16, &why)) {
@@ -91,7 +110,30 @@ void TcpChannel::Handshake(const std::string& token, Deadline deadline) {
 
 void TcpChannel::DoPost(uint32_t slot, const uint8_t* frame, size_t frame_len) {
   (void)slot;
+  std::lock_guard<std::mutex> lock(write_mu_);
   WriteAll(fd_, frame, frame_len, peer());
+  last_send_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+}
+
+void TcpChannel::MaybeKeepAlive() {
+  const auto now = Clock::now();
+  const auto idle = now - Clock::time_point(Clock::duration(last_send_.load()));
+  if (std::chrono::duration<double>(idle).count() < keepalive_) return;
+  std::unique_lock<std::mutex> lock(write_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return;  // a post is being written: that is traffic
+  uint8_t frame[kHeaderBytes];
+  protocol::wire::StoreHeader(frame, protocol::wire::MakeHeader(MsgType::kPing, job_digest(), 0,
+                                                                Status::kOk, 0,
+                                                                protocol::wire::kNoSlot));
+  // A full socket buffer means the shard has traffic to read already: never block here.
+  const ssize_t n = ::send(fd_, frame, sizeof(frame), MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (n <= 0) return;  // no room (or an error the read side reports): try again later
+  // A partial write must be completed, or the stream would lose its framing (bounded by the
+  // socket's send timeout, io_timeout).
+  if (static_cast<size_t>(n) < sizeof(frame)) {
+    WriteAll(fd_, frame + n, sizeof(frame) - static_cast<size_t>(n), peer());
+  }
+  last_send_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
 }
 
 void TcpChannel::DoPostGather(uint32_t slot, const uint8_t* head, size_t head_len,
@@ -105,7 +147,9 @@ void TcpChannel::DoPostGather(uint32_t slot, const uint8_t* head, size_t head_le
   for (size_t i = 0; i < n_extra; ++i) {
     if (extra[i].len) iov[n++] = {const_cast<uint8_t*>(extra[i].data), extra[i].len};
   }
+  std::lock_guard<std::mutex> lock(write_mu_);
   WriteAllV(fd_, iov, n, peer());
+  last_send_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
 }
 
 void TcpChannel::DoClose() {
@@ -117,8 +161,23 @@ void TcpChannel::DoClose() {
 void TcpChannel::ReceiveLoop() {
   std::vector<uint8_t> scratch;
   FrameReader in(fd_, peer());
+  const int wake_ms = keepalive_ > 0 ? static_cast<int>(std::max(100.0, keepalive_ * 250.0)) : -1;
   try {
-    for (;;) ReceiveOne(&in, &scratch);
+    for (;;) {
+      if (wake_ms > 0 && in.buffered() == 0) {
+        // Between frames: wait for the next one, waking now and then to keep the
+        // connection alive (invariant 3).
+        pollfd p{fd_, POLLIN, 0};
+        const int rc = ::poll(&p, 1, wake_ms);
+        if (rc == 0) {
+          if (closing_.load()) return;
+          MaybeKeepAlive();
+          continue;
+        }
+        if (rc < 0 && errno == EINTR) continue;
+      }
+      ReceiveOne(&in, &scratch);
+    }
   } catch (const std::exception& e) {
     if (closing_.load()) return;
     FailChannel({ErrorKind::kTransport, std::string("connection lost: ") + e.what()});

@@ -13,10 +13,17 @@
 //      request fails the channel (TransportError) instead of being guessed at.
 //   2. When the shard goes away (EOF, reset), every request in flight fails at once with a
 //      TransportError naming the shard; nothing waits for a timeout.
+//   3. Connect retries (until connect_timeout) a connection closed before the Hello was
+//      answered (a server shedding connections under a flood); an answer is final.
+//   4. A channel that sent nothing for keepalive_interval sends a Ping with no slot (its Pong
+//      comes back as a notification and is ignored), so the server's idle deadline only
+//      closes connections whose client is gone. Writes are serialized by write_mu_; the
+//      keep-alive never waits for it (a write in progress is traffic enough).
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -51,9 +58,15 @@ class TcpChannel : public Channel {
   void ReceiveLoop();
   void ReceiveOne(FrameReader* in, std::vector<uint8_t>* scratch);
 
+  void MaybeKeepAlive();
+
   int fd_;
   const double io_timeout_;
+  const double keepalive_;
+  std::mutex write_mu_;                  // one writer at a time (posts, keep-alives)
+  std::atomic<int64_t> last_send_{0};    // Clock ticks of the last write
   uint64_t remote_instance_ = 0;
+  bool handshake_answered_ = false;  // the shard answered the Hello (even with a refusal)
   std::atomic<bool> closing_{false};
   std::thread receiver_;
 };

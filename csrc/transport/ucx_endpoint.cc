@@ -21,6 +21,9 @@ namespace bagpipe::transport::ucx {
 namespace {
 
 constexpr int kIdlePollMillis = 100;    // safety net: the loop re-checks at least this often
+// The control connection (liveness) is looked at least this often, also while the worker
+// keeps the loop busy (completions, incoming messages, ucp_worker_arm answering BUSY).
+constexpr auto kLivenessCheck = std::chrono::milliseconds(10);
 constexpr auto kSpin = std::chrono::microseconds(50);  // busy-poll while requests are in flight
 constexpr unsigned kProgressBurst = 64;
 constexpr size_t kMaxHeldMessages = 1 << 16;
@@ -126,12 +129,23 @@ Endpoint::~Endpoint() {
 }
 
 void Endpoint::Start(Deadline deadline) {
-  thread_ = std::thread([this] { Loop(); });
+  if (group_) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      attached_ = true;
+    }
+    group_->Attach(this);
+  } else {
+    thread_ = std::thread([this] { Loop(); });
+  }
   std::unique_lock<std::mutex> lock(mu_);
   while (!started_ && setup_error_.empty()) {
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !started_ &&
         setup_error_.empty()) {
       lock.unlock();
+      // A group may still set it up: Close waits until the group set it up and tore it
+      // down, or dropped it.
+      if (group_) Close(/*graceful=*/false);
       throw TimeoutError("creating a UCX worker for " + peer_ + " timed out");
     }
   }
@@ -198,10 +212,27 @@ void Endpoint::RunOnThread(const std::function<void()>& fn, Deadline deadline) {
   if (state->error) std::rethrow_exception(state->error);
 }
 
-void Endpoint::StartMonitoring() {
-  monitoring_.store(true, std::memory_order_release);
+void Endpoint::AdoptControl(Socket control) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    control_ = std::move(control);
+    if (failed_ || closed_) {
+      // The endpoint failed or was closed before it owned its control connection (the
+      // client may already be using the connection): the peer learns of it now.
+      ::shutdown(control_.fd(), SHUT_RDWR);
+      return;
+    }
+    // Published with the control connection: the progress thread touches control_ only
+    // once it sees monitoring_ (acquire), or under mu_.
+    monitoring_.store(true, std::memory_order_release);
+  }
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+}
+
+void Endpoint::ShutdownControl() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (control_.valid()) ::shutdown(control_.fd(), SHUT_RDWR);
 }
 
 std::vector<uint8_t> Endpoint::WorkerAddress() {
@@ -339,8 +370,7 @@ std::shared_ptr<Endpoint> Endpoint::Connect(const ConnectOptions& o, EndpointHan
   ep->ring_id_ = reply.ring_id;
   // kMessage never touches the ring remotely, so its key is never used (nor checked).
   if (ep->frame_mode_ == FrameMode::kPut) ep->VerifyRing(reply, deadline);
-  ep->control_ = std::move(s);
-  ep->StartMonitoring();
+  ep->AdoptControl(std::move(s));
   return ep;
 }
 
@@ -396,64 +426,76 @@ void Endpoint::VerifyRing(const wire::BootReply& reply, Deadline deadline) {
 
 // ---- shard bootstrap ----------------------------------------------------------------------------
 
+void Endpoint::Refuse(int fd, wire::BootStatus status, const std::string& text,
+                      const std::string& peer, Deadline deadline) {
+  wire::BootReply r{};
+  r.magic = wire::kBootMagic;
+  r.status = static_cast<int32_t>(status);
+  r.text_len = static_cast<uint32_t>(std::min(text.size(), wire::kMaxBootText));
+  std::vector<uint8_t> out(sizeof(r) + r.text_len);
+  std::memcpy(out.data(), &r, sizeof(r));
+  std::memcpy(out.data() + sizeof(r), text.data(), r.text_len);
+  try {
+    SendAll(fd, out.data(), out.size(), deadline, peer);
+  } catch (const std::exception&) {
+    // The client is gone or stuck; it is refused either way.
+  }
+}
+
+std::string Endpoint::CheckBootHello(const wire::BootHello& h, const AcceptLimits& limits,
+                                     wire::BootStatus* status) {
+  *status = wire::BootStatus::kBadRequest;
+  if (h.magic != wire::kBootMagic) return "not a torchrec_bagpipe UCX client (bad magic)";
+  if (h.version != wire::kBootVersion) {
+    return "UCX bootstrap version " + std::to_string(h.version) + ", this shard speaks " +
+           std::to_string(wire::kBootVersion);
+  }
+  *status = wire::BootStatus::kTooLarge;
+  if (h.num_slots == 0 || h.num_slots > std::min(limits.max_slots, wire::kMaxSlots)) {
+    return "num_slots " + std::to_string(h.num_slots) + " outside [1, " +
+           std::to_string(std::min(limits.max_slots, wire::kMaxSlots)) + "]";
+  }
+  if (h.slot_bytes == 0 || h.slot_bytes > limits.max_slot_bytes) {
+    return "slot_bytes " + std::to_string(h.slot_bytes) + " outside [1, " +
+           std::to_string(limits.max_slot_bytes) + "]";
+  }
+  *status = wire::BootStatus::kBadRequest;
+  if (h.token_len > wire::kMaxTokenBytes || h.address_len == 0 ||
+      h.address_len > wire::kMaxWorkerAddress) {
+    return "token or worker address length out of bounds";
+  }
+  const uint64_t ring_bytes =
+      wire::kRingHeaderBytes + uint64_t{h.num_slots} * wire::SlotStride(h.slot_bytes);
+  if (ring_bytes > limits.max_ring_bytes) {
+    *status = wire::BootStatus::kTooLarge;
+    return "a slot ring of " + std::to_string(ring_bytes) + " bytes exceeds this shard's " +
+           std::to_string(limits.max_ring_bytes);
+  }
+  *status = wire::BootStatus::kOk;
+  return {};
+}
+
 std::shared_ptr<Endpoint> Endpoint::Accept(
     std::shared_ptr<Context> context, Socket control, const std::string& peer,
-    const AcceptLimits& limits,
+    const AcceptLimits& limits, const BootRequest& request,
     const std::function<bool(const std::string& token, std::string* why)>& authorize,
     const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
     Deadline deadline) {
   const int fd = control.fd();
   auto refuse = [&](wire::BootStatus status, const std::string& text) {
-    wire::BootReply r{};
-    r.magic = wire::kBootMagic;
-    r.status = static_cast<int32_t>(status);
-    r.text_len = static_cast<uint32_t>(std::min(text.size(), wire::kMaxBootText));
-    std::vector<uint8_t> out(sizeof(r) + r.text_len);
-    std::memcpy(out.data(), &r, sizeof(r));
-    std::memcpy(out.data() + sizeof(r), text.data(), r.text_len);
-    try {
-      SendAll(fd, out.data(), out.size(), deadline, peer);
-    } catch (const std::exception&) {
-      // The client is gone or stuck; it is refused either way.
-    }
+    Refuse(fd, status, text, peer, deadline);
     return std::shared_ptr<Endpoint>();
   };
-
-  wire::BootHello h{};
-  RecvAll(fd, &h, sizeof(h), deadline, peer);
-  if (h.magic != wire::kBootMagic) {
-    return refuse(wire::BootStatus::kBadRequest, "not a torchrec_bagpipe UCX client (bad magic)");
-  }
-  if (h.version != wire::kBootVersion) {
-    return refuse(wire::BootStatus::kBadRequest,
-                  "UCX bootstrap version " + std::to_string(h.version) + ", this shard speaks " +
-                      std::to_string(wire::kBootVersion));
-  }
-  if (h.num_slots == 0 || h.num_slots > std::min(limits.max_slots, wire::kMaxSlots)) {
-    return refuse(wire::BootStatus::kTooLarge,
-                  "num_slots " + std::to_string(h.num_slots) + " outside [1, " +
-                      std::to_string(std::min(limits.max_slots, wire::kMaxSlots)) + "]");
-  }
-  if (h.slot_bytes == 0 || h.slot_bytes > limits.max_slot_bytes) {
-    return refuse(wire::BootStatus::kTooLarge,
-                  "slot_bytes " + std::to_string(h.slot_bytes) + " outside [1, " +
-                      std::to_string(limits.max_slot_bytes) + "]");
-  }
-  if (h.token_len > wire::kMaxTokenBytes || h.address_len == 0 ||
-      h.address_len > wire::kMaxWorkerAddress) {
-    return refuse(wire::BootStatus::kBadRequest, "token or worker address length out of bounds");
+  const wire::BootHello& h = request.hello;
+  wire::BootStatus bad;
+  if (std::string why = CheckBootHello(h, limits, &bad); !why.empty()) return refuse(bad, why);
+  if (request.token.size() != h.token_len || request.address.size() != h.address_len) {
+    return refuse(wire::BootStatus::kBadRequest, "token or worker address length mismatch");
   }
   const uint64_t stride = wire::SlotStride(h.slot_bytes);
   const uint64_t ring_bytes = wire::kRingHeaderBytes + uint64_t{h.num_slots} * stride;
-  if (ring_bytes > limits.max_ring_bytes) {
-    return refuse(wire::BootStatus::kTooLarge,
-                  "a slot ring of " + std::to_string(ring_bytes) + " bytes exceeds this shard's " +
-                      std::to_string(limits.max_ring_bytes));
-  }
-  std::string token(h.token_len, '\0');
-  std::vector<uint8_t> client_address(h.address_len);
-  RecvAll(fd, token.data(), token.size(), deadline, peer);
-  RecvAll(fd, client_address.data(), client_address.size(), deadline, peer);
+  const std::string& token = request.token;
+  const std::vector<uint8_t>& client_address = request.address;
   std::string why = "wrong job token";
   if (!authorize(token, &why)) return refuse(wire::BootStatus::kUnauthorized, why);
 
@@ -461,6 +503,7 @@ std::shared_ptr<Endpoint> Endpoint::Accept(
   std::vector<uint8_t> my_address;
   std::unique_ptr<Region> decoy;
   std::shared_ptr<Endpoint> ep(new Endpoint(Role::kServer, context, "ucx client " + peer));
+  if (limits.progress) ep->group_ = limits.progress->Pick();
   ep->num_slots_ = h.num_slots;
   ep->slot_bytes_ = h.slot_bytes;
   ep->slot_stride_ = stride;
@@ -531,8 +574,10 @@ std::shared_ptr<Endpoint> Endpoint::Accept(
   // The decoy must stay registered until the client finished its check; keep it with the
   // endpoint (it is only ever set in fault-injection tests).
   if (decoy) ep->sources_.push_back(std::move(decoy));
-  ep->control_ = std::move(control);
-  ep->StartMonitoring();
+  // The client may use the connection from the moment it has the reply, and the endpoint
+  // may fail or be closed from then on (even before this line): AdoptControl passes that on
+  // to the client whenever it happened (invariant 3).
+  ep->AdoptControl(std::move(control));
   return ep;
 }
 
@@ -564,9 +609,9 @@ void Endpoint::Fail(const std::string& message) {
     if (failed_) return;
     failed_ = true;
     failure_.message = message;
+    monitoring_.store(false, std::memory_order_release);  // under mu_: see AdoptControl
   }
   failed_flag_.store(true, std::memory_order_release);
-  monitoring_.store(false, std::memory_order_release);
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
 }
@@ -610,12 +655,17 @@ void Endpoint::SendMessage(const void* head, size_t head_len, const void* payloa
 }
 
 void Endpoint::Close(bool graceful) {
-  if (thread_.joinable() && OnProgressThread()) {
+  if ((thread_.joinable() || group_) && OnProgressThread()) {
     throw std::logic_error("Endpoint::Close called from its own progress thread");
   }
+  bool in_group;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_ && !thread_.joinable()) return;
+    in_group = attached_ && !torn_down_ && !dropped_ && setup_error_.empty();
+    if (closed_ && !thread_.joinable() && !in_group) {
+      control_.Close();
+      return;
+    }
     closed_ = true;
     stop_requested_ = true;
     graceful_stop_ = graceful && !failed_;
@@ -623,6 +673,11 @@ void Endpoint::Close(bool graceful) {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (in_group) {
+    // The group tears it down on its thread (invariant 5); unbounded like a join.
+    cv_.wait(lock, [&] { return torn_down_ || dropped_ || !setup_error_.empty(); });
+  }
   control_.Close();
 }
 
@@ -648,7 +703,19 @@ void Endpoint::Setup() {
   if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;
 }
 
-void Endpoint::Loop() {
+bool Endpoint::SetUpOnGroup() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      dropped_ = true;
+      cv_.notify_all();
+      return false;
+    }
+  }
+  return SetupOnThisThread();
+}
+
+bool Endpoint::SetupOnThisThread() {
   try {
     Setup();
   } catch (const std::exception& e) {
@@ -657,62 +724,95 @@ void Endpoint::Loop() {
     std::lock_guard<std::mutex> lock(mu_);
     setup_error_ = e.what();
     cv_.notify_all();
-    return;
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  thread_id_ = std::this_thread::get_id();
+  started_ = true;
+  cv_.notify_all();
+  return true;
+}
+
+Endpoint::StepResult Endpoint::Step(bool control_ready) {
+  if (monitoring_.load(std::memory_order_acquire) && control_.valid()) {
+    // A busy worker must not hide a torn connection: the wait that watches the control
+    // connection is skipped for as long as the loop finds work.
+    const auto now = Clock::now();
+    if (control_ready || now >= next_liveness_check_) {
+      next_liveness_check_ = now + kLivenessCheck;
+      pollfd c{control_.fd(), POLLIN, 0};
+      if (::poll(&c, 1, 0) > 0 && c.revents != 0) CheckControl(c.revents);
+    }
+  }
+  bool busy = RunCommands();
+  for (unsigned i = 0; i < kProgressBurst && ucp_worker_progress(worker_) != 0; ++i) busy = true;
+  ProcessCompleted();
+  ProcessIncoming();
+  if (failed_flag_.load(std::memory_order_acquire) && !failure_handled_) {
+    HandleFailure();
+    busy = true;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    thread_id_ = std::this_thread::get_id();
-    started_ = true;
-    cv_.notify_all();
+    if (stop_requested_ && commands_.empty()) return StepResult::kStop;
   }
-  Clock::time_point spin_until{};
-  bool spinning = false;
+  if (busy || !completed_.empty()) {
+    spinning_ = false;
+    return StepResult::kBusy;
+  }
+  if (outstanding_ > 0) {
+    // Completions of requests in flight come within microseconds: poll briefly before
+    // paying for a sleep and a wake-up.
+    const auto now = Clock::now();
+    if (!spinning_) {
+      spinning_ = true;
+      spin_until_ = now + kSpin;
+    }
+    if (now < spin_until_) return StepResult::kBusy;
+  }
+  spinning_ = false;
+  return StepResult::kIdle;
+}
+
+bool Endpoint::ArmForWait() {
+  if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_ERR_BUSY) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.sleeps;
+  return true;
+}
+
+void Endpoint::DrainWake() {
+  uint64_t v;
+  [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof(v));
+}
+
+int Endpoint::WatchedControlFd() const {
+  return monitoring_.load(std::memory_order_acquire) && control_.valid() ? control_.fd() : -1;
+}
+
+void Endpoint::FinishOnGroup() {
+  Teardown();
+  std::lock_guard<std::mutex> lock(mu_);
+  torn_down_ = true;
+  cv_.notify_all();
+}
+
+void Endpoint::Loop() {
+  if (!SetupOnThisThread()) return;
   for (;;) {
-    bool busy = RunCommands();
-    for (unsigned i = 0; i < kProgressBurst && ucp_worker_progress(worker_) != 0; ++i) busy = true;
-    ProcessCompleted();
-    ProcessIncoming();
-    if (failed_flag_.load(std::memory_order_acquire) && !failure_handled_) {
-      HandleFailure();
-      busy = true;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stop_requested_ && commands_.empty()) break;
-    }
-    if (busy || !completed_.empty()) {
-      spinning = false;
-      continue;
-    }
-    if (outstanding_ > 0) {
-      // Completions of requests in flight come within microseconds: poll briefly before
-      // paying for a sleep and a wake-up.
-      const auto now = Clock::now();
-      if (!spinning) {
-        spinning = true;
-        spin_until = now + kSpin;
-      }
-      if (now < spin_until) continue;
-    }
-    spinning = false;
-    if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    const StepResult r = Step(false);
+    if (r == StepResult::kStop) break;
+    if (r == StepResult::kBusy || !ArmForWait()) continue;
     pollfd fds[3];
     nfds_t n = 0;
     fds[n++] = {wake_fd_, POLLIN, 0};
     if (efd_ >= 0) fds[n++] = {efd_, POLLIN, 0};
-    const bool monitor = monitoring_.load(std::memory_order_acquire) && control_.valid();
-    if (monitor) fds[n++] = {control_.fd(), POLLIN, 0};
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ++stats_.sleeps;
-    }
+    const int control = WatchedControlFd();
+    if (control >= 0) fds[n++] = {control, POLLIN, 0};
     const int rc = ::poll(fds, n, efd_ >= 0 ? kIdlePollMillis : 1);
     if (rc > 0) {
-      if (fds[0].revents & POLLIN) {
-        uint64_t v;
-        [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof(v));
-      }
-      if (monitor && fds[n - 1].revents != 0) CheckControl(fds[n - 1].revents);
+      if (fds[0].revents & POLLIN) DrainWake();
+      if (control >= 0 && fds[n - 1].revents != 0) CheckControl(fds[n - 1].revents);
     }
   }
   Teardown();
@@ -1152,6 +1252,9 @@ void Endpoint::WaitOutstanding(Deadline deadline) {
 
 void Endpoint::HandleFailure() {
   failure_handled_ = true;
+  // Tell the peer first: it sees the tear on its control connection now, not after the
+  // bounded waits below (up to 2 x kCloseTimeout) and this endpoint's owner closing it.
+  ShutdownControl();
   CloseEndpoint(/*force=*/true);
   WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {
@@ -1193,6 +1296,8 @@ void Endpoint::Teardown() {
     [[maybe_unused]] ssize_t n = ::send(control_.fd(), &bye, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   }
   monitoring_.store(false);
+  // A forced close tells the peer first (see HandleFailure); a graceful one said Bye.
+  if (!graceful) ShutdownControl();
   CloseEndpoint(/*force=*/!graceful);
   WaitOutstanding(DeadlineAfter(kCloseTimeout));
   for (auto& [seq, in] : incoming_) {

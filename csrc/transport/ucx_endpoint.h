@@ -36,8 +36,13 @@
 //   2b. A handler sees a ring slot's frame until the shard answers it; the client reuses a
 //      slot only after that answer (Channel's slot ownership), so frames are never copied.
 //   3. Every wait is bounded: connecting (deadline), closing (kCloseTimeout); liveness comes
-//      from the control connection (EOF without Bye = torn) and, where the transports
-//      support it, UCP peer-failure detection.
+//      from the control connection (EOF without Bye = torn), looked at every few
+//      milliseconds however busy the worker keeps the loop, and, where the transports
+//      support it, UCP peer-failure detection. An endpoint that fails or is force-closed
+//      shuts its control connection down before anything else, so the peer learns of it at
+//      once; one that failed or was closed before it even owned its control connection
+//      (the shard's reply is out, the client already uses the connection) shuts it down
+//      when it gets it (AdoptControl).
 //   4. On failure (Fail, an endpoint error, a failed operation, a torn control connection):
 //      the UCP endpoint is force-closed and outstanding requests get a bounded time to
 //      complete BEFORE on_failure runs; then pending Landings get done(false) in order,
@@ -45,7 +50,11 @@
 //      completes (UCX 1.13 cannot cancel sends or AM receives) keeps its buffers and its
 //      Landing.keepalive until the worker is destroyed, so no write lands in freed memory.
 //      Later PostPut/FlushAndRing throw TransportError.
-//   5. After Close() returns, no handler runs and the progress thread is joined.
+//   5. After Close() returns, no handler runs and the progress thread is joined (or the
+//      progress group let go of the endpoint).
+//   6. An endpoint's progress thread is its own, or (shards: AcceptLimits::progress) the
+//      thread of a ProgressGroup shared with other endpoints (ucx_progress.h); either way
+//      every UCP call on its worker happens on that one thread.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -65,6 +74,7 @@
 
 #include "transport/ucx_context.h"
 #include "transport/ucx_memory.h"
+#include "transport/ucx_progress.h"
 #include "transport/socket.h"
 #include "transport/ucx_wire.h"
 
@@ -146,20 +156,36 @@ class Endpoint {
   static std::shared_ptr<Endpoint> Connect(const ConnectOptions& options,
                                            EndpointHandlers handlers, Deadline deadline);
 
-  // Shard: the server half of the bootstrap on an accepted control connection. `authorize`
-  // checks the token (false: refused, *why says why); `on_connection` returns the handlers
-  // of the new endpoint (called before the client can send anything). Returns nullptr when
-  // the client was refused (it got a BootReply saying why). Throws on I/O errors and
-  // timeouts.
+  // Shard: the server half of the bootstrap. The caller (server/ucx_acceptor.h) reads the
+  // client's request off the control connection without blocking (CheckBootHello bounds it
+  // as soon as its fixed part is in) and passes it here with the connection.
   struct AcceptLimits {
     uint32_t max_slots = wire::kMaxSlots;
     size_t max_slot_bytes = size_t{256} << 20;
     size_t max_ring_bytes = size_t{1} << 30;
     BootFault fault = BootFault::kNone;
+    // The threads that drive accepted endpoints (ucx_progress.h); null: a thread each.
+    std::shared_ptr<ProgressPool> progress;
   };
+  struct BootRequest {
+    wire::BootHello hello{};
+    std::string token;             // hello.token_len bytes
+    std::vector<uint8_t> address;  // hello.address_len bytes: the client's worker address
+  };
+  // Empty if a BootHello is acceptable under limits; otherwise why, with *status the
+  // BootStatus to refuse it with.
+  static std::string CheckBootHello(const wire::BootHello& hello, const AcceptLimits& limits,
+                                    wire::BootStatus* status);
+  // Sends a refusal (status + text) on a control connection, best effort, until deadline.
+  static void Refuse(int fd, wire::BootStatus status, const std::string& text,
+                     const std::string& peer, Deadline deadline);
+  // `authorize` checks the token (false: refused, *why says why); `on_connection` returns the
+  // handlers of the new endpoint (called before the client can send anything). Returns
+  // nullptr when the client was refused (it got a BootReply saying why). Throws on I/O errors
+  // and timeouts. REQUIRES: control is non-blocking.
   static std::shared_ptr<Endpoint> Accept(
       std::shared_ptr<Context> context, Socket control, const std::string& peer,
-      const AcceptLimits& limits,
+      const AcceptLimits& limits, const BootRequest& request,
       const std::function<bool(const std::string& token, std::string* why)>& authorize,
       const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
       Deadline deadline);
@@ -206,9 +232,11 @@ class Endpoint {
   static constexpr size_t kMaxHeadBytes = 4096;
 
  private:
+  friend class ProgressGroup;
   struct Op;
   struct Incoming;
   struct Delivery;
+  enum class StepResult : uint8_t { kIdle, kBusy, kStop };
 
   Endpoint(Role role, std::shared_ptr<Context> context, std::string peer);
 
@@ -217,7 +245,11 @@ class Endpoint {
   // Runs fn on the progress thread and waits for it (deadline); rethrows its exception.
   void RunOnThread(const std::function<void()>& fn, Deadline deadline);
   void Enqueue(std::function<void()> fn);
-  void StartMonitoring();
+  // Hands the control connection to the endpoint and starts watching it (liveness). If the
+  // endpoint already failed or was closed, shuts it down instead so the peer learns of it.
+  void AdoptControl(Socket control);
+  // Shuts the control connection down (the peer sees EOF at once), if there is one.
+  void ShutdownControl();
   void SetHandlers(EndpointHandlers handlers);
   // The current handlers (progress thread): refreshed whenever SetHandlers ran since.
   const EndpointHandlers& Handlers();
@@ -227,7 +259,23 @@ class Endpoint {
   void VerifyRing(const wire::BootReply& reply, Deadline deadline);
 
   // ---- progress thread ---------------------------------------------------------------------
-  void Loop();
+  void Loop();  // an endpoint's own thread: Step, arm, poll, until stopped; then Teardown
+  // Creates the worker on the calling thread (the progress thread from now on); false if the
+  // set-up failed (setup_error_ set).
+  bool SetupOnThisThread();
+  // A group's thread: SetupOnThisThread unless the endpoint was closed first (then it is
+  // dropped). False: not set up (Start / Close are told).
+  bool SetUpOnGroup();
+  // One iteration: commands, worker progress, completions, incoming messages, failure
+  // handling. kBusy: step again without waiting; kStop: Close asked to stop.
+  StepResult Step(bool control_ready);
+  // Arms the worker's event fd before a wait; false if events are pending (step again).
+  bool ArmForWait();
+  void DrainWake();
+  // The control connection's fd while it is watched (liveness), else -1.
+  int WatchedControlFd() const;
+  // A group's thread: Teardown, then lets Close return.
+  void FinishOnGroup();
   void Setup();
   void Teardown();
   bool RunCommands();
@@ -277,9 +325,12 @@ class Endpoint {
   std::vector<std::unique_ptr<Region>> sources_;  // client: one registration per source slot
   std::vector<uint8_t*> source_ptrs_;
   FrameMode frame_mode_ = FrameMode::kPut;
-  Socket control_;  // handshake thread, then (after StartMonitoring) the progress thread
+  // Set by AdoptControl under mu_; the progress thread reads it once monitoring_ is set
+  // (acquire) or under mu_; closed by Close under mu_ after the thread is joined.
+  Socket control_;
   int wake_fd_ = -1;
-  std::thread thread_;
+  std::thread thread_;                   // the endpoint's own progress thread, or
+  std::shared_ptr<ProgressGroup> group_;  // the group whose thread drives it (set before Start)
   std::thread::id thread_id_;
 
   // ---- progress thread only -------------------------------------------------------------------
@@ -298,6 +349,9 @@ class Endpoint {
   size_t outstanding_ = 0;                   // UCX requests whose callback has not run
   std::vector<Op*> live_ops_;                // every Op not yet deleted (freed at teardown)
   bool failure_handled_ = false;
+  bool spinning_ = false;
+  Clock::time_point spin_until_{};
+  Clock::time_point next_liveness_check_{};
   EndpointHandlers handlers_copy_;           // refreshed from handlers_ by Handlers()
 
   // ---- shared ------------------------------------------------------------------------------------
@@ -311,6 +365,9 @@ class Endpoint {
   bool graceful_stop_ = false;
   bool closed_ = false;
   bool started_ = false;
+  bool attached_ = false;    // handed to group_ (Start)
+  bool dropped_ = false;     // group_ dropped it unstarted (closed first)
+  bool torn_down_ = false;   // group_ finished its teardown
   bool failure_done_ = false;  // HandleFailure (or the teardown) finished
   std::string setup_error_;
   EndpointStats stats_;

@@ -24,7 +24,12 @@ Run on 2 ranks of one machine:
 Compared with TorchRec's script, the differences are the sharder
 (`BagPipeEmbeddingBagCollectionSharder`), the planner (`BagPipeShardingPlanner`) and the
 pipeline (`BagPipeTrainPipeline`, which adds a lookahead window); ``--sharder torchrec``
-runs the stock path (tables local to the trainers) for comparison.
+runs the stock path (tables local to the trainers) for comparison. The planner places each
+table by size: tables over ``--placement-memory-fraction`` of a rank's memory (or with at
+least ``--placement-min-rows`` rows) go to BagPipe, the small ones keep TorchRec's stock
+sharding in the same EmbeddingBagCollection; rank 0 prints the placement (one line, and
+TorchRec's plan table with ``--print_sharding_plan``). ``--placement-min-rows 0`` puts
+every table on BagPipe.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.storage_reservations import (
     HeuristicalStorageReservation,
 )
+from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim.apply_optimizer_in_backward import (
@@ -66,12 +72,16 @@ from torchrec_bagpipe import BagPipeConfig
 from torchrec_bagpipe.datasets.criteo import DATASET_NAMES
 from torchrec_bagpipe.datasets.multi_hot import DISTRIBUTIONS
 from torchrec_bagpipe.distributed import (
+    BAGPIPE_KERNEL,
     BagPipeEmbeddingBagCollectionSharder,
     BagPipeShardingPlanner,
     BagPipeTrainPipeline,
     bagpipe_metrics,
+    checkpoint_due,
     close_model,
     flush_model,
+    load_job_checkpoint,
+    save_job_checkpoint,
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
 
@@ -377,17 +387,37 @@ def shard(args: argparse.Namespace, train_model: DLRMTrain, device: torch.device
     plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
     model = DistributedModelParallel(module=train_model, device=device, plan=plan,
                                      sharders=sharders)
-    if dist.get_rank() == 0 and args.print_sharding_plan:
-        for collection, plans in model.plan.plan.items():
-            print(collection)
-            for table_name, table_plan in plans.items():
-                print(table_name, "\n", table_plan, "\n")
+    if dist.get_rank() == 0:
+        if config is not None:
+            print(placement_summary(model.plan))
+        if args.print_sharding_plan:
+            # TorchRec's plan table; BagPipe's adds where each table's rows live.
+            print(model.plan)
     dense_optimizer = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())), _optimizer_factory(args))
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_optimizer])
     lr_scheduler = LRPolicyScheduler(optimizer, args.lr_warmup_steps, args.lr_decay_start,
                                      args.lr_decay_steps)
     return model, optimizer, lr_scheduler, config
+
+
+def placement(plan: ShardingPlan) -> dict[str, list[str]]:
+    """The tables the plan puts on BagPipe and those it keeps on stock TorchRec sharding."""
+    out: dict[str, list[str]] = {"bagpipe": [], "stock": []}
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():  # type: ignore[attr-defined]
+            out["bagpipe" if ps.compute_kernel == BAGPIPE_KERNEL else "stock"].append(table)
+    return out
+
+
+def placement_summary(plan: ShardingPlan) -> str:
+    """One line: which tables are on BagPipe (rows in the PS) and which stay stock."""
+    placed = placement(plan)
+    ours, stock = placed["bagpipe"], placed["stock"]
+    return (f"Placement: {len(ours)} of {len(ours) + len(stock)} tables on BagPipe "
+            f"({', '.join(ours) or 'none'}), {len(stock)} on stock TorchRec sharding "
+            "(--placement-min-rows, --placement-memory-fraction; --print_sharding_plan "
+            "prints the plan)")
 
 
 def _evaluate(limit: int | None, pipeline: TrainPipelineSparseDist, loader: Any, stage: str,
@@ -440,10 +470,18 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     def epoch_batches() -> Iterator[Any]:
         return itertools.islice(iter(loaders["train"]), args.limit_train_batches)
 
+    # A resumed job (--resume): the trainer state of the checkpoint's set, and the number of
+    # training batches already done (skipped below, so the data continues where it stopped).
+    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer)
+                      if config is not None else (0, None))
+    if extra is not None:
+        lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
     if config is not None:
         prescan = None
         if config.optimization_prescan:
-            prescan = itertools.chain.from_iterable(epoch_batches() for _ in range(args.epochs))
+            prescan = itertools.islice(itertools.chain.from_iterable(
+                epoch_batches() for _ in range(args.epochs)), resumed, None)
         pipeline: TrainPipelineSparseDist = BagPipeTrainPipeline(
             model, optimizer, device, prescan_batches=prescan)
     else:
@@ -456,12 +494,18 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     train_time = prescan_s = 0.0
     samples = 0
     step_times: list[float] = []
-    step = 0
+    step = skip = resumed
     for epoch in range(args.epochs):
+        batches = epoch_batches()
+        it = 0  # steps within the epoch (--print_lr and --validation_freq_within_epoch count them)
+        if skip:
+            it = sum(1 for _ in itertools.islice(batches, skip))
+            skip -= it
+            if skip:
+                continue  # this whole epoch was trained before the checkpoint
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         start = time.perf_counter()
-        it = 0  # steps within the epoch (--print_lr and --validation_freq_within_epoch count them)
-        for chunk in _chunks(epoch_batches(), args.validation_freq_within_epoch):
+        for chunk in _chunks(batches, args.validation_freq_within_epoch):
             while True:
                 lrs = [float(g["lr"]) for g in optimizer.param_groups]  # this step's rates
                 before = getattr(pipeline, "prescan_seconds", 0.0)
@@ -485,6 +529,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
                 results["train_losses"].append(float(loss))
                 results["lrs"].append(lrs)
                 bar.update(1)
+                if config is not None and checkpoint_due(step):  # --checkpoint-every
+                    save_job_checkpoint(model, step=step, optimizer=optimizer,
+                                        extra={"lr_scheduler": lr_scheduler.state_dict()})
             if args.validation_freq_within_epoch and it % args.validation_freq_within_epoch == 0:
                 train_time += time.perf_counter() - start
                 _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show)
@@ -548,6 +595,7 @@ def main(argv: list[str], initial_state: Mapping[str, torch.Tensor] | None = Non
         if initial_state is not None:
             model.load_state_dict(dict(initial_state))
         results = train_val_test(args, model, optimizer, lr_scheduler, loaders, device, config)
+        results["placement"] = placement(model.plan)
         raw = bagpipe_metrics(model) if config is not None else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, raw)

@@ -1,131 +1,68 @@
-"""`ShardedBagPipeEmbeddingBagCollection`: an EmbeddingBagCollection whose rows live in the PS.
+"""`ShardedBagPipeEmbeddingBagCollection`: an EmbeddingBagCollection whose BagPipe tables'
+rows live in the PS, next to tables that keep TorchRec's stock sharding.
 
-This file holds the TorchRec `ShardedModule` face and the step lifecycle; the rest lives in
-`layout.py` (tables, slots, fused tables, KJT -> fused keys, output column order),
-`lookup.py` (the rows a batch reads, pooling), `table_io.py` (table rows in the PS by range,
-initial weights) and `fused_table_runtime.py` (the one path to the PS, one per fused table).
+The shared machinery (both parts, input dist, fused optimizer, state dict) is in
+sharded_module.py; the BagPipe part's step lifecycle in bagpipe_tables.py. This file turns
+the rows a batch reads into pooled bags and the two parts' outputs into one `KeyedTensor`.
 
 Data flow of one training batch (ARCHITECTURE §5):
 
 * `input_dist` (called one or more batches ahead by TrainPipelineSparseDist) validates the
-  KJT, turns it into fused keys per fused table and submits them to the runtime
-  (`FusedTableRuntime.submit`), unless `BagPipeTrainPipeline` already submitted that batch
-  ahead (then it only checks the batch is the one submitted). It returns a
-  `KJTListSplitsAwaitable` holding the batch's features permuted into slot order.
-* `compute` takes the oldest step from each fused table (`next_step`): the batch's unique
-  rows as a |U| x dim leaf tensor and the inverse map; it pools them, so autograd yields
-  exactly the |U| x dim row gradient. A hook on the leaf hands that gradient to the fused
-  SGD optimizer, which calls `finish_step`.
-* `output_dist` returns the `KeyedTensor` in the unsharded EBC's key order.
+  KJT, turns it into fused keys per fused table and submits them to the runtime, unless
+  `BagPipeTrainPipeline` already submitted that batch ahead; the stock part's features go
+  to TorchRec's input dist.
+* `compute_and_output_dist` runs the stock part's lookups and output dist, takes the oldest
+  step from each fused table (the batch's unique rows as a |U| x dim leaf tensor and the
+  inverse map) and pools it, so autograd yields exactly the |U| x dim row gradient. A hook
+  on the leaf hands that gradient to the fused optimizer (fused_optimizer.py), which calls
+  `finish_step` with the step's learning rate.
+* The output is one `KeyedTensor` in the unsharded EBC's key order: the BagPipe part's
+  columns and the stock part's, gathered into place.
 
-Eval (module not training) forwards read the rows straight from the PS after draining
-pending commits; they never enter the runtime's step sequence.
+Eval forwards (module not training, or training under `torch.no_grad()`) read the BagPipe
+rows straight from the PS after the commits of finished steps; they never enter the
+runtime's step sequence (bagpipe_tables.py: the step lifecycle).
 
 Thread-safety: one training thread per rank (the autograd thread runs the backward hook
 while that thread waits in backward).
-
-Invariants:
-1. Each fused table's steps are consumed in submission order; `compute` checks the step it
-   gets belongs to its batch (same fused keys) and refuses anything else.
-2. At most one step per fused table is in flight between `compute` and its gradient; a new
-   `compute` first finishes a step that received no gradient with a zero gradient.
-3. The PS is the only owner of row values; `state_dict` reads them back after a flush and
-   `load_state_dict` writes them, then invalidates every rank's cache (table_io.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
-from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
-    Awaitable,
     LazyAwaitable,
+    LazyGetItemMixin,
     LazyNoWait,
-    NoWait,
     ParameterSharding,
-    ShardedModule,
+    QuantizedCommCodecs,
     ShardingEnv,
 )
-from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    get_embedding_names_by_table,
-)
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
-from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer, sgd_lr_from
-from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime, build_fused_table
-from torchrec_bagpipe.distributed.job import job_for
-from torchrec_bagpipe.distributed.layout import FusedLayout, check_plan, table_specs
-from torchrec_bagpipe.distributed.lookup import BatchRows, Pooler, eval_rows, train_step
-from torchrec_bagpipe.distributed.table_io import TableIO
-from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL, BagPipeEBCContext
-
-if TYPE_CHECKING:
-    from torchrec_bagpipe.runtime.controller import Step
+from torchrec_bagpipe.distributed.lookup import Pooler
+from torchrec_bagpipe.distributed.sharded_module import BagPipeShardedModule
+from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL, BagPipeContext
 
 __all__ = ["BAGPIPE_KERNEL", "ShardedBagPipeEmbeddingBagCollection"]
 
-
-class _PSTableView(nn.Module):
-    """`embedding_bags.<table>`: a placeholder `weight` plus state-dict access to the PS.
-
-    The placeholder is an empty (0, dim) parameter that carries `_in_backward_optimizers`
-    (so TorchRec's `in_backward_optimizer_filter` keeps it out of the dense optimizer) and
-    never receives a gradient; the table's values are read from / written to the PS.
-    """
-
-    def __init__(self, owner: ShardedBagPipeEmbeddingBagCollection, table: str, dim: int,
-                 device: torch.device) -> None:
-        super().__init__()
-        # A plain attribute, not a submodule: registering the owner would make the module
-        # tree cyclic (named_modules, state_dict and .to() would loop).
-        object.__setattr__(self, "_owner", owner)
-        self._table = table
-        weight = nn.Parameter(torch.empty(0, dim, device=device), requires_grad=False)
-        weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-        self.weight = weight
-
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
-                            keep_vars: bool) -> None:
-        destination[prefix + "weight"] = self._owner.read_table(self._table)
-
-    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
-                              local_metadata: Any, strict: bool, missing_keys: list[str],
-                              unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        key = prefix + "weight"
-        if key not in state_dict:
-            if strict:
-                missing_keys.append(key)
-            return
-        value = state_dict[key]
-        shape = self._owner.table_shape(self._table)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-            error_msgs.append(
-                f"size mismatch for {key}: copying a param with shape {got}, the BagPipe "
-                f"table {self._table!r} has shape {shape}"
-            )
-            return
-        self._owner.write_table(self._table, value)
+# Stock key orders whose output column runs a module remembers.
+_MAX_CACHED_KEY_ORDERS = 16
 
 
-class ShardedBagPipeEmbeddingBagCollection(
-    ShardedModule[KJTList, KeyedTensor, KeyedTensor, BagPipeEBCContext],
-    FusedOptimizerModule,
-):
-    """Sharded EBC whose tables live in the BagPipe PS (see module docstring)."""
+class ShardedBagPipeEmbeddingBagCollection(BagPipeShardedModule):
+    """Sharded EBC: BagPipe tables in the PS, the others on TorchRec's stock shardings (see
+    module docstring)."""
+
+    _COLLECTION = "embedding_bags"
+    _KIND = "EmbeddingBagCollection"
 
     def __init__(
         self,
@@ -136,331 +73,142 @@ class ShardedBagPipeEmbeddingBagCollection(
         config: BagPipeConfig | None = None,
         fused_params: Mapping[str, Any] | None = None,
         module_fqn: str | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
     ) -> None:
         super().__init__()
-        self._config = config if config is not None else BagPipeConfig()
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
-        self._module_fqn = module_fqn or ""
         self._is_weighted = bool(module.is_weighted())
-        where = f"BagPipe EBC {self._module_fqn or '<root>'}"
-
-        # ---- layout: tables, slots and fused tables --------------------------------------
         configs = module.embedding_bag_configs()
-        check_plan(configs, table_name_to_parameter_sharding, where)
-        lr = {
-            cfg.name: sgd_lr_from(module.embedding_bags[cfg.name].weight, fused_params,
-                                  f"{where}, table {cfg.name!r}")
-            for cfg in configs
-        }
-        self._job = job_for(self._config, env, self._device)
-        self._layout = FusedLayout(
-            table_specs(configs, lr), get_embedding_names_by_table(configs),
-            session=self._job.next_session_id(), module_fqn=self._module_fqn,
-            weighted=self._is_weighted,
-        )
-        fused = self._layout.fused
-        columns = self._layout.output_columns
-        self._output_columns = columns.to(self._device) if columns is not None else None
+        self._init_parts(module, configs, table_name_to_parameter_sharding, env, device, config,
+                         fused_params, qcomm_codecs_registry, module_fqn,
+                         weighted=self._is_weighted)
+        layout = self._bagpipe.layout
         self._poolers = [
-            Pooler([self._layout.table(s.table).pooling == "mean" for s in spec.slots],
+            Pooler([layout.table(s.table).pooling == "mean" for s in spec.slots],
                    self._is_weighted)
-            for spec in fused
+            for spec in layout.fused
         ]
+        self._bagpipe_keys = [(s.key, s.dim) for s in layout.grouped_slots]
+        self._runs: dict[tuple[str, ...], list[_Run] | None] = {}
 
-        # ---- runtime: one FusedTableRuntime per fused table; initial weights -------------
-        self._runtimes: list[FusedTableRuntime] = []
-        try:
-            for spec in fused:
-                self._runtimes.append(build_fused_table(spec, job=self._job, config=self._config))
-            self._io = TableIO(self._layout, self._runtimes, self._job)
-            self._io.write_initial_weights(
-                {t.name: module.embedding_bags[t.name].weight for t in self._layout.tables},
-                {cfg.name: cfg.init_fn for cfg in configs},
-            )
-        except BaseException:
-            for rt in self._runtimes:
-                with contextlib.suppress(Exception):
-                    rt.close()
-            raise
-
-        # ---- torch state: placeholders, fused optimizer ------------------------------------
-        self.embedding_bags = nn.ModuleDict({
-            t.name: _PSTableView(self, t.name, t.dim, self._device) for t in self._layout.tables
-        })
-        params = {f"embedding_bags.{t.name}.weight": self.embedding_bags[t.name].weight
-                  for t in self._layout.tables}
-        self._optim = BagPipeFusedOptimizer(
-            params,
-            [
-                (spec.name, spec.lr,
-                 [self.embedding_bags[t.name].weight for t in spec.tables])
-                for spec in fused
-            ],
-            finish_fn=self._finish,
-            pending_fn=self._finish_pending,
-        )
-
-        # ---- step bookkeeping ------------------------------------------------------------
-        self._presubmitted: deque[_Ahead] = deque()
-        self._held: list[list[torch.Tensor]] | None = None
-        self._pending: list[deque[Step]] = [deque() for _ in fused]
-        self._closed = False
-        self._job.register(self)
-        self.register_load_state_dict_post_hook(_after_load)
-
-    # ---- TorchRec ShardedModule API ------------------------------------------------------------
     @property
     def unsharded_module_type(self) -> type[nn.Module]:
         return EmbeddingBagCollection
 
-    @property
-    def fused_optimizer(self) -> KeyedOptimizer:
-        return self._optim
-
-    def create_context(self) -> BagPipeEBCContext:
-        return BagPipeEBCContext()
-
-    def input_dist(  # type: ignore[override]
-        self, ctx: BagPipeEBCContext, features: KeyedJaggedTensor
-    ) -> Awaitable[Awaitable[KJTList]]:
-        self._check_open()
-        ahead = self._presubmitted[0] if self.training and self._presubmitted else None
-        if ahead is not None and _same_data(ahead.signature, _signature(features)):
-            # The very tensors submitted ahead (not modified since): reuse their split.
-            per_group, keys = ahead.per_group, ahead.keys
-        else:
-            per_group, keys = self._layout.split(features)
-        ctx.training = self.training
-        ctx.batch_size = features.stride()
-        ctx.keys = keys
-        if self.training:
-            self._enter_window(keys)
-        return KJTListSplitsAwaitable(
-            [NoWait(NoWait(k)) for k in per_group], ctx, self._module_fqn, None
-        )
-
-    def compute(self, ctx: BagPipeEBCContext, dist_input: KJTList) -> KeyedTensor:
-        self._check_open()
+    # ---- outputs ------------------------------------------------------------------------------
+    def _bagpipe_output(self, ctx: BagPipeContext, kjts: Sequence[KeyedJaggedTensor]
+                        ) -> torch.Tensor:
+        """[batch, columns] of the BagPipe part, fused table by fused table."""
         b = ctx.batch_size
         parts: list[torch.Tensor] = []
-        for g, spec in enumerate(self._layout.fused):
-            if ctx.training:
-                rows = self._train_rows(g, ctx.keys[g])
-            else:
-                self._finish_pending()
-                rows = eval_rows(self._runtimes[g], ctx.keys[g], self._device)
-            pooled = self._poolers[g](dist_input[g], rows)
+        batch = self._bagpipe.batch_rows(ctx.keys, ctx.training)
+        for g, (spec, rows) in enumerate(zip(self._bagpipe.layout.fused, batch)):
+            pooled = self._poolers[g](kjts[g], rows)
             # Slot-major (slots x batch x dim) -> batch x (slots * dim): one copy, whose
             # backward is one copy too (per-slot views would each back-propagate a zero-filled
             # gradient of the whole pooled tensor).
             parts.append(pooled.view(len(spec.slots), b, spec.dim).transpose(0, 1)
                          .reshape(b, len(spec.slots) * spec.dim))
         if not parts:
-            values = torch.empty(b, 0, device=self._device)
+            return torch.empty(b, 0, device=self._device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _combine(self, stock: LazyAwaitable[Any] | None, bagpipe: Any
+                 ) -> LazyAwaitable[KeyedTensor]:
+        if stock is None:
+            return LazyNoWait(self._keyed(bagpipe, None))
+        return _MixedKeyedTensor(stock, bagpipe, self._keyed)
+
+    def _keyed(self, bagpipe: torch.Tensor, stock: KeyedTensor | None) -> KeyedTensor:
+        """Both parts' columns as one KeyedTensor in the unsharded module's key order."""
+        sources = [self._bagpipe_keys]
+        tensors = [bagpipe]
+        if stock is not None:
+            rename = self._stock_part.rename  # type: ignore[union-attr]
+            sources.append([(rename[k], d) for k, d in zip(stock.keys(), stock.length_per_key())])
+            tensors.append(stock.values())
+        order = tuple(k for source in sources for k, _ in source)
+        if order in self._runs:
+            runs = self._runs[order]
         else:
-            values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            if self._output_columns is not None:
-                values = values.index_select(1, self._output_columns)
-        return KeyedTensor(
-            keys=self._layout.embedding_names,
-            length_per_key=self._layout.embedding_dims,
-            values=values,
-            key_dim=1,
-        )
-
-    def output_dist(
-        self, ctx: BagPipeEBCContext, output: KeyedTensor
-    ) -> LazyAwaitable[KeyedTensor]:
-        return LazyNoWait(output)
-
-    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
-        for name, _ in self.named_parameters(prefix):
-            yield name
-
-    # ---- BagPipe extensions (used by BagPipeTrainPipeline and tools) ------------------------
-    def presubmit(self, features: KeyedJaggedTensor) -> None:
-        """Submits a future training batch to the runtime's lookahead window.
-
-        `input_dist` of the same batch, later, then only checks it matches.
-        """
-        self._check_open()
-        per_group, keys = self._layout.split(features)
-        self._submit(keys)
-        self._presubmitted.append(_Ahead(_signature(features), per_group, keys))
-
-    def hold_submissions(self) -> None:
-        """Queues the batches `input_dist` would submit until `release_submissions`."""
-        if self._held is None:
-            self._held = []
-
-    def release_submissions(self) -> None:
-        held, self._held = self._held, None
-        for keys in held or []:
-            self._submit(keys)
-
-    def prescan(self, features: Iterable[KeyedJaggedTensor],
-                progress: bool | None = None) -> None:
-        """Hands the whole trace (every step's local batch, in order) to each fused table's
-        runtime (a collective: every rank calls it). `progress`: show the planner's bar
-        (default: on rank 0).
-
-        REQUIRES: no batch submitted yet; `optimization_prescan` set in the config.
-        """
-        self._check_open()
-        if not self._config.optimization_prescan:
-            raise ValueError(
-                "prescan() needs BagPipeConfig(optimization_prescan=True) "
-                "(--optimization-prescan)"
-            )
-        traces: list[list[torch.Tensor]] = [[] for _ in self._runtimes]
-        for kjt in features:
-            _, keys = self._layout.split(kjt)
-            for g, k in enumerate(keys):
-                traces[g].append(k)
-        show = self._job.rank == 0 if progress is None else progress
-        for g, rt in enumerate(self._runtimes):
-            rt.prescan(traces[g], progress=show)
-
-    def bagpipe_metrics(self) -> dict[str, dict[str, Any]]:
-        """Runtime metrics per fused table (plain dicts)."""
-        return {rt.name: rt.metrics() for rt in self._runtimes}
-
-    @property
-    def bagpipe_config(self) -> BagPipeConfig:
-        return self._config
-
-    def flush(self) -> None:
-        """Finishes gradient-less steps and waits until every pending commit is applied."""
-        self._finish_pending()
-        for rt in self._runtimes:
-            rt.flush()
-
-    def close(self) -> None:
-        """Drains pending commits and closes the runtime (idempotent)."""
-        if self._closed:
-            return
-        try:
-            self._finish_pending(check_lr=False)
-            for rt in self._runtimes:
-                rt.flush()
-        finally:
-            self._closed = True
-            for rt in self._runtimes:
-                rt.close()
-            self._job.unregister(self)
-
-    # ---- state dict access ------------------------------------------------------------------
-    def table_shape(self, table: str) -> tuple[int, int]:
-        return self._io.shape(table)
-
-    def read_table(self, table: str) -> torch.Tensor:
-        """The table's current values, read from the PS after draining pending commits."""
-        self._check_open()
-        self._finish_pending()
-        return self._io.read_rows(table, 0, self._io.shape(table)[0])
-
-    def write_table(self, table: str, value: torch.Tensor) -> None:
-        """Writes a whole table into the PS (rank 0 writes; `_after_load` synchronises)."""
-        self._check_open()
-        self._finish_pending()
-        self._io.load_table(table, value)
-
-    def _after_load(self) -> None:
-        self._io.finish_load()
-
-    # ---- step lifecycle -----------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this BagPipe EBC was closed; its PS session is gone")
-
-    def _submit(self, keys: list[torch.Tensor]) -> None:
-        for rt, k in zip(self._runtimes, keys):
-            rt.submit(k)
-
-    def _enter_window(self, keys: list[torch.Tensor]) -> None:
-        if self._presubmitted:
-            expected = self._presubmitted.popleft().keys
-            if any(a is not b and not torch.equal(a, b) for a, b in zip(expected, keys)):
-                raise RuntimeError(
-                    "the batch entering input_dist is not the batch BagPipeTrainPipeline "
-                    "submitted ahead for this step; feed the pipeline and the model the "
-                    "same batches in the same order"
-                )
-            return
-        if self._held is not None:
-            self._held.append(keys)
-            return
-        self._submit(keys)
-
-    def _train_rows(self, g: int, keys: torch.Tensor) -> BatchRows:
-        if self._pending[g]:
-            self._finish_pending()
-        step = train_step(self._runtimes[g], keys)
-        rows = step.rows
-        if not torch.is_grad_enabled():
-            # A training-mode forward without autograd: the step commits a zero gradient.
-            self._pending[g].append(step)
-            self._finish_pending()
-            return BatchRows(rows.detach(), step.inverse)
-        if not rows.requires_grad:
-            rows.requires_grad_(True)
-        self._pending[g].append(step)
-        rows.register_hook(functools.partial(self._on_rows_grad, g, step))
-        return BatchRows.of_step(step)
-
-    def _on_rows_grad(self, g: int, step: Step, grad: torch.Tensor) -> None:
-        pending = self._pending[g]
-        if not pending or pending[0] is not step:
-            raise RuntimeError(
-                f"BagPipe fused table {self._runtimes[g].name!r}: a gradient arrived for a "
-                "step that is already finished (backward ran twice through one forward?)"
-            )
-        self._optim.finish(g, step, grad.detach())
-
-    def _finish(self, g: int, step: Step, grad: torch.Tensor) -> None:
-        pending = self._pending[g]
-        assert pending and pending[0] is step
-        pending.popleft()
-        self._runtimes[g].finish_step(step, grad)
-
-    def _finish_pending(self, check_lr: bool = True) -> None:
-        """Finishes, with a zero gradient, every step that received none."""
-        for g, pending in enumerate(self._pending):
-            while pending:
-                step = pending[0]
-                zeros = torch.zeros_like(step.rows.detach(), memory_format=torch.contiguous_format)
-                if check_lr:
-                    self._optim.finish(g, step, zeros)
-                else:
-                    self._finish(g, step, zeros)
+            runs = _column_runs(sources, self._embedding_names)
+            if len(self._runs) < _MAX_CACHED_KEY_ORDERS:
+                self._runs[order] = runs
+        if runs is None:
+            values = tensors[0]
+        else:
+            values = _MergeColumns.apply(runs, [int(t.shape[1]) for t in tensors],
+                                         sum(self._embedding_dims), *tensors)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._embedding_dims,
+                           values=values, key_dim=1)
 
 
-@dataclass
-class _Ahead:
-    """A batch submitted ahead by the pipeline, with the split `input_dist` can reuse."""
+class _MixedKeyedTensor(LazyGetItemMixin[str, torch.Tensor], LazyAwaitable[KeyedTensor]):
+    """The module's output once the stock part's output dist is done."""
 
-    signature: tuple[Any, ...]
-    per_group: list[KeyedJaggedTensor]
-    keys: list[torch.Tensor]
+    def __init__(self, stock: LazyAwaitable[KeyedTensor], bagpipe: torch.Tensor,
+                 keyed: Any) -> None:
+        super().__init__()
+        self._stock = stock
+        self._bagpipe_values = bagpipe
+        self._keyed = keyed
 
-
-def _signature(features: KeyedJaggedTensor) -> tuple[Any, ...]:
-    """A KJT's keys, stride and data tensors with their in-place versions (the tensors are
-    held, so their identity cannot be reused while the signature lives)."""
-    tensors = (features.values(), features.lengths_or_none(), features.offsets_or_none(),
-               features.weights_or_none())
-    return (tuple(features.keys()), features.stride(),
-            *((t, t._version) if t is not None else (None, 0) for t in tensors))
+    def _wait_impl(self) -> KeyedTensor:
+        return self._keyed(self._bagpipe_values, self._stock.wait())
 
 
-def _same_data(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two signatures name the same, unmodified tensors (TorchRec's CPU device copy
-    of a batch keeps them), so the split computed ahead can be reused without a compare."""
-    if a[:2] != b[:2]:
-        return False
-    return all(x[0] is y[0] and x[1] == y[1] for x, y in zip(a[2:], b[2:]))
+@dataclass(frozen=True)
+class _Run:
+    """Columns [src, src + width) of source `source` land at [dst, dst + width)."""
+
+    source: int
+    src: int
+    dst: int
+    width: int
 
 
-def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    assert isinstance(module, ShardedBagPipeEmbeddingBagCollection)
-    module._after_load()
+def _column_runs(sources: Sequence[Sequence[tuple[str, int]]], target: Sequence[str]
+                 ) -> list[_Run] | None:
+    """The contiguous column runs that put the keys of `sources` (each a list of (key,
+    width) in its column order) into `target`'s order, or None when the first source alone
+    already is `target`."""
+    where: dict[str, tuple[int, int, int]] = {}
+    for i, source in enumerate(sources):
+        col = 0
+        for key, width in source:
+            where[key] = (i, col, width)
+            col += width
+    if len(sources) == 1 and [k for k, _ in sources[0]] == list(target):
+        return None
+    runs: list[_Run] = []
+    dst = 0
+    for key in target:
+        i, src, width = where[key]
+        last = runs[-1] if runs else None
+        if last is not None and last.source == i and last.src + last.width == src:
+            runs[-1] = _Run(i, last.src, last.dst, last.width + width)
+        else:
+            runs.append(_Run(i, src, dst, width))
+        dst += width
+    return runs
+
+
+class _MergeColumns(torch.autograd.Function):
+    """Sources' column runs copied into one [batch, total] tensor; the backward copies the
+    gradient's runs back (one pass each way: no zero-filled intermediates)."""
+
+    @staticmethod
+    def forward(ctx: Any, runs: list[_Run], widths: list[int], total: int,
+                *sources: torch.Tensor) -> torch.Tensor:
+        out = sources[0].new_empty(sources[0].shape[0], total)
+        for r in runs:
+            out[:, r.dst:r.dst + r.width].copy_(sources[r.source][:, r.src:r.src + r.width])
+        ctx.runs = runs
+        ctx.widths = widths
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = [grad.new_empty(grad.shape[0], w) for w in ctx.widths]
+        for r in ctx.runs:
+            grads[r.source][:, r.src:r.src + r.width].copy_(grad[:, r.dst:r.dst + r.width])
+        return (None, None, None, *grads)

@@ -14,17 +14,26 @@ calling `finish_step` while the training thread waits in backward).
 Invariants:
 1. Every read outside the step sequence (`eval_rows`, `read_rows`) and every `write_rows`
    first waits until each commit submitted so far is applied: reads see the PS after the
-   last finished step, and no pending commit lands after a write.
+   last finished step (a running step stays running: reads never finish it), and no
+   pending commit lands after a write (which requires no running step).
 2. `write_rows` changes rows behind every rank's cache; `invalidate` (on every rank, after
    the writes) must run before the next step reads rows.
 3. Direct reads and writes name fused keys in `[0, spec.num_keys)` and at most a bounded
    range per call (table_io.py chunks whole tables).
+4. Every failed periodic PS checkpoint the shards report reaches the rank: one warning on
+   its log per failure, the counters in `metrics()`, and `PSCheckpointError` from
+   `finish_step` once a shard has failed `ps_checkpoint_max_failures` in a row.
+5. The controller numbers its steps from 0; PS step = controller step + `start_step` + 1,
+   where `start_step` is the table's committed step when the session opened, checked to be
+   the job's expectation (-1 for a fresh job, the checkpoint's step for a resumed one;
+   `PSClient.start_step`): a fresh job never meets a table the PS already advanced.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,17 +45,54 @@ if TYPE_CHECKING:
     from torchrec_bagpipe.ps.client import PSClient
     from torchrec_bagpipe.runtime.controller import BagPipeController, Step
 
-__all__ = ["FusedTableRuntime", "build_fused_table"]
+__all__ = ["FusedTableRuntime", "PSCheckpointError", "StepOffsetClient", "build_fused_table"]
+
+_log = logging.getLogger("torchrec_bagpipe")
+
+
+class PSCheckpointError(RuntimeError):
+    """A PS shard failed too many periodic checkpoints in a row: the recovery point lags."""
+
+
+class StepOffsetClient:
+    """The PS client as the controller sees it (a `runtime.ps_port.PSClientLike`): the
+    controller's step t is PS step ``t + base + 1`` and its "no dependency" -1 is ``base``
+    (invariant 5). With base -1 every step passes through unchanged."""
+
+    def __init__(self, client: PSClient, base: int) -> None:
+        self._client = client
+        self.base = base
+        self.dim = client.dim
+        self.state_dim = client.state_dim
+
+    def get_async(self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None, *,
+                  with_state: bool = False) -> Any:
+        return self._client.get_async(keys, at_step + self.base + 1, out,
+                                      with_state=with_state)
+
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
+                     lr: float | None = None) -> Any:
+        return self._client.commit_async(step + self.base + 1, keys, grads, lr)
+
+    def committed_step(self) -> int:
+        return self._client.committed_step() - self.base - 1
+
+    def close(self) -> None:
+        self._client.close()
 
 
 class FusedTableRuntime:
     """One fused table's runtime on this rank: training steps and direct PS access."""
 
     def __init__(self, spec: FusedTableSpec, client: PSClient,
-                 controller: BagPipeController) -> None:
+                 controller: BagPipeController, *, max_checkpoint_failures: int = 3,
+                 start_step: int = -1) -> None:
         self._spec = spec
         self._client = client
         self._controller = controller
+        self._max_checkpoint_failures = max_checkpoint_failures
+        self._checkpoints_seen = 0  # failed periodic checkpoints already reported
+        self.start_step = start_step  # the PS step this session started after (invariant 5)
 
     @property
     def spec(self) -> FusedTableSpec:
@@ -62,6 +108,11 @@ class FusedTableRuntime:
         """The next training batch's fused keys (1-D int64, CPU) enter the lookahead window."""
         self._controller.submit(keys)
 
+    def check_submit(self, keys: torch.Tensor) -> None:
+        """Raises what `submit(keys)` would raise (a closed or failed runtime, keys out of
+        range, a prescan mismatch), without submitting anything."""
+        self._controller.check_submit(keys)
+
     def prescan(self, trace: Sequence[torch.Tensor], *, progress: bool) -> None:
         """Hands the whole training trace (this rank's fused keys per step) to the planner
         (a collective). REQUIRES: nothing submitted yet; prescan mode in the config."""
@@ -72,9 +123,53 @@ class FusedTableRuntime:
         inverse map. REQUIRES: the previous step finished."""
         return self._controller.next_step()
 
-    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
-        """Commits `step`'s row gradient (|U| x dim fp32). REQUIRES: `step` is the running step."""
-        self._controller.finish_step(step, grad)
+    def finish_step(self, step: Step, grad: torch.Tensor, lr: float) -> None:
+        """Commits `step`'s row gradient (|U| x dim fp32) at learning rate `lr` (the step's;
+        Adam: its bias-corrected step size), then reports what the shards said about their
+        periodic checkpoints (invariant 4). REQUIRES: `step` is the running step."""
+        self._controller.finish_step(step, grad, lr=lr)
+        self.check_checkpoints()
+
+    def committed_step(self) -> int:
+        """The table's committed PS step (the minimum over its shards, as this rank saw it)."""
+        return self._client.committed_step()
+
+    def checkpoint(self, label: str) -> int:
+        """Checkpoints the table on every shard into the shard's checkpoint directory's
+        subdirectory `label`, at its committed step (after every pending commit); returns
+        that step. Raises RuntimeError if the shards saved different steps (a rank still
+        committing). REQUIRES: no step running, every rank's commits drained."""
+        self._controller.flush()
+        steps = self._client.checkpoint(label=label)
+        if len(set(steps)) != 1:
+            raise RuntimeError(
+                f"BagPipe fused table {self.name!r}: its shards checkpointed different steps "
+                f"{steps} (a rank was still committing)"
+            )
+        return int(steps[0])
+
+    def checkpoint_report(self) -> dict[str, object]:
+        """The shards' periodic checkpoints of this table (`PSClient.checkpoint_report`)."""
+        return self._client.checkpoint_report()
+
+    def check_checkpoints(self) -> None:
+        """Warns once per new failed periodic checkpoint; raises PSCheckpointError once a
+        shard failed `ps_checkpoint_max_failures` in a row (invariant 4)."""
+        report = self._client.checkpoint_report()
+        failed = int(report["failed"])  # type: ignore[arg-type]
+        if failed <= self._checkpoints_seen:
+            return
+        self._checkpoints_seen = failed
+        run = int(report["consecutive_failures"])  # type: ignore[arg-type]
+        _log.warning("BagPipe fused table %r: %s (%d failed in a row; the PS recovery point "
+                     "lags the committed step)", self.name, report["last_error"], run)
+        limit = self._max_checkpoint_failures
+        if limit and run >= limit:
+            raise PSCheckpointError(
+                f"BagPipe fused table {self.name!r}: {run} periodic PS checkpoints failed in a "
+                f"row (BagPipeConfig.ps_checkpoint_max_failures={limit}); the last: "
+                f"{report['last_error']}"
+            )
 
     def flush(self) -> None:
         """Waits until every commit submitted so far is applied (bounded by ps_timeout).
@@ -87,38 +182,60 @@ class FusedTableRuntime:
         self._controller.invalidate_all()
 
     def metrics(self) -> dict[str, float]:
-        """The controller's counters and timings (plain dict)."""
-        return self._controller.metrics()
+        """The controller's counters and timings, plus the shards' periodic checkpoints
+        (ps_checkpoints, ps_checkpoint_failures, ps_checkpoint_failures_in_a_row)."""
+        m = self._controller.metrics()
+        try:
+            report = self._client.checkpoint_report()
+        except RuntimeError:  # the client is closed: its counters are gone
+            return m
+        m["ps_checkpoints"] = float(report["succeeded"])  # type: ignore[arg-type]
+        m["ps_checkpoint_failures"] = float(report["failed"])  # type: ignore[arg-type]
+        m["ps_checkpoint_failures_in_a_row"] = float(
+            report["consecutive_failures"])  # type: ignore[arg-type]
+        return m
 
     # ---- direct PS access, outside the step sequence ---------------------------------------
     def eval_rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(unique rows [U, dim] fp32 CPU, inverse [n] int64 CPU) for fused `keys` (CPU
-        int64), read from the PS after every pending commit. REQUIRES: no step running."""
-        self._controller.flush()
+        int64), read from the PS after the commits of every finished step (a running step
+        stays running)."""
+        self._controller.drain()
         unique, inverse = torch.unique(keys, return_inverse=True)
         return self._client.lookup(unique), inverse
 
-    def read_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Fused rows [start, stop) as [stop - start, dim] fp32 CPU, read from the PS after
-        every pending commit (one request: keep the range bounded). REQUIRES: no step running."""
-        self._check_range(start, stop)
-        self._controller.flush()
-        return self._client.lookup(torch.arange(start, stop, dtype=torch.int64))
+    @property
+    def state_dim(self) -> int:
+        """Optimizer state floats per row (0 for SGD)."""
+        return self._spec.optimizer.state_dim(self._spec.dim)
 
-    def write_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Writes `rows` ([n, dim]) as fused rows [start, start + n), after every pending
-        commit (one request: keep n bounded). Caches stay stale until `invalidate`.
-        REQUIRES: no step running."""
-        if rows.dim() != 2 or rows.shape[1] != self._spec.dim:
+    def read_rows(self, start: int, stop: int, *, with_state: bool = False) -> torch.Tensor:
+        """Fused rows [start, stop) as [stop - start, dim] fp32 CPU (with their optimizer
+        state after the weights: [.., dim + state_dim], when `with_state`), read from the PS
+        after the commits of every finished step (one request: keep the range bounded; a
+        running step stays running)."""
+        self._check_range(start, stop)
+        self._controller.drain()
+        return self._client.lookup(torch.arange(start, stop, dtype=torch.int64),
+                                   with_state=with_state)
+
+    def write_rows(self, start: int, rows: torch.Tensor, *, with_state: bool = False) -> None:
+        """Writes `rows` ([n, dim]: stored rows keep their optimizer state; with `with_state`
+        [n, dim + state_dim]: weights and state) as fused rows [start, start + n), after
+        every pending commit (one request: keep n bounded). Caches stay stale until
+        `invalidate`. REQUIRES: no step running."""
+        width = self._spec.dim + (self.state_dim if with_state else 0)
+        if rows.dim() != 2 or rows.shape[1] != width:
             raise ValueError(
                 f"BagPipe fused table {self.name!r}: rows of shape {tuple(rows.shape)} do not "
-                f"fit its dim {self._spec.dim}"
+                f"fit its width {width}"
             )
         stop = start + int(rows.shape[0])
         self._check_range(start, stop)
         self._controller.flush()
         keys = torch.arange(start, stop, dtype=torch.int64)
-        self._client.assign(keys, rows.detach().to("cpu", torch.float32).contiguous())
+        self._client.assign(keys, rows.detach().to("cpu", torch.float32).contiguous(),
+                            with_state=with_state)
 
     def close(self) -> None:
         """Drains pending commits and closes the controller and the PS session (idempotent)."""
@@ -142,7 +259,10 @@ def build_fused_table(
 
     Rows never written read as TorchRec's default init, uniform in ±bound of their own
     table (deterministic, computed on the PS); tables with other initial weights are
-    written by the caller right after (table_io.py).
+    written by the caller right after (table_io.py). The table must be at the committed
+    step the job expects (`BagPipeJob.expected_step`: -1, or the step of the checkpoint it
+    resumes from), else `ps.client.StartStepError` names the table and the steps; the
+    controller's steps follow it (invariant 5).
     """
     from torchrec_bagpipe.ps.client import PSClient
     from torchrec_bagpipe.ps.options import client_options
@@ -159,8 +279,10 @@ def build_fused_table(
         init="uniform",
         init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
         key_bound=spec.num_keys,
+        optimizer=spec.optimizer,
     ))
     try:
+        start = client.start_step(job.expected_step(spec.name))
         controller = BagPipeController(
             config,
             rank=job.rank,
@@ -168,11 +290,14 @@ def build_fused_table(
             dim=spec.dim,
             num_keys=spec.num_keys,
             lr=spec.lr,
-            ps=client,
+            ps=StepOffsetClient(client, start),
             collectives=job.collectives,
             device=job.device,
+            optimizer=spec.optimizer,
         )
     except BaseException:
         client.close()
         raise
-    return FusedTableRuntime(spec, client, controller)
+    return FusedTableRuntime(spec, client, controller,
+                             max_checkpoint_failures=config.ps_checkpoint_max_failures,
+                             start_step=start)

@@ -25,6 +25,19 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.agreement import (
+    PER_RANK_FIELDS,
+    agree_before_open,
+    config_fields,
+    flatten,
+    redact,
+)
+from torchrec_bagpipe.distributed.checkpoint_manifest import (
+    Manifest,
+    ps_set_dir,
+    ps_shard_dir,
+    read_manifest,
+)
 from torchrec_bagpipe.distributed.process_group_collectives import (
     TorchDistCollectives,
     new_runtime_group,
@@ -71,6 +84,13 @@ class BagPipeJob:
                 f"BagPipe needs the sharding env to span the default process group "
                 f"(env world size {self.world_size}, default group {self.collectives.world_size})"
             )
+        # The ranks agree on the deployment before deploying it (a rank hosting a shard the
+        # others do not expect would leave them waiting for its address): every rank fails
+        # together, naming the field (agreement.py; the token compared by digest only).
+        agree_before_open(self.control,
+                          flatten(config_fields(config, [f for f in _DEPLOYMENT_FIELDS
+                                                         if f not in PER_RANK_FIELDS])),
+                          where="BagPipe job (the PS deployment)")
         self._modules: weakref.WeakSet[JobMember] = weakref.WeakSet()
         self._next_session = 0
         self.closed = False
@@ -78,7 +98,43 @@ class BagPipeJob:
         self.server: Any = None
         self._store = dist.distributed_c10d._get_default_store()
         self.job_token = self._agree_token()
+        # Whole-job checkpoints (job_checkpoint.py): where they go, and the set resumed from.
+        resume = config.resume or os.environ.get("BAGPIPE_RESUME") or None
+        self.checkpoint_dir: str | None = (config.checkpoint_dir
+                                           or os.environ.get("BAGPIPE_CHECKPOINT_DIR")
+                                           or resume or None)
+        every = config.checkpoint_every or int(os.environ.get("BAGPIPE_CHECKPOINT_EVERY", "0"))
+        self.checkpoint_every: int = every if self.checkpoint_dir else 0
+        self.resume_dir: str | None = resume
+        self.resumed: Manifest | None = None
+        if resume is not None:
+            self.resumed = read_manifest(resume)
+            if self.resumed is None:
+                raise FileNotFoundError(
+                    f"BagPipe resume: {resume} holds no whole-job checkpoint (no MANIFEST.json)")
+            if self.resumed.world_size != self.world_size:
+                raise ValueError(
+                    f"BagPipe resume: the checkpoint in {resume} was taken at world size "
+                    f"{self.resumed.world_size}, this job has {self.world_size}")
         self.endpoints = self._deploy()
+        if self.resumed is not None and self.resumed.ps_shards != len(self.endpoints):
+            raise ValueError(
+                f"BagPipe resume: the checkpoint in {resume} holds {self.resumed.ps_shards} PS "
+                f"shards, this job has {len(self.endpoints)}")
+
+    def expected_step(self, table: str) -> int:
+        """The committed step PS table `table` must be at when a session opens: -1 in a fresh
+        job, the resumed checkpoint's step of it otherwise (StartStepError if absent)."""
+        if self.resumed is None:
+            return -1
+        if table not in self.resumed.tables:
+            from torchrec_bagpipe.ps.client import StartStepError
+
+            raise StartStepError(
+                f"PS table {table!r} is not in the whole-job checkpoint {self.resume_dir} "
+                f"(it holds {sorted(self.resumed.tables)}): the model differs from the one "
+                "checkpointed")
+        return self.resumed.tables[table]
 
     # ---- deployment -------------------------------------------------------------------------
     def _agree_token(self) -> str:
@@ -124,7 +180,17 @@ class BagPipeJob:
                 f"a trainer process, so at most world_size={self.world_size} shards"
             )
         if self.rank < shards:
-            self.shard = PSShard.from_options(shard_options(config, self.rank, shards))
+            ckpt = ps_shard_dir(self.checkpoint_dir, self.rank) if self.checkpoint_dir else None
+            restore: str | bool = False
+            if self.resumed is not None:
+                assert self.resume_dir is not None
+                restore = ps_set_dir(self.resume_dir, self.rank, self.resumed.label)
+                if not os.path.isdir(restore):
+                    raise FileNotFoundError(
+                        f"BagPipe resume: PS shard {self.rank}'s tables of checkpoint set "
+                        f"{self.resumed.label} are missing ({restore})")
+            self.shard = PSShard.from_options(
+                shard_options(config, self.rank, shards, checkpoint_dir=ckpt), restore=restore)
             if kind == "rdma":
                 self.server = self.shard.serve_ucx("127.0.0.1", 0, job_token=self.job_token)
             else:
@@ -142,7 +208,14 @@ class BagPipeJob:
         return endpoints
 
     def _key(self, name: str) -> str:
-        return f"torchrec_bagpipe/{self.job_token}/{name}"
+        # The token's digest, not the token: a key can appear in a store error message.
+        return f"torchrec_bagpipe/{redact(self.job_token)}/{name}"
+
+    def deployment(self) -> dict[str, Any]:
+        """What every rank's sessions depend on beyond its config: the shard count, the
+        world size and the resolved gradient division (agreement.py compares them)."""
+        return {"ps_shards": len(self.endpoints), "world_size": self.world_size,
+                "gradient_division": self.config.resolved_gradient_division()}
 
     # ---- sessions ---------------------------------------------------------------------------
     def next_session_id(self) -> int:
@@ -207,7 +280,8 @@ _JOB: BagPipeJob | None = None  # the process's job (see BagPipeJob.current)
 
 # Fields fixed by the first module a process shards: where the PS is and how it is reached.
 _DEPLOYMENT_FIELDS = ("ps_type", "ps_addresses", "ps_shards", "job_token", "memory_budget",
-                      "spill_dir", "store_threads", "ps_timeout", "connect_timeout")
+                      "spill_dir", "store_threads", "ps_timeout", "connect_timeout",
+                      "checkpoint_dir", "checkpoint_every", "resume")
 
 
 def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> BagPipeJob:
@@ -229,6 +303,8 @@ def job_for(config: BagPipeConfig, env: ShardingEnv, device: torch.device) -> Ba
     for name in _DEPLOYMENT_FIELDS:
         mine, theirs = getattr(config, name), getattr(job.config, name)
         if mine != theirs:
+            if name == "job_token":
+                mine, theirs = "<token>", "<another token>"  # never in a message
             raise ValueError(
                 f"BagPipeConfig.{name}={mine!r} differs from {theirs!r}, which the first "
                 "BagPipe module of this process fixed; every module of a process shares one "

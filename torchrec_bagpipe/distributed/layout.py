@@ -4,12 +4,13 @@ Built once per sharded module from its tables' configs (types.py names the piece
 
 * tables (`TableSpec`), in the module's order; slots (`SlotSpec`): (table, feature) pairs in
   output order, keyed as TorchRec keys them;
-* fused tables (`FusedTableSpec`): the tables of one (dim, lr) share one key space,
+* fused tables (`FusedTableSpec`): the tables of one (dim, optimizer, lr) share one key space,
   `fused key = table offset + id`, under a PS table name unique per job;
 * for each input KJT: its permutation into each fused table's slot order (cached per key
   order), and the batch's fused keys, with every id checked against its table's range;
 * the output column order: the fused tables' slots come out grouped by fused table; when
-  that is not the module's slot order, one column gather restores it.
+  that is not the module's slot order, the sharded module's output gathers the columns
+  back (`grouped_slots`).
 
 The layout knows nothing about pooling or the PS: lookup.py turns fused keys into rows and
 rows into outputs, fused_table_runtime.py reaches the PS.
@@ -20,7 +21,8 @@ Invariants:
 2. Every slot belongs to exactly one fused table; `FusedTableSpec.slots` lists them in
    module order, and the per-slot tensors below follow that order.
 3. `fused_keys` returns keys in `[0, num_keys)` only; any id outside its table's range is a
-   `ValueError` naming the feature, the table and the id.
+   `ValueError` naming the feature, the table and the id; a malformed KJT (non-integer ids,
+   negative or inconsistent lengths/offsets: input_check.py) is refused before that.
 """
 
 from __future__ import annotations
@@ -28,12 +30,20 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torchrec.distributed.types import ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, PoolingType
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+    PoolingType,
+)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_bagpipe.distributed.input_check import check_kjt
+from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
 from torchrec_bagpipe.distributed.types import (
     BAGPIPE_KERNEL,
     FusedTableSpec,
@@ -41,45 +51,74 @@ from torchrec_bagpipe.distributed.types import (
     TableSpec,
 )
 
-__all__ = ["FusedLayout", "check_plan", "session_table_name", "table_specs"]
+__all__ = [
+    "FusedLayout",
+    "check_bagpipe_table",
+    "session_table_name",
+    "split_plan",
+    "table_specs",
+]
 
 # Key orders whose permutations a layout remembers (the order may change from batch to batch).
 _MAX_CACHED_KEY_ORDERS = 64
 
 
-def check_plan(configs: Sequence[BaseEmbeddingConfig],
-               plan: Mapping[str, ParameterSharding], where: str) -> None:
-    """Refuses a plan or table BagPipe cannot lay out (ValueError naming the table)."""
+def split_plan(configs: Sequence[BaseEmbeddingConfig],
+               plan: Mapping[str, ParameterSharding], where: str
+               ) -> tuple[list[BaseEmbeddingConfig], list[BaseEmbeddingConfig]]:
+    """(tables the plan places on BagPipe, tables that keep stock TorchRec sharding), each
+    in module order. ValueError naming the table for a table the plan omits or a BagPipe
+    placement BagPipe cannot serve (`check_bagpipe_table`)."""
+    ours: list[BaseEmbeddingConfig] = []
+    stock: list[BaseEmbeddingConfig] = []
     for cfg in configs:
+        if int(cfg.num_embeddings) < 1 or int(cfg.embedding_dim) < 1:
+            raise ValueError(
+                f"{where}: table {cfg.name!r} has {cfg.num_embeddings} rows of dim "
+                f"{cfg.embedding_dim}; a BagPipe table needs at least one row and dim >= 1"
+            )
         ps = plan.get(cfg.name)
         if ps is None:
-            raise ValueError(f"{where}: the sharding plan has no entry for table {cfg.name!r}")
-        if ps.compute_kernel != BAGPIPE_KERNEL:
             raise ValueError(
-                f"{where}: table {cfg.name!r} has compute kernel {ps.compute_kernel!r}; "
-                f"ShardedBagPipeEmbeddingBagCollection serves {BAGPIPE_KERNEL!r} only"
+                f"{where}: the sharding plan has no entry for table {cfg.name!r} (features "
+                f"{list(cfg.feature_names)}); plan every table of the module (the planners "
+                "do), e.g. with BagPipeShardingPlanner or bagpipe_plan(module, world_size)"
             )
-        if ps.sharding_type != ShardingType.DATA_PARALLEL.value:
-            raise ValueError(
-                f"{where}: table {cfg.name!r} has sharding type {ps.sharding_type!r}; "
-                "BagPipe places the compute data-parallel (rows live in the PS)"
-            )
-        if cfg.data_type != DataType.FP32:
-            raise ValueError(
-                f"{where}: table {cfg.name!r} has data type {cfg.data_type}; BagPipe "
-                "trains FP32 tables only"
-            )
-        pooling = getattr(cfg, "pooling", None)
-        if pooling is not None and pooling not in (PoolingType.SUM, PoolingType.MEAN):
-            raise ValueError(
-                f"{where}: table {cfg.name!r} uses {pooling} pooling; BagPipe "
-                "supports SUM and MEAN"
-            )
+        if ps.compute_kernel == BAGPIPE_KERNEL:
+            check_bagpipe_table(cfg, ps, where)
+            ours.append(cfg)
+        else:
+            stock.append(cfg)
+    return ours, stock
+
+
+def check_bagpipe_table(cfg: BaseEmbeddingConfig, ps: ParameterSharding, where: str) -> None:
+    """Refuses a BagPipe placement BagPipe cannot serve (ValueError naming the table and
+    what to change)."""
+    if ps.sharding_type != ShardingType.DATA_PARALLEL.value:
+        raise ValueError(
+            f"{where}: table {cfg.name!r} is planned on the BagPipe kernel with sharding type "
+            f"{ps.sharding_type!r}; BagPipe places the compute data-parallel (rows live in "
+            "the PS): plan it 'data_parallel', or give it a stock compute kernel"
+        )
+    if cfg.data_type != DataType.FP32:
+        raise ValueError(
+            f"{where}: table {cfg.name!r} has data type {cfg.data_type}; BagPipe trains FP32 "
+            "tables only: make it FP32 or keep it on a stock TorchRec kernel "
+            "(ParameterConstraints(compute_kernels=[...]) without 'customized_kernel')"
+        )
+    pooling = getattr(cfg, "pooling", None)
+    if isinstance(cfg, EmbeddingBagConfig) and pooling not in (PoolingType.SUM, PoolingType.MEAN):
+        raise ValueError(
+            f"{where}: table {cfg.name!r} uses {pooling} pooling; BagPipe supports SUM and "
+            "MEAN: change the pooling or keep the table on a stock TorchRec kernel"
+        )
 
 
 def table_specs(configs: Sequence[BaseEmbeddingConfig],
-                lr: Mapping[str, float]) -> list[TableSpec]:
-    """The tables of `configs` in order, with their SGD learning rates `lr` (by table)."""
+                optimizers: Mapping[str, TableOptimizer]) -> list[TableSpec]:
+    """The tables of `configs` in order, with their optimizers and learning rates (by table:
+    `table_optimizer.table_optimizer`)."""
     return [
         TableSpec(
             name=cfg.name,
@@ -87,8 +126,9 @@ def table_specs(configs: Sequence[BaseEmbeddingConfig],
             dim=int(cfg.embedding_dim),
             feature_names=tuple(cfg.feature_names),
             pooling="mean" if getattr(cfg, "pooling", None) == PoolingType.MEAN else "sum",
-            lr=lr[cfg.name],
+            lr=optimizers[cfg.name].lr,
             init_max=float(cfg.get_weight_init_max()),
+            optimizer=optimizers[cfg.name].spec,
         )
         for cfg in configs
     ]
@@ -120,20 +160,23 @@ class FusedLayout:
     """
 
     def __init__(self, tables: Sequence[TableSpec], embedding_names: Sequence[Sequence[str]],
-                 *, session: int, module_fqn: str, weighted: bool) -> None:
+                 *, session: int, module_fqn: str, weighted: bool, where: str = "BagPipe module"
+                 ) -> None:
         self.tables: list[TableSpec] = list(tables)
         self._weighted = weighted
+        self._where = where
         self._table_by_name = {t.name: t for t in self.tables}
         self.slots: list[SlotSpec] = []
         for t, names in zip(self.tables, embedding_names):
             for feature, key in zip(t.feature_names, names):
                 self.slots.append(SlotSpec(len(self.slots), t.name, feature, key, t.dim))
 
-        by_group: dict[tuple[int, float], list[TableSpec]] = {}
+        # Tables of one dim, optimizer and learning rate share a key space (one param group).
+        by_group: dict[tuple[int, Any, float], list[TableSpec]] = {}
         for t in self.tables:
-            by_group.setdefault((t.dim, t.lr), []).append(t)
+            by_group.setdefault((t.dim, t.optimizer, t.lr), []).append(t)
         self.fused: list[FusedTableSpec] = []
-        for i, ((dim, lr), members) in enumerate(by_group.items()):
+        for i, ((dim, optimizer, lr), members) in enumerate(by_group.items()):
             offsets: dict[str, int] = {}
             total = 0
             for t in members:
@@ -143,7 +186,7 @@ class FusedLayout:
             self.fused.append(FusedTableSpec(
                 name=session_table_name(session, module_fqn, i, dim),
                 dim=dim, lr=lr, tables=members, offsets=offsets, num_keys=total,
-                slots=[s for s in self.slots if s.table in names],
+                slots=[s for s in self.slots if s.table in names], optimizer=optimizer,
             ))
         self._group_of_table = {
             t.name: g for g, spec in enumerate(self.fused) for t in spec.tables
@@ -159,7 +202,6 @@ class FusedLayout:
             for spec in self.fused
         ]
         self._perms: dict[tuple[str, ...], list[list[int] | None]] = {}
-        self.output_columns = self._output_columns()
 
     # ---- tables -------------------------------------------------------------------------------
     @property
@@ -189,14 +231,20 @@ class FusedLayout:
         (1-D int64, CPU)."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(
-                f"BagPipe EBC expects a KeyedJaggedTensor, got {type(features).__name__}"
+                f"{self._where} expects a KeyedJaggedTensor, got {type(features).__name__}"
             )
         if features.variable_stride_per_key():
+            names = [t.name for t in self.tables]
             raise ValueError(
-                "BagPipe EBC does not support variable batch sizes per feature (VBE KJTs)"
+                f"{self._where}: the KJT has a variable batch size per feature (VBE), but "
+                f"tables {names} are on BagPipe, which takes one batch size for every "
+                "feature: pass a KJT with one stride, or keep these tables on stock TorchRec "
+                "kernels (ParameterConstraints(compute_kernels=[...]) without "
+                "'customized_kernel')"
             )
+        check_kjt(features)
         if self._weighted and features.weights_or_none() is None:
-            raise ValueError("this EmbeddingBagCollection is weighted but the KJT has no weights")
+            raise ValueError(f"{self._where} is weighted but the KJT has no weights")
         perms = self._perms.get(tuple(features.keys()))
         if perms is None:
             perms = self.permutations(features.keys())
@@ -252,17 +300,8 @@ class FusedLayout:
         return ids + offsets
 
     # ---- output -----------------------------------------------------------------------------
-    def _output_columns(self) -> torch.Tensor | None:
-        """The column gather from fused-table-grouped slot columns to slot order (CPU), or
-        None when the grouped order already is the slot order."""
-        grouped = [s for spec in self.fused for s in spec.slots]
-        if [s.index for s in grouped] == list(range(len(grouped))):
-            return None
-        start: dict[int, int] = {}
-        col = 0
-        for s in grouped:
-            start[s.index] = col
-            col += s.dim
-        return torch.cat([
-            torch.arange(start[s.index], start[s.index] + s.dim) for s in self.slots
-        ])
+    @property
+    def grouped_slots(self) -> list[SlotSpec]:
+        """The slots in the order the fused tables produce them (fused table by fused table,
+        each in module order)."""
+        return [s for spec in self.fused for s in spec.slots]

@@ -1,4 +1,5 @@
-"""Lookup for a BagPipe-sharded module: the rows a batch reads, then pooling.
+"""Lookup for a BagPipe-sharded module: the rows a batch reads, then pooled or sequence
+embeddings.
 
 Two separate steps per fused table:
 
@@ -7,11 +8,14 @@ Two separate steps per fused table:
   - training (`train_step`): the fused table's next runtime step, checked to be this batch;
     its rows are a leaf tensor whose gradient is the step's |U| x dim row gradient (the
     sharded module hands it to `finish_step`);
-  - eval (`eval_rows`): the unique rows read straight from the PS after pending commits,
-    outside the runtime's step sequence.
+  - eval (`eval_rows`): the unique rows read straight from the PS after the commits of
+    finished steps (a pending step stays pending), outside the runtime's step sequence.
 * **Pooling** (`Pooler`): sum, or sum / bag length for mean, per slot, with per-id weights
   for a weighted module, through `torch.nn.functional.embedding_bag` over `inverse`, so
-  autograd yields exactly the |U| x dim row gradient.
+  autograd yields exactly the |U| x dim row gradient (EmbeddingBagCollection).
+* **Sequence embeddings** (`sequence_embeddings`): one row per id, unpooled, one
+  `JaggedTensor` per slot (EmbeddingCollection); gathered with `index_select` over
+  `inverse`, whose backward sums each row's gradients into the |U| x dim row gradient.
 
 Thread-safety: the rank's training thread.
 """
@@ -24,14 +28,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime
 
 if TYPE_CHECKING:
     from torchrec_bagpipe.runtime.controller import Step
 
-__all__ = ["BatchRows", "Pooler", "eval_rows", "train_step"]
+__all__ = ["BatchRows", "Pooler", "eval_rows", "sequence_embeddings", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def train_step(runtime: FusedTableRuntime, keys: torch.Tensor) -> Step:
 
 def eval_rows(runtime: FusedTableRuntime, keys: torch.Tensor,
               device: torch.device) -> BatchRows:
-    """The rows of fused `keys` as the PS holds them after every pending commit, on `device`."""
+    """The rows of fused `keys` as the PS holds them after every finished step, on `device`."""
     rows, inverse = runtime.eval_rows(keys)
     return BatchRows(rows.to(device), inverse.to(device))
 
@@ -96,3 +100,22 @@ class Pooler:
             denom = torch.where(is_mean, lengths.clamp(min=1.0), torch.ones_like(lengths))
             pooled = pooled / denom.unsqueeze(1)
         return pooled
+
+
+def sequence_embeddings(kjt: KeyedJaggedTensor, batch: BatchRows, need_indices: bool
+                        ) -> list[JaggedTensor]:
+    """Per slot of `kjt` (one fused table's KJT, in its slot order): the embedding of every
+    id, unpooled, as TorchRec's EmbeddingCollection returns it: values [ids, dim], the
+    slot's lengths, and the ids as weights when `need_indices`."""
+    rows = batch.rows
+    embeddings = rows.index_select(0, batch.inverse.to(device=rows.device, dtype=torch.int64))
+    per_key = kjt.length_per_key()
+    b = kjt.stride()
+    lengths = kjt.lengths()
+    values = torch.split(embeddings, per_key)
+    ids = torch.split(kjt.values(), per_key) if need_indices else None
+    return [
+        JaggedTensor(values=values[i], lengths=lengths[i * b:(i + 1) * b],
+                     weights=ids[i] if ids is not None else None)
+        for i in range(len(per_key))
+    ]

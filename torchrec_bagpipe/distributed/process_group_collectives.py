@@ -49,6 +49,11 @@ class TorchDistCollectives:
         self.world_size: int = dist.get_world_size(group)
         self._width = 0  # payload bytes per rank the next all_gather sends in one collective
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group (e.g. for sharded tensors whose shards live on the CPU)."""
+        return self._group
+
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Gathers a 1-D tensor of any length from every rank, in rank order.
 
@@ -106,6 +111,15 @@ class TorchDistCollectives:
         # all-reduce is bounded by the group's timeout on every backend.
         token = torch.zeros(1)
         dist.all_reduce(token, group=self._group)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's picklable object, in rank order (small metadata only)."""
+        out: list[object] = [None] * self.world_size
+        if self.world_size == 1:
+            out[0] = obj
+        else:
+            dist.all_gather_object(out, obj, group=self._group)
+        return out
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Broadcasts a picklable object from `src` (used for small metadata only)."""

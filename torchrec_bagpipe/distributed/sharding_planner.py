@@ -1,23 +1,33 @@
 """Planning BagPipe tables with TorchRec's planner, or by hand.
 
 * `BagPipeShardingPlanner` is a drop-in for `EmbeddingShardingPlanner` (same constructor,
-  `plan`, `collective_plan`). Every table of an EmbeddingBagCollection served by a
-  `BagPipeEmbeddingBagCollectionSharder` is planned data-parallel on the BagPipe kernel
-  unless a `ParameterConstraints` entry for the table names its compute kernels (then the
-  stock choice among those is kept). Its estimators accept the BagPipe kernel and charge
-  only the cache and its metadata to device memory (the rows live in the PS); every other
-  sharding option goes to TorchRec's own estimators.
-* `bagpipe_plan(module, world_size)` builds the same plan by hand, without the planner.
+  `plan`, `collective_plan`). It first places every table of every EmbeddingBagCollection /
+  EmbeddingCollection a BagPipe sharder serves (placement.py: `ParameterConstraints` force
+  either side; otherwise tables over `BagPipeConfig.placement_min_rows` rows or
+  `placement_memory_fraction` of a rank's device memory go to BagPipe, the rest keep stock
+  TorchRec sharding), then runs TorchRec's planner with each table constrained to its side:
+  BagPipe tables data-parallel on the BagPipe kernel, stock tables on the stock kernels
+  (what TorchRec's own planner would choose for them). When the stock tables do not fit,
+  the largest unforced ones move to BagPipe and it plans again. Its estimators accept the
+  BagPipe kernel and charge only the cache and its metadata to device memory (the rows live
+  in the PS); every other sharding option goes to TorchRec's own estimators. The plan's
+  module plans print where each table's rows live (`str(plan)`, TorchRec's plan table);
+  `last_placements` says why.
+* `bagpipe_plan(module, world_size, stock=...)` builds a plan by hand, without the planner:
+  every table on BagPipe, except those `stock` maps to one of TorchRec's
+  `ParameterShardingGenerator`s (`table_wise(rank=0)`, `row_wise()`, `data_parallel()`...).
 """
 
 from __future__ import annotations
 
 import abc
-import copy
 import dataclasses
+from collections.abc import Mapping
 
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -28,11 +38,14 @@ from torchrec.distributed.planner.shard_estimators import (
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     Perf,
+    PlannerError,
+    PlannerErrorType,
     ShardEstimator,
     ShardingOption,
     Storage,
     Topology,
 )
+from torchrec.distributed.sharding_plan import ParameterShardingGenerator
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
@@ -43,10 +56,17 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.sharder import (
-    _METADATA_BYTES_PER_ROW,
-    BagPipeEmbeddingBagCollectionSharder,
+from torchrec_bagpipe.distributed.placement import (
+    BagPipeModuleShardingPlan,
+    TablePlacement,
+    decide_placement,
+    embedding_modules,
+    move_largest,
+    placement_constraints,
+    table_configs,
 )
+from torchrec_bagpipe.distributed.sharder import METADATA_BYTES_PER_ROW, _BagPipeSharder
+from torchrec_bagpipe.distributed.table_optimizer import state_floats
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 
 __all__ = [
@@ -65,65 +85,78 @@ _FP32_BYTES = 4
 
 @dataclasses.dataclass
 class BagPipeParameterSharding(ParameterSharding):
-    """A ParameterSharding naming the BagPipe kernel.
+    """A ParameterSharding naming the BagPipe kernel (for table `table`).
 
-    TorchRec's stock EBC sharder asks a customized-kernel sharding for extra fused params
-    before it builds its kernels; answering with an error turns a DMP built without the
-    BagPipe sharder into a clear failure instead of a confusing one.
+    TorchRec's stock sharders ask a customized-kernel sharding for extra fused params
+    before they build their kernels; answering with an error turns a DMP built without the
+    BagPipe sharders into a clear failure instead of a confusing one.
     """
 
+    table: str | None = None
+
     def get_additional_fused_params(self) -> dict[str, object]:
+        named = f"table {self.table!r}" if self.table else "a table"
         raise ValueError(
-            "this sharding plan places tables on the BagPipe kernel ('customized_kernel'), "
-            "but the EmbeddingBagCollection is being sharded by TorchRec's stock sharder: "
-            "build DistributedModelParallel with "
-            "sharders=[BagPipeEmbeddingBagCollectionSharder(...)]"
+            f"this sharding plan places {named} on the BagPipe kernel ('customized_kernel'), "
+            "but its module is being sharded by TorchRec's stock sharder: build "
+            "DistributedModelParallel with sharders=bagpipe_sharders(config) "
+            "(BagPipeEmbeddingBagCollectionSharder, BagPipeEmbeddingCollectionSharder)"
         )
 
 
-def bagpipe_parameter_sharding(world_size: int, ranks: list[int] | None = None
-                               ) -> BagPipeParameterSharding:
+def bagpipe_parameter_sharding(world_size: int, ranks: list[int] | None = None,
+                               table: str | None = None) -> BagPipeParameterSharding:
     """The ParameterSharding of one BagPipe table: compute on every rank, rows in the PS."""
     return BagPipeParameterSharding(
         sharding_type=ShardingType.DATA_PARALLEL.value,
         compute_kernel=BAGPIPE_KERNEL,
         ranks=list(ranks) if ranks is not None else list(range(world_size)),
+        table=table,
     )
 
 
-def bagpipe_plan(module: nn.Module, world_size: int | None = None) -> ShardingPlan:
-    """A hand-built plan placing every table of every EmbeddingBagCollection in `module`
-    on BagPipe (keys are module paths, as DMP expects; `module` itself may be an EBC)."""
+def bagpipe_plan(
+    module: nn.Module,
+    world_size: int | None = None,
+    stock: Mapping[str, ParameterShardingGenerator] | None = None,
+    *,
+    local_size: int | None = None,
+    device_type: str = "cpu",
+) -> ShardingPlan:
+    """A hand-built plan for every EmbeddingBagCollection and EmbeddingCollection in `module`
+    (keys are module paths, as DMP expects; `module` itself may be one): every table on
+    BagPipe, except the tables `stock` names, planned by TorchRec's generator given for
+    each (e.g. `{"small": table_wise(rank=0), "dp": data_parallel()}`)."""
     if world_size is None:
         if not dist.is_initialized():
             raise ValueError("bagpipe_plan needs world_size when torch.distributed is not set up")
         world_size = dist.get_world_size()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    stock = dict(stock or {})
     plan: dict[str, EmbeddingModuleShardingPlan] = {}
-    for path, child in _ebcs(module):
-        module_plan = EmbeddingModuleShardingPlan()
-        for cfg in child.embedding_bag_configs():
-            module_plan[cfg.name] = bagpipe_parameter_sharding(world_size)
-        plan[path] = module_plan
+    for path, child in embedding_modules(module):
+        names = [cfg.name for cfg in table_configs(child)]
+        ours = {n: bagpipe_parameter_sharding(world_size, table=n) for n in names
+                if n not in stock}
+        theirs = {n: g for n, g in stock.items() if n in names}
+        module_plan: dict[str, ParameterSharding] = dict(ours)
+        if theirs:
+            sharder: ModuleSharder[nn.Module] = (  # type: ignore[assignment]
+                EmbeddingBagCollectionSharder() if isinstance(child, EmbeddingBagCollection)
+                else EmbeddingCollectionSharder())
+            params = sharder.shardable_parameters(child)
+            for n, generate in theirs.items():
+                module_plan[n] = generate(params[n], local_size or world_size, world_size,
+                                          device_type, sharder)
+        plan[path] = BagPipeModuleShardingPlan({n: module_plan[n] for n in names})
     if not plan:
-        raise ValueError("bagpipe_plan: the module has no EmbeddingBagCollection")
+        raise ValueError(
+            "bagpipe_plan: the module has no EmbeddingBagCollection or EmbeddingCollection")
+    unknown = sorted(set(stock) - {n for p in plan.values() for n in p})
+    if unknown:
+        raise ValueError(f"bagpipe_plan: stock names tables the module does not have: {unknown}")
     return ShardingPlan(plan)  # type: ignore[arg-type]
-
-
-def _ebcs(module: nn.Module) -> list[tuple[str, EmbeddingBagCollection]]:
-    """Outermost EmbeddingBagCollections of `module`, by path (children of an EBC skipped)."""
-    found: list[tuple[str, EmbeddingBagCollection]] = []
-
-    def visit(path: str, m: nn.Module) -> None:
-        if type(m) is EmbeddingBagCollection:
-            found.append((path, m))
-            return
-        for name, child in m.named_children():
-            visit(f"{path}.{name}" if path else name, child)
-
-    visit("", module)
-    return found
 
 
 class _SplitEstimator(ShardEstimator):
@@ -137,13 +170,16 @@ class _SplitEstimator(ShardEstimator):
         topology: Topology,
         constraints: dict[str, ParameterConstraints] | None = None,
         config: BagPipeConfig | None = None,
+        bagpipe_tables: set[str] | None = None,
     ) -> None:
         self._topology = topology
         self._config = config if config is not None else BagPipeConfig()
         self._stock = self._STOCK(topology, constraints)
+        # The tables placed on BagPipe (None: every table), which fuse by dim.
+        self._bagpipe_tables = bagpipe_tables
 
     @abc.abstractmethod
-    def _estimate(self, so: ShardingOption) -> None:
+    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
         """Fills `so`'s shards' estimate (storage or perf) for a BagPipe table."""
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:  # type: ignore[override]
@@ -152,24 +188,27 @@ class _SplitEstimator(ShardEstimator):
             self._stock.estimate(rest, sharder_data_map=sharder_data_map)
         for so in sharding_options:
             if so.compute_kernel == BAGPIPE_KERNEL:
-                self._estimate(so)
+                self._estimate(so, sharder_data_map)
 
 
-def _fused_rows(so: ShardingOption) -> int:
-    """Rows of the fused table `so`'s table joins (same-dim tables of its EBC)."""
-    module = so.module[1]
+def _fused_rows(so: ShardingOption, bagpipe_tables: set[str] | None) -> int:
+    """Rows of the fused table `so`'s table joins (its module's same-dim BagPipe tables)."""
     dim = int(so.tensor.shape[1])
-    if isinstance(module, EmbeddingBagCollection):
-        return sum(
-            int(c.num_embeddings) for c in module.embedding_bag_configs()
-            if int(c.embedding_dim) == dim
-        )
-    return int(so.tensor.shape[0])
+    try:
+        configs = table_configs(so.module[1])
+    except AssertionError:  # not a collection: the table alone
+        return int(so.tensor.shape[0])
+    return sum(
+        int(c.num_embeddings) for c in configs
+        if int(c.embedding_dim) == dim
+        and (bagpipe_tables is None or c.name in bagpipe_tables or c.name == so.name)
+    )
 
 
-def _cache_rows(so: ShardingOption, config: BagPipeConfig) -> float:
+def _cache_rows(so: ShardingOption, config: BagPipeConfig,
+                bagpipe_tables: set[str] | None) -> float:
     """This table's share of its fused table's cache rows."""
-    fused = max(1, _fused_rows(so))
+    fused = max(1, _fused_rows(so, bagpipe_tables))
     rows = min(fused, config.cache_rows(fused))
     return rows * int(so.tensor.shape[0]) / fused
 
@@ -184,9 +223,15 @@ class BagPipeStorageEstimator(_SplitEstimator):
 
     _STOCK = EmbeddingStorageEstimator
 
-    def _estimate(self, so: ShardingOption) -> None:
+    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
         dim = int(so.tensor.shape[1])
-        cache = _cache_rows(so, self._config) * (dim * _FP32_BYTES + _METADATA_BYTES_PER_ROW)
+        # A cached row holds its optimizer state too (the sharder's fused_params or the
+        # table's in-backward optimizer say which).
+        sharder_data = (sharder_data_map or {}).get(so.module_type_key)
+        fused_params = getattr(sharder_data, "fused_params", None)
+        state = state_floats(so.tensor, fused_params, dim, f"BagPipe table {so.name!r}")
+        cache = (_cache_rows(so, self._config, self._bagpipe_tables)
+                 * ((dim + state) * _FP32_BYTES + METADATA_BYTES_PER_ROW))
         lookups = _lookups(so)
         # Ids in, the gathered unique rows (at most one per id) and the pooled output.
         batch = lookups * (_ID_BYTES + dim * _FP32_BYTES) + so.batch_size * dim * _FP32_BYTES
@@ -203,7 +248,7 @@ class BagPipePerfEstimator(_SplitEstimator):
 
     _STOCK = EmbeddingPerfEstimator
 
-    def _estimate(self, so: ShardingOption) -> None:
+    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
         dim = int(so.tensor.shape[1])
         lookups = _lookups(so)
         bw = (
@@ -212,7 +257,8 @@ class BagPipePerfEstimator(_SplitEstimator):
             else self._topology.ddr_mem_bw
         )
         compute = lookups * dim * _FP32_BYTES / bw
-        fraction = min(1.0, _cache_rows(so, self._config) / max(1, int(so.tensor.shape[0])))
+        fraction = min(1.0, _cache_rows(so, self._config, self._bagpipe_tables)
+                       / max(1, int(so.tensor.shape[0])))
         misses = lookups * (1.0 - fraction)
         row_traffic = misses * (dim * _FP32_BYTES + _ID_BYTES)
         fwd_comms = row_traffic / CROSS_NODE_BANDWIDTH
@@ -228,12 +274,23 @@ class BagPipePerfEstimator(_SplitEstimator):
             shard.perf = perf
 
 
+# TorchRec's planner errors that mean the stock tables did not fit in the ranks' memory.
+_NO_FIT = (PlannerErrorType.INSUFFICIENT_STORAGE, PlannerErrorType.STRICT_CONSTRAINTS,
+           PlannerErrorType.PARTITION)
+
+
 class BagPipeShardingPlanner(EmbeddingShardingPlanner):
-    """EmbeddingShardingPlanner that plans BagPipe tables (see module docstring).
+    """EmbeddingShardingPlanner that places each table on BagPipe or stock TorchRec
+    sharding, then plans both (see module docstring).
 
     Same constructor as `EmbeddingShardingPlanner`, plus `config` (defaults to the config
-    of the BagPipe sharder passed to `plan`) used to size the caches in estimates.
+    of the first BagPipe sharder passed to `plan`): the placement thresholds and the cache
+    size the estimates charge. A user-given `enumerator` is used as is (it must accept the
+    BagPipe kernel and apply the planner's constraints itself).
     """
+
+    # Planning attempts after the stock tables did not fit (each moves more tables).
+    _MAX_REPLANS = 8
 
     def __init__(
         self,
@@ -271,42 +328,57 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
         self._user_constraints = dict(constraints) if constraints else {}
         self._user_enumerator = enumerator
         self._bagpipe_config = config
+        self.last_placements: list[TablePlacement] = []
 
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
-        ours = [s for s in sharders if isinstance(s, BagPipeEmbeddingBagCollectionSharder)]
+        ours = [s for s in sharders if isinstance(s, _BagPipeSharder)]
         config = self._bagpipe_config or (ours[0].config if ours else BagPipeConfig())
-        constraints = dict(self._user_constraints)
-        if ours:
-            for _, ebc in _ebcs(module):
-                for cfg in ebc.embedding_bag_configs():
-                    given = constraints.get(cfg.name)
-                    if given is not None and given.compute_kernels:
-                        continue  # the user chose this table's kernels
-                    base = copy.copy(given) if given is not None else ParameterConstraints()
-                    constraints[cfg.name] = dataclasses.replace(
-                        base,
-                        sharding_types=[ShardingType.DATA_PARALLEL.value],
-                        compute_kernels=[BAGPIPE_KERNEL],
-                    )
+        placements = decide_placement(
+            embedding_modules(module), {s.module_type for s in ours},
+            self._user_constraints, config, self._topology,
+        )
+        moved = 0
+        for attempt in range(self._MAX_REPLANS + 1):
+            try:
+                plan = self._plan_placed(module, sharders, placements, config)
+                break
+            except PlannerError as e:
+                if e.error_type not in _NO_FIT or attempt == self._MAX_REPLANS:
+                    raise
+                moved = max(1, 2 * moved)
+                again = move_largest(placements, moved)
+                if again == placements:
+                    raise
+                placements = again
+        self.last_placements = placements
+        return plan
+
+    def _plan_placed(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]],
+                     placements: list[TablePlacement], config: BagPipeConfig) -> ShardingPlan:
+        constraints = placement_constraints(placements, self._user_constraints)
         self._constraints = constraints or None
         if self._user_enumerator is None:
+            on_bagpipe = {p.table for p in placements if p.bagpipe}
             self._enumerator = EmbeddingEnumerator(
                 topology=self._topology,
                 batch_size=self._batch_size,
                 constraints=self._constraints,
                 estimator=[
-                    BagPipePerfEstimator(self._topology, self._constraints, config),
-                    BagPipeStorageEstimator(self._topology, self._constraints, config),
+                    BagPipePerfEstimator(self._topology, self._constraints, config, on_bagpipe),
+                    BagPipeStorageEstimator(self._topology, self._constraints, config,
+                                            on_bagpipe),
                 ],
             )
         plan = super().plan(module, sharders)
-        for module_plan in plan.plan.values():
-            for name, ps in list(module_plan.items()):  # type: ignore[attr-defined]
-                if ps.compute_kernel == BAGPIPE_KERNEL and not isinstance(
-                    ps, BagPipeParameterSharding
-                ):
-                    module_plan[name] = bagpipe_parameter_sharding(  # type: ignore[index]
-                        self._topology.world_size, ps.ranks
-                    )
+        served = {p.module for p in placements}
+        for path, module_plan in list(plan.plan.items()):
+            fixed = {
+                name: (bagpipe_parameter_sharding(self._topology.world_size, ps.ranks, name)
+                       if ps.compute_kernel == BAGPIPE_KERNEL else ps)
+                for name, ps in module_plan.items()  # type: ignore[attr-defined]
+            }
+            if path in served:
+                plan.plan[path] = BagPipeModuleShardingPlan(fixed)
+            else:
+                module_plan.update(fixed)  # type: ignore[attr-defined]
         return plan
-

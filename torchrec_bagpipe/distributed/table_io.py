@@ -5,20 +5,20 @@ to the PS in requests of at most `chunk_rows` rows, through each fused table's
 `FusedTableRuntime` (the one path to the PS):
 
 * `read_rows(table, start, stop)` / `write_rows(table, start, rows)`: one range, after every
-  pending commit (fused_table_runtime.py invariant 1);
-* `load_table` / `finish_load`: a state-dict load; rank 0 writes the values every rank was
-  given, then every rank meets in a barrier and drops its cached rows;
+  pending commit (fused_table_runtime.py invariant 1), weights only or with each row's
+  optimizer state (`with_state`);
 * `write_initial_weights`: the unsharded module's weights into the PS at sharding (rank 0
   writes), except fused tables whose every table is on `meta` with TorchRec's default init:
   the PS initialises those itself, lazily and deterministically.
 
-Thread-safety: the rank's training thread; `load_table`, `finish_load` and
-`write_initial_weights` are collectives (every rank calls them in the same order).
+The state dict's live tensors and loads (table_state.py) read and write through it.
+
+Thread-safety: the rank's training thread; `write_initial_weights` is a collective (every
+rank calls it in the same order).
 
 Invariants:
 1. No PS request moves more than `chunk_rows` rows.
-2. After `finish_load` (or `write_initial_weights`) returns on any rank, every write it
-   covers is in the PS and no rank's cache holds a row older than it.
+2. After `write_initial_weights` returns on any rank, every write it covers is in the PS.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from torchrec_bagpipe.distributed.types import TableSpec
 
 __all__ = ["TABLE_CHUNK_ROWS", "TableIO", "default_uniform"]
 
-# Rows per PS request when reading or writing table ranges.
+# Rows per PS request when reading or writing table ranges (read when a TableIO is built:
+# also the largest local shard of a table's live state-dict tensors).
 TABLE_CHUNK_ROWS = 1 << 16
 
 
@@ -57,62 +58,48 @@ class TableIO:
     """Reads and writes the module's tables in the PS (see module docstring)."""
 
     def __init__(self, layout: FusedLayout, runtimes: Sequence[FusedTableRuntime],
-                 job: BagPipeJob, chunk_rows: int = TABLE_CHUNK_ROWS) -> None:
+                 job: BagPipeJob, chunk_rows: int | None = None) -> None:
+        if chunk_rows is None:
+            chunk_rows = TABLE_CHUNK_ROWS
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         self._layout = layout
         self._runtimes = list(runtimes)
         self._job = job
-        self._chunk = chunk_rows
-        self._loaded = False
+        self.chunk_rows = chunk_rows
 
     def shape(self, table: str) -> tuple[int, int]:
         t = self._layout.table(table)
         return (t.num_embeddings, t.dim)
 
     # ---- ranges -----------------------------------------------------------------------------
-    def read_rows(self, table: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of `table` ([stop - start, dim] fp32, CPU), after every pending
-        commit. REQUIRES: no step running."""
+    def read_rows(self, table: str, start: int, stop: int, *,
+                  with_state: bool = False) -> torch.Tensor:
+        """Rows [start, stop) of `table` ([stop - start, dim] fp32, CPU; with `with_state`
+        [.., dim + state_dim]: each row's optimizer state after its weights), after every
+        pending commit. REQUIRES: no step running."""
         t = self._check(table, start, stop)
         rt = self._runtimes[self._layout.group_of(table)]
         base = self._layout.fused_start(table)
         parts = [
-            rt.read_rows(base + lo, base + min(stop, lo + self._chunk))
-            for lo in range(start, stop, self._chunk)
+            rt.read_rows(base + lo, base + min(stop, lo + self.chunk_rows), with_state=with_state)
+            for lo in range(start, stop, self.chunk_rows)
         ]
-        return torch.cat(parts) if parts else torch.empty(0, t.dim)
+        width = t.dim + (rt.state_dim if with_state else 0)
+        return torch.cat(parts) if parts else torch.empty(0, width)
 
-    def write_rows(self, table: str, start: int, rows: torch.Tensor) -> None:
-        """Writes `rows` ([n, dim]) as rows [start, start + n) of `table`, from this rank.
-        Caches stay stale until every rank invalidates (`finish_load`). REQUIRES: no step
-        running."""
+    def write_rows(self, table: str, start: int, rows: torch.Tensor, *,
+                   with_state: bool = False) -> None:
+        """Writes `rows` ([n, dim]: stored rows keep their optimizer state; with `with_state`
+        [n, dim + state_dim]) as rows [start, start + n) of `table`, from this rank. Caches
+        stay stale until every rank invalidates (`finish_load`). REQUIRES: no step running."""
         self._check(table, start, start + int(rows.shape[0]))
         rt = self._runtimes[self._layout.group_of(table)]
         base = self._layout.fused_start(table)
         n = int(rows.shape[0])
-        for lo in range(0, n, self._chunk):
-            hi = min(n, lo + self._chunk)
-            rt.write_rows(base + start + lo, rows[lo:hi])
-
-    # ---- state-dict loads ---------------------------------------------------------------------
-    def load_table(self, table: str, value: torch.Tensor) -> None:
-        """One table of a state-dict load (every rank, same values): rank 0 writes it; the
-        load ends with `finish_load`. REQUIRES: no step running; `value` has the table's shape."""
-        self._runtimes[self._layout.group_of(table)].flush()
-        if self._job.rank == 0:
-            self.write_rows(table, 0, value)
-        self._loaded = True
-
-    def finish_load(self) -> None:
-        """After the tables of a load: every rank waits until rank 0's writes are in, then
-        drops its cached rows (a no-op when nothing was loaded since the last call)."""
-        if not self._loaded:
-            return
-        self._loaded = False
-        self._job.control.barrier()
-        for rt in self._runtimes:
-            rt.invalidate()
+        for lo in range(0, n, self.chunk_rows):
+            hi = min(n, lo + self.chunk_rows)
+            rt.write_rows(base + start + lo, rows[lo:hi], with_state=with_state)
 
     # ---- initial weights --------------------------------------------------------------------
     def write_initial_weights(
@@ -123,7 +110,10 @@ class TableIO:
         """Puts the unsharded module's weights (by table; `meta` tensors for tables not
         materialised) into the PS. A `meta` table is left to the PS's lazy init when every
         table of its fused table is `meta` with TorchRec's default init; otherwise it is
-        materialised with its `init_fn` on rank 0, like DMP would."""
+        materialised with its `init_fn` on rank 0, like DMP would. A job resuming from a
+        whole-job checkpoint writes nothing: the PS restored the tables' rows."""
+        if self._job.resumed is not None:
+            return
         wrote = False
         for spec in self._layout.fused:
             lazy = all(weights[t.name].is_meta and default_uniform(init_fns[t.name], t)

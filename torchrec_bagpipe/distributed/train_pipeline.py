@@ -2,7 +2,8 @@
 
 `TrainPipelineSparseDist` already runs `input_dist` of batch i+1 before the forward of
 batch i. This subclass reads L further batches ahead from the dataloader and submits each
-one to every pipelined BagPipe EBC as it enters the window (`presubmit`), so the runtime's
+one to every pipelined BagPipe-sharded module (EBC or EC; its BagPipe tables) as it enters
+the window (`presubmit`), so the runtime's
 planner sees L future batches (online mode) or checks each against its prescan plan
 (prescan mode) while the current batch trains. Everything else — device copies, the
 fused splits, forward, backward, the optimizer step — is TorchRec's, so losses equal the
@@ -33,7 +34,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
-from torchrec_bagpipe.distributed.embeddingbag import ShardedBagPipeEmbeddingBagCollection
+from torchrec_bagpipe.distributed.sharded_module import BagPipeShardedModule
 from torchrec_bagpipe.distributed.utils import bagpipe_modules
 
 __all__ = ["BagPipeTrainPipeline"]
@@ -44,9 +45,10 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
 
     Args: those of `TrainPipelineSparseDist`, plus
         lookahead: batches read ahead of TorchRec's own pipeline; default: the largest
-            `lookahead` of the model's BagPipe configs.
+            `lookahead` of the model's BagPipe configs (0 without BagPipe modules).
         prescan_batches: this rank's whole training sequence, for prescan mode (the
-            modules' config must set `optimization_prescan`).
+            modules' config must set `optimization_prescan`; ignored without BagPipe
+            modules).
     """
 
     def __init__(
@@ -61,19 +63,14 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
     ) -> None:
         super().__init__(model, optimizer, device, *args, **kwargs)
         modules = [m for _, m in bagpipe_modules(model)]
-        if not modules:
-            raise ValueError(
-                "BagPipeTrainPipeline: the model has no BagPipe-sharded EmbeddingBagCollection "
-                "(shard it with BagPipeEmbeddingBagCollectionSharder)"
-            )
         if lookahead is None:
-            lookahead = max(m.bagpipe_config.lookahead for m in modules)
+            lookahead = max((m.bagpipe_config.lookahead for m in modules), default=0)
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        self._bagpipe_modules: list[ShardedBagPipeEmbeddingBagCollection] = modules
+        self._bagpipe_modules: list[BagPipeShardedModule] = modules
         self._lookahead = int(lookahead)
         self._prescan_batches = prescan_batches
-        self._prescanned = prescan_batches is None
+        self._prescanned = prescan_batches is None or not modules
         self._window: deque[list[Any]] = deque()  # [batch, submitted]
         self._window_iter: Iterator[Any] | None = None
         self._window_exhausted = False
@@ -125,9 +122,8 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
         self._submit_window()
 
     # ---- window -------------------------------------------------------------------------
-    def _pipelined_bagpipe(self) -> list[ShardedBagPipeEmbeddingBagCollection]:
-        return [m for m in self._pipelined_modules
-                if isinstance(m, ShardedBagPipeEmbeddingBagCollection)]
+    def _pipelined_bagpipe(self) -> list[BagPipeShardedModule]:
+        return [m for m in self._pipelined_modules if isinstance(m, BagPipeShardedModule)]
 
     def _fill_window(self) -> None:
         it = self._window_iter
@@ -151,7 +147,7 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
                 m.presubmit(self._module_features(m, entry[0]))
             entry[1] = True
 
-    def _module_features(self, module: ShardedBagPipeEmbeddingBagCollection, batch: Any) -> Any:
+    def _module_features(self, module: BagPipeShardedModule, batch: Any) -> Any:
         forward = module.forward
         args, kwargs = forward.args.build_args_kwargs(batch)  # type: ignore[attr-defined]
         args, kwargs = module.preprocess_input(args, kwargs)
@@ -164,7 +160,7 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
         missing = [m for m in self._bagpipe_modules if m not in pipelined]
         if missing:
             raise ValueError(
-                "BagPipeTrainPipeline(prescan_batches=...): some BagPipe EBCs are not "
+                "BagPipeTrainPipeline(prescan_batches=...): some BagPipe modules are not "
                 "pipelined by TorchRec (their input is computed inside the model), so their "
                 "trace cannot be read from the batches; call their prescan() directly"
             )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import sys
 import threading
 import time
@@ -58,6 +59,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="seconds between SIGTERM and SIGKILL when stopping processes")
     p.add_argument("--timeout", type=float, default=None,
                    help="stop everything after this many seconds (default: no limit)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="whole-job checkpoints go here (PS servers checkpoint into "
+                        "DIR/ps/shard-I; trainers get $BAGPIPE_CHECKPOINT_DIR)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="a whole-job checkpoint every N training steps "
+                        "($BAGPIPE_CHECKPOINT_EVERY; needs a checkpoint directory)")
+    p.add_argument("--resume", default=None,
+                   help="resume from the whole-job checkpoint in this directory (PS servers "
+                        "restore its set, trainers get $BAGPIPE_RESUME); later checkpoints go "
+                        "there too unless --checkpoint-dir says otherwise")
     p.add_argument("--log-dir", default=None, help="torchrun --log-dir (per-rank log files)")
     p.add_argument("--redirects", default=None,
                    help="torchrun --redirects (0-3: which streams go only to the log files)")
@@ -71,8 +82,36 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("no training command given")
     if args.nproc_per_node < 1 or args.ps_servers < 0:
         p.error("--nproc-per-node must be >= 1 and --ps-servers >= 0")
+    if args.checkpoint_every < 0:
+        p.error("--checkpoint-every must be >= 0")
+    if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
+        p.error("--checkpoint-every needs --checkpoint-dir (or --resume)")
     args.command = command
     return args
+
+
+def _server_args(args: argparse.Namespace, shard: int) -> str:
+    """The shard's server arguments: --ps-server-args, plus its checkpoint directory and the
+    set it restores when checkpointing or resuming a whole job."""
+    from torchrec_bagpipe.distributed.checkpoint_manifest import (
+        ps_set_dir,
+        ps_shard_dir,
+        read_manifest,
+    )
+
+    extra: list[str] = []
+    directory = args.checkpoint_dir or args.resume
+    if directory:
+        directory = os.path.abspath(directory)
+        extra += ["--checkpoint-dir", ps_shard_dir(directory, shard)]
+    if args.resume:
+        manifest = read_manifest(args.resume)
+        if manifest is None:
+            raise ValueError(f"--resume {args.resume}: no whole-job checkpoint there "
+                             "(no MANIFEST.json)")
+        extra += ["--restore-from",
+                  ps_set_dir(os.path.abspath(args.resume), shard, manifest.label)]
+    return " ".join([args.ps_server_args, *(shlex.quote(a) for a in extra)]).strip()
 
 
 def _ps_command(args: argparse.Namespace, endpoint: str, run_id: str, shard: int) -> list[str]:
@@ -82,7 +121,7 @@ def _ps_command(args: argparse.Namespace, endpoint: str, run_id: str, shard: int
             "--replica-id", str(shard), "--num-replicas", str(args.ps_servers),
             "--store-host-replica", "-1", "--nnodes", "1", "--host", args.ps_host,
             "--startup-timeout", str(args.startup_timeout),
-            "--grace-period", str(args.grace_period), f"--server-args={args.ps_server_args}"]
+            "--grace-period", str(args.grace_period), f"--server-args={_server_args(args, shard)}"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     if args.ps_servers:
         env.setdefault("BAGPIPE_JOB_TOKEN", secrets.token_hex(16))  # one secret per job
+    if args.checkpoint_dir or args.resume:
+        env["BAGPIPE_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir or args.resume)
+        env["BAGPIPE_CHECKPOINT_EVERY"] = str(args.checkpoint_every)
+    if args.resume:
+        env["BAGPIPE_RESUME"] = os.path.abspath(args.resume)
     run_id = "launch-" + secrets.token_hex(6)
     store = JobStore(f"127.0.0.1:{args.rdzv_port}", run_id, host=True,
                      timeout=args.startup_timeout)

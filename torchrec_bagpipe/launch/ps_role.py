@@ -8,7 +8,9 @@ copied behind ``[ps I]``; its documented ``listening HOST:PORT`` line gives the 
 publishes ``ADVERTISE_HOST:PORT`` in the job's store (`rendezvous.JobStore`), and serves until
 every one of the N trainer nodes is done (or lost: its heartbeat stopped for
 ``--heartbeat-timeout`` seconds), then drains the server (SIGTERM) and exits with the
-server's status. The replica named by ``--store-host-replica`` (default 0) hosts the store
+server's status. A drain before that (the role interrupted, or the server's own ``draining``
+line after a SIGTERM from elsewhere) is published (``ps/draining/I``) so the trainer nodes
+stop at once. The replica named by ``--store-host-replica`` (default 0) hosts the store
 and stays up until the other replicas have exited. SIGINT/SIGTERM drains and exits early.
 Every wait is bounded.
 """
@@ -32,6 +34,7 @@ from torchrec_bagpipe.launch.rendezvous import HEARTBEAT_S, JobStore, TrainerWat
 __all__ = ["advertised_host", "main", "rendezvous_endpoint"]
 
 _LISTENING = re.compile(r"^listening (\S+):(\d+) shard \d+/\d+")
+_DRAINING = re.compile(r"^draining shard \d+/\d+: (.*)$")
 _NODELIST = re.compile(r"^([^\[,]*)\[(\d+)")
 
 
@@ -100,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _start_server(args: argparse.Namespace, token: str) -> tuple[Child, Callable[[], str | None]]:
-    """The shard server, and a function that waits (bounded) for its listening port."""
+def _start_server(args: argparse.Namespace, token: str,
+                  draining: list[str]) -> tuple[Child, Callable[[], str | None]]:
+    """The shard server, and a function that waits (bounded) for its listening port.
+    `draining` receives the reason when the server announces it drains."""
     listening = threading.Event()
     found: list[str] = []
 
@@ -110,6 +115,9 @@ def _start_server(args: argparse.Namespace, token: str) -> tuple[Child, Callable
         if m and not found:
             found.append(m.group(2))
             listening.set()
+        d = _DRAINING.match(line)
+        if d and not draining:
+            draining.append(d.group(1))
 
     cmd = [sys.executable, "-m", "torchrec_bagpipe.ps.server",
            "--shard-id", str(args.replica_id), "--num-shards", str(args.num_replicas),
@@ -136,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     store = JobStore(endpoint, args.run_id, host=hosting, timeout=args.rendezvous_timeout)
     token = os.environ.get("BAGPIPE_JOB_TOKEN") or store.agree_token(
         secrets.token_hex(16), args.rendezvous_timeout)
-    server, listening_port = _start_server(args, token)
+    draining: list[str] = []
+    server, listening_port = _start_server(args, token, draining)
     interrupted = False
     port: str | None = None
     try:
@@ -146,9 +155,12 @@ def run(args: argparse.Namespace) -> int:
                   f"(status {server.poll()})", flush=True)
         else:
             _serve(args, store, endpoint, f"{advertised_host(args.host, args.advertise_host)}"
-                   f":{port}", server)
-    except Interrupted:
+                   f":{port}", server, draining)
+    except Interrupted as e:
         print(f"[ps {me}] interrupted; draining", flush=True)
+        # The trainers stop now (their clients are told by the server too) instead of
+        # training on until the drain ends.
+        store.ps_draining(me, f"its PS role got signal {e.signum}")
         interrupted = True
     finally:
         rc = server.stop(args.grace_period)
@@ -160,14 +172,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, store: JobStore, endpoint: str, address: str,
-           server: Child) -> None:
-    """Publishes the address, then returns once the trainers are done or the server died."""
+           server: Child, draining: list[str]) -> None:
+    """Publishes the address, then returns once the trainers are done or the server died;
+    a server that starts draining on its own (SIGTERM from elsewhere) is announced."""
     me = args.replica_id
     store.publish_ps(me, address)
     print(f"[ps {me}] serving shard {me}/{args.num_replicas} at {address} "
           f"(rendezvous {endpoint})", flush=True)
     trainers = TrainerWatch(store, args.nnodes, args.trainer_start_timeout, args.heartbeat_timeout)
+    announced = False
     while True:
+        if draining and not announced:
+            store.ps_draining(me, f"its server: {draining[0]}")
+            announced = True
         if server.poll() is not None:
             print(f"[ps {me}] the server exited with status {server.poll()}", flush=True)
             return

@@ -12,6 +12,9 @@ other process is a client. torchrun's c10d rendezvous of the trainers uses the s
 * ``ps/<i>``: PS shard i's address ``host:port``;
 * ``ps/exited/<i>``: PS shard i's exit status (replica 0 waits for these before it stops
   hosting the store);
+* ``ps/draining/<i>``: why PS shard i started draining before the trainers were done (its
+  server got SIGTERM, or its role was interrupted); trainer nodes then stop their trainers
+  at once instead of waiting for the shard to exit;
 * ``trainer/beat/<n>``: trainer node n's heartbeat counter (advanced every
   `HEARTBEAT_S` while its trainers run);
 * ``trainer/done/<n>``: trainer node n's exit status (set by the node, or ``lost`` by the PS
@@ -105,6 +108,13 @@ class JobStore:
                     f"PS shards {missing} did not publish their addresses within {timeout}s"
                 )
             time.sleep(0.2)
+
+    def ps_draining(self, shard: int, why: str) -> None:
+        self.store.set(self._k(f"ps/draining/{shard}"), why)
+
+    def ps_draining_reasons(self, shards: Sequence[int]) -> dict[int, str]:
+        return {i: self._get(f"ps/draining/{i}", self.timeout) for i in shards
+                if self._has([f"ps/draining/{i}"])}
 
     def ps_exited(self, shard: int, status: int) -> None:
         self.store.set(self._k(f"ps/exited/{shard}"), str(status))

@@ -11,9 +11,10 @@ is_host=0`` on the same store. torchrun's output reaches our stdout/stderr direc
 line behind torchrun's own prefix (``[trainer <global rank>]``, through
 ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``); ``--log-dir``/``--redirects`` are torchrun's.
 While torchrun runs the node sends heartbeats; when it exits the node records its status,
-which tells the PS shards when to drain. If another node fails (or a PS shard exits early),
-this node stops its trainers. With K = 0 the shards live inside the trainers
-(`BagPipeConfig`'s zero-config deployment) and only torchrun's rendezvous uses the store.
+which tells the PS shards when to drain. If another node fails, or a PS shard starts draining
+or exits early, this node stops its trainers (SIGTERM, then SIGKILL after the grace period).
+With K = 0 the shards live inside the trainers (`BagPipeConfig`'s zero-config deployment)
+and only torchrun's rendezvous uses the store.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def _failure(store: JobStore, node: TrainerNode) -> str | None:
     for n, status in store.trainers_done(node.nnodes).items():
         if n != node.node_rank and status != "0":
             return f"trainer node {n} ended with status {status}"
+    for shard, why in store.ps_draining_reasons(range(node.ps_servers)).items():
+        return f"PS shard {shard} is draining ({why})"
     for shard, status in store.ps_exit_statuses(range(node.ps_servers)).items():
         return f"PS shard {shard} exited (status {status}) while training"
     return None

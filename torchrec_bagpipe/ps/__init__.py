@@ -6,8 +6,10 @@ from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
+    "OptimizerSpec": "torchrec_bagpipe.ps.optimizers",
     "PSClient": "torchrec_bagpipe.ps.client",
     "PSHandle": "torchrec_bagpipe.ps.client",
+    "StartStepError": "torchrec_bagpipe.ps.client",
     "PSClientOptions": "torchrec_bagpipe.ps.options",
     "PSShard": "torchrec_bagpipe.ps.shard",
     "PSShardOptions": "torchrec_bagpipe.ps.options",

@@ -23,6 +23,7 @@ __all__ = [
     "keys_arg",
     "numpy_view",
     "optional_path",
+    "out_arg",
     "path_arg",
     "rows_arg",
     "tensor_arg",
@@ -44,6 +45,24 @@ def float_arg(value: Any, name: str) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def lr_arg(value: Any, name: str = "lr") -> float:
+    """A configured learning rate: a finite float > 0 (0 or less would not train, or would
+    train backwards)."""
+    value = float_arg(value, name)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def step_lr_arg(value: Any, name: str = "lr") -> float:
+    """One step's learning rate under a schedule: a finite float >= 0 (a warm-up may start
+    at 0; a negative rate would train backwards)."""
+    value = float_arg(value, name)
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
     return value
 
 
@@ -78,6 +97,18 @@ def rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
     if rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] != dim:
         raise ValueError(f"{name} must have shape ({n}, {dim}), got {tuple(rows.shape)}")
     return numpy_view(rows)
+
+
+def out_arg(out: Any, name: str, n: int, cols: int) -> torch.Tensor:
+    """A writable (n, cols) float32 CPU output tensor; allocated when None."""
+    if out is None:
+        return torch.empty((n, cols), dtype=torch.float32)
+    o = tensor_arg(out, name, torch.float32)
+    if o.dim() != 2 or o.shape[0] != n or o.shape[1] != cols:
+        raise ValueError(f"{name} must have shape ({n}, {cols}), got {tuple(o.shape)}")
+    if o.requires_grad:
+        raise ValueError(f"{name} must not require grad")
+    return o
 
 
 def budget_arg(value: Any) -> int:

@@ -23,12 +23,24 @@ import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import rdma
-from torchrec_bagpipe.ps._args import float_arg, int_arg, keys_arg, rows_arg
-from torchrec_bagpipe.ps.options import PSClientOptions, default_session_id, ps_client_options
+from torchrec_bagpipe.ps._args import float_arg, int_arg, keys_arg, rows_arg, step_lr_arg
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.options import (
+    PSClientOptions,
+    default_session_id,
+    ps_client_options,
+)
 from torchrec_bagpipe.ps.partitioner import Partitioner
 from torchrec_bagpipe.ps.shard import PSShard
 
-__all__ = ["PSClient", "PSClientOptions", "PSHandle", "default_session_id"]
+__all__ = ["PSClient", "PSClientOptions", "PSHandle", "StartStepError", "default_session_id"]
+
+
+class StartStepError(ValueError):
+    """A table's committed step on the PS is not the step a job expects to start from: a
+    restored shard or a long-lived server reached by a fresh job (whose steps up to the
+    committed one would be acknowledged without being applied), or shards of one table at
+    different steps (not one consistent checkpoint)."""
 
 
 def _num_endpoints(endpoints: Any) -> int:
@@ -120,11 +132,14 @@ class PSHandle:
 class PSClient:
     """One rank's client of one fused table on the PS (docs/ARCHITECTURE.md §3).
 
-    The session (`table`, `dim`, `lr`, `world_size`, `gradient_division`, the init of rows
-    never written, `key_bound`) opens on every shard at construction; a shard that holds the
-    session with other values refuses with a ValueError naming the field. Every wait is
-    bounded by `timeout` seconds; a dead shard fails pending work at once (TransportError), a
-    lost rank surfaces as a TimeoutError or SessionError.
+    The session (`table`, `dim`, `world_size`, `gradient_division`, the init of rows never
+    written, `key_bound`, the table's `optimizer`) opens on every shard at construction; a
+    shard that holds the session or the table with other values refuses with a ValueError
+    naming the table and the field. `lr` is the learning rate of a commit that passes none:
+    each commit carries its step's (an LR schedule; for Adam the bias-corrected step size,
+    `ps.optimizers.adam_step_size`), and every rank must commit a step with the same one.
+    Every wait is bounded by `timeout` seconds; a dead shard fails pending work at once
+    (TransportError), a lost rank surfaces as a TimeoutError or SessionError.
     """
 
     def __init__(
@@ -149,6 +164,7 @@ class PSClient:
         init_value: float = 0.0,
         seed: int = 0,
         key_bound: int | None = None,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
         if isinstance(partitioner, Partitioner):
             if partitioner.num_shards != _num_endpoints(endpoints):
@@ -178,6 +194,7 @@ class PSClient:
                 init_value=init_value,
                 seed=seed,
                 key_bound=key_bound,
+                optimizer=optimizer,
             ),
         )
 
@@ -208,7 +225,40 @@ class PSClient:
         self.session_id = int(o.session)
         self.timeout = float(o.timeout)
         self.partitioner = Partitioner(str(o.partition), len(eps))
+        spec = o.optimizer
+        self.optimizer = OptimizerSpec(
+            kind=spec.kind, eps=spec.eps, beta1=spec.beta1, beta2=spec.beta2,
+            weight_decay=spec.weight_decay,
+            initial_accumulator_value=spec.initial_accumulator_value,
+        )
+        self.state_dim = self.optimizer.state_dim(self.dim)
         self._core = C.PSClientCore(eps, o, options.connect)
+        # Each shard's committed step when the session opened (OpenOk): -1 for a new table.
+        self.opened_steps: list[int] = list(self._core.shard_committed_steps())
+
+    def start_step(self, expected: int = -1) -> int:
+        """Checks that every shard held this table at committed step `expected` when the
+        session opened (-1: a fresh table; a resumed job: the step of the checkpoint it
+        resumes from) and returns it; the caller numbers its steps from `expected + 1`.
+        Raises StartStepError naming the table and the shards' steps otherwise."""
+        expected = int_arg(expected, "expected", minimum=-1)
+        steps = self.opened_steps
+        if all(s == expected for s in steps):
+            return expected
+        if len(set(steps)) > 1:
+            why = (f"its shards hold it at different committed steps {steps} (not one "
+                   "consistent checkpoint): restore every shard from one checkpoint set")
+        elif expected == -1:
+            why = (f"the PS already committed steps up to {steps[0]} (a restored shard, or a "
+                   "server of an earlier job with the same token), and this job starts at "
+                   f"step 0: the PS would acknowledge steps 0..{steps[0]} without applying "
+                   "them. Resume from that step's checkpoint (--resume), or start fresh "
+                   "shards")
+        else:
+            why = (f"the job resumes after step {expected}, but the shards hold it at "
+                   f"committed steps {steps}: restore every shard from the same checkpoint "
+                   "set as the trainers")
+        raise StartStepError(f"PS table {self.table!r}: {why}")
 
     # ---- properties -----------------------------------------------------------------------
     @property
@@ -234,19 +284,26 @@ class PSClient:
         return self._core
 
     # ---- protocol -------------------------------------------------------------------------
-    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> PSHandle:
+    def commit_async(
+        self, step: int, keys: torch.Tensor, grads: torch.Tensor, lr: float | None = None
+    ) -> PSHandle:
         """Commits this rank's gradient rows of `step` (keys: 1-D int64 on the CPU; grads:
         (n, dim) float32, on the CPU or in CUDA memory; n may be 0 — every rank commits every
-        step). The handle completes when every shard has committed `step`."""
+        step) with the step's learning rate `lr` (finite, >= 0; None: the client's `lr`; for
+        Adam the bias-corrected step size). Every rank must give a step the same lr (else the
+        session fails: "conflicting lr"). The handle completes when every shard has committed
+        `step`."""
         step = int_arg(step, "step", minimum=0)
+        lr = self.lr if lr is None else step_lr_arg(lr)
         if isinstance(grads, torch.Tensor) and grads.is_cuda:
-            return self._commit_async_device(step, keys, grads)
+            return self._commit_async_device(step, keys, grads, lr)
         k = keys_arg(keys)
         g = rows_arg(grads, "grads", k.shape[0], self.dim)
-        op = self._live().commit_async(step, k, g)
+        op = self._live().commit_async(step, k, g, lr)
         return self._track(PSHandle(op, "commit", None, (keys, grads, k, g), self))
 
-    def _commit_async_device(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> PSHandle:
+    def _commit_async_device(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
+                             lr: float) -> PSHandle:
         """Gradients in CUDA memory: an event is recorded on the current stream (after the
         backward pass wrote them); a native worker waits for it, copies the rows into a pinned
         host buffer and the client packs them from there. Keys stay on the CPU (they come from
@@ -271,33 +328,40 @@ class PSClient:
         event.record(torch.cuda.current_stream(g.device))
         if self._stager is None:
             self._stager = C.DeviceStagerCore(self.timeout)
-        op = C.commit_async_device(
-            self._live(), step, k, self._stager, g.data_ptr(), g.numel() * 4,
-            g.device.index if g.device.index is not None else torch.cuda.current_device(),
-            event.cuda_event,
-        )
+        source = C.DeviceSource()
+        source.src = g.data_ptr()
+        source.bytes = g.numel() * 4
+        source.device = (g.device.index if g.device.index is not None
+                         else torch.cuda.current_device())
+        source.event = event.cuda_event
+        op = C.commit_async_device(self._live(), step, k, self._stager, source, lr)
         return self._track(PSHandle(op, "commit", None, (keys, grads, k, g, event), self))
 
     def get_async(
-        self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None
+        self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None, *,
+        with_state: bool = False,
     ) -> PSHandle:
-        """Rows of `keys` (n, dim) once every shard committed `at_step` (-1: now). A get must
-        follow this client's commit of `at_step`, or it fails with TimeoutError."""
+        """Rows of `keys` (n, dim) once every shard committed `at_step` (-1: now); with
+        `with_state`, each row followed by its optimizer state: (n, dim + state_dim). A get
+        must follow this client's commit of `at_step`, or it fails with TimeoutError."""
         at_step = int_arg(at_step, "at_step", minimum=-1)
+        with_state = bool(with_state)
         k = keys_arg(keys)
+        width = self.dim + (self.state_dim if with_state else 0)
         if out is None:
-            out = torch.empty((k.shape[0], self.dim), dtype=torch.float32)
-        o = rows_arg(out, "out", k.shape[0], self.dim)
+            out = torch.empty((k.shape[0], width), dtype=torch.float32)
+        o = rows_arg(out, "out", k.shape[0], width)
         if out.requires_grad:
             raise ValueError("out must not require grad")
-        op = self._live().get_async(k, at_step, o)
+        op = self._live().get_async(k, at_step, o, with_state)
         return self._track(PSHandle(op, "get", out, (keys, k, o), self))
 
     def commit(
-        self, step: int, keys: torch.Tensor, grads: torch.Tensor, timeout: float | None = None
+        self, step: int, keys: torch.Tensor, grads: torch.Tensor, timeout: float | None = None,
+        lr: float | None = None,
     ) -> None:
-        """commit_async(...).wait(timeout)."""
-        self.commit_async(step, keys, grads).wait(timeout)
+        """commit_async(step, keys, grads, lr).wait(timeout)."""
+        self.commit_async(step, keys, grads, lr).wait(timeout)
 
     def get(self, keys: torch.Tensor, at_step: int, timeout: float | None = None) -> torch.Tensor:
         """get_async(...).wait(timeout)."""
@@ -311,22 +375,31 @@ class PSClient:
         return list(self._live().shard_committed_steps())
 
     # ---- weights ------------------------------------------------------------------------------
-    def assign(self, keys: torch.Tensor, rows: torch.Tensor, timeout: float | None = None) -> None:
-        """Writes rows (n, dim) for keys on their shards (loading weights; the last duplicate
-        wins). Runs after every earlier operation and before every later one."""
+    def assign(self, keys: torch.Tensor, rows: torch.Tensor, timeout: float | None = None, *,
+               with_state: bool = False) -> None:
+        """Writes rows (n, dim) for keys on their shards (loading weights; stored rows keep
+        their optimizer state; the last duplicate wins); with `with_state`, rows
+        (n, dim + state_dim) carry their optimizer state after the weights. Runs after every
+        earlier operation and before every later one."""
         k = keys_arg(keys)
-        r = rows_arg(rows, "rows", k.shape[0], self.dim)
-        op = self._live().assign_async(k, r)
+        with_state = bool(with_state)
+        r = rows_arg(rows, "rows", k.shape[0], self.dim + (self.state_dim if with_state else 0))
+        op = self._live().assign_async(k, r, with_state)
         self._track(PSHandle(op, "assign", None, (keys, rows, k, r), self)).wait(timeout)
 
-    def lookup(self, keys: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
-        """Rows of `keys` at the shards' current committed step (materialising weights)."""
-        return self.get_async(keys, -1).wait(timeout)
+    def lookup(self, keys: torch.Tensor, timeout: float | None = None, *,
+               with_state: bool = False) -> torch.Tensor:
+        """Rows of `keys` at the shards' current committed step (materialising weights;
+        `with_state` as `get_async`)."""
+        return self.get_async(keys, -1, with_state=with_state).wait(timeout)
 
-    def checkpoint(self, timeout: float | None = None) -> list[int]:
-        """Checkpoints this table on every shard (each into its own checkpoint directory) at
-        its committed step; returns the step saved per shard."""
-        op = self._live().checkpoint_async()
+    def checkpoint(self, timeout: float | None = None, *, label: str = "") -> list[int]:
+        """Checkpoints this table on every shard (each into its own checkpoint directory, or
+        its subdirectory `label`: 1-128 characters of [A-Za-z0-9_.:-]) at its committed
+        step; returns the step saved per shard."""
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a str, got {type(label).__name__}")
+        op = self._live().checkpoint_async(label)
         return self._track(PSHandle(op, "checkpoint", None, (), self)).wait(timeout)
 
     # ---- accounting and shutdown ---------------------------------------------------------------
@@ -344,6 +417,13 @@ class PSClient:
     def failure(self) -> str | None:
         """The error that failed this client, if any."""
         return self._live().failure()
+
+    def checkpoint_report(self) -> dict[str, Any]:
+        """What the shards reported about their periodic checkpoints of this table (shards
+        started with a checkpoint interval tell every attached rank how each one went):
+        succeeded, failed, consecutive_failures (the longest current run of failures on one
+        shard), last_step (per shard, -1: none yet), last_error ("" if none)."""
+        return dict(self._live().checkpoint_report())
 
     def close(self, timeout: float | None = None) -> None:
         """Drains pending work, closes the session on every reachable shard and releases the

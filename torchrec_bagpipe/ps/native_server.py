@@ -44,7 +44,10 @@ class NativeServer:
         self._core.stop(float(drain_timeout))
 
     def stats(self) -> dict[str, int]:
-        """accepted, refused, active, frames, bytes_in, bytes_out, closed_by_server."""
+        """accepted, refused (every slot authenticated), shed (unauthenticated connections
+        closed to admit newer ones), handshake_timeouts, idle_timeouts, active,
+        unauthenticated, frames, bytes_in, bytes_out, closed_by_server (protocol or
+        authentication violations), threads (serving threads)."""
         return dict(self._core.stats())
 
     def __repr__(self) -> str:

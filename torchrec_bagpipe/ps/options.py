@@ -1,7 +1,8 @@
 """Typed options of the native PS components, and the one place a `BagPipeConfig` becomes them.
 
 Every native component takes its settings as one options struct, the component's own C++
-struct bound field by field (`torchrec_bagpipe._C`): `InitSpec`, `StoreOptions` (an
+struct bound field by field (`torchrec_bagpipe._C`): `InitSpec`, `OptimizerSpec`,
+`StoreOptions` (an
 `EmbeddingStore`, or every table of a PS shard), `LoadOverrides`, `TableSchema`,
 `ShardOptions`, `ClientOptions` + `ConnectOptions` (a `PSClient` and how it reaches remote
 shards), `TcpServerOptions`, `UcxServerOptions`. The builders below check every value (errors
@@ -24,7 +25,8 @@ from typing import Any
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, optional_path
+from torchrec_bagpipe.ps._args import budget_arg, float_arg, int_arg, lr_arg, optional_path
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.ps.partitioner import KINDS as PARTITIONERS
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "default_session_id",
     "init_spec",
     "load_overrides",
+    "optimizer_spec",
     "ps_client_options",
     "ps_shard_options",
     "shard_options",
@@ -133,6 +136,20 @@ def init_spec(
     return spec
 
 
+def optimizer_spec(optimizer: Any = "sgd") -> Any:
+    """A store's optimizer (a ``C.OptimizerSpec``) from a `ps.optimizers.OptimizerSpec`, a
+    kind name or a dict of its fields (checked there: errors name ``optimizer.<field>``)."""
+    spec = OptimizerSpec.of(optimizer)
+    o = C.OptimizerSpec()
+    o.kind = spec.kind
+    o.eps = spec.eps
+    o.beta1 = spec.beta1
+    o.beta2 = spec.beta2
+    o.weight_decay = spec.weight_decay
+    o.initial_accumulator_value = spec.initial_accumulator_value
+    return o
+
+
 def _key_bound(key_bound: Any) -> int | None:
     return None if key_bound is None else int_arg(key_bound, "key_bound", minimum=1)
 
@@ -172,15 +189,18 @@ def store_options(
     high_watermark: float = 0.8,
     low_watermark: float = 0.6,
     page_rows: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> Any:
     """An `EmbeddingStore`'s options (a ``C.StoreOptions``); arguments as EmbeddingStore."""
     dim = int_arg(dim, "dim", minimum=1)
+    optimizer = optimizer_spec(optimizer)
     key_bound = _key_bound(key_bound)
     spec = init_spec(init, init_bound, init_value, seed, key_bound)
     o = _table_store(num_shards, num_threads, memory_budget, spill_dir, high_watermark,
                      low_watermark, page_rows)
     o.dim = dim
     o.init = spec
+    o.optimizer = optimizer
     o.key_bound = -1 if key_bound is None else key_bound
     return o
 
@@ -197,8 +217,10 @@ def load_overrides(
     low_watermark: float | None = None,
     page_rows: int | None = None,
     weights_only: bool = False,
+    optimizer: OptimizerSpec | str | dict[str, Any] | None = None,
 ) -> Any:
-    """Options of `EmbeddingStore.load` (a ``C.LoadOverrides``); None: from the checkpoint."""
+    """Options of `EmbeddingStore.load` (a ``C.LoadOverrides``); None: from the checkpoint
+    (`optimizer`: an expectation of a full load, the new optimizer of a weights-only one)."""
 
     def opt_int(value: Any, name: str, minimum: int) -> int | None:
         return None if value is None else int_arg(value, name, minimum=minimum)
@@ -209,6 +231,7 @@ def load_overrides(
     if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
         raise TypeError(f"spill_dir must be a path, got {type(spill_dir).__name__}")
     o = C.LoadOverrides()
+    o.optimizer = None if optimizer is None else optimizer_spec(optimizer)
     o.dim = opt_int(dim, "dim", 1)
     o.num_shards = opt_int(num_shards, "num_shards", 1)
     o.num_threads = opt_int(num_threads, "num_threads", 1)
@@ -230,14 +253,17 @@ def table_schema(
     init_value: float = 0.0,
     seed: int = 0,
     key_bound: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> Any:
-    """A PS table (a ``C.TableSchema``): row width, init of never-written rows, key bound."""
+    """A PS table (a ``C.TableSchema``): row width, init of never-written rows, key bound,
+    the optimizer its rows' state belongs to."""
     dim = int_arg(dim, "dim", minimum=1)
     key_bound = _key_bound(key_bound)
     schema = C.TableSchema()
     schema.dim = dim
     schema.init = init_spec(init, init_bound, init_value, seed, key_bound)
     schema.key_bound = -1 if key_bound is None else key_bound
+    schema.optimizer = optimizer_spec(optimizer)
     return schema
 
 
@@ -277,8 +303,9 @@ def ps_shard_options(
     return PSShardOptions(s, store)
 
 
-def _server_address(host: Any, port: Any, job_token: Any, handshake_timeout: Any,
-                    max_connections: Any, target: Any) -> Any:
+def _server_options(host: Any, port: Any, job_token: Any, allow_no_token: Any,
+                    handshake_timeout: Any, max_connections: Any, max_unauthenticated: Any,
+                    max_unauthenticated_per_host: Any, io_threads: Any, target: Any) -> Any:
     if not isinstance(host, str) or not host:
         raise TypeError("host must be a non-empty str")
     port = int_arg(port, "port", minimum=0)
@@ -286,14 +313,24 @@ def _server_address(host: Any, port: Any, job_token: Any, handshake_timeout: Any
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if not isinstance(job_token, str):
         raise TypeError("job_token must be a str")
+    if not isinstance(allow_no_token, bool):
+        raise TypeError("allow_no_token must be a bool")
     handshake_timeout = float_arg(handshake_timeout, "handshake_timeout")
     if not handshake_timeout > 0:
         raise ValueError(f"handshake_timeout must be > 0, got {handshake_timeout}")
     target.host = host
     target.port = port
     target.job_token = job_token
+    target.allow_no_token = allow_no_token
     target.handshake_timeout = handshake_timeout
     target.max_connections = int_arg(max_connections, "max_connections", minimum=1)
+    target.max_unauthenticated = int_arg(max_unauthenticated, "max_unauthenticated", minimum=1)
+    target.max_unauthenticated_per_host = int_arg(
+        max_unauthenticated_per_host, "max_unauthenticated_per_host", minimum=1)
+    io_threads = int_arg(io_threads, "io_threads", minimum=1)
+    if io_threads > 64:
+        raise ValueError(f"io_threads must be in [1, 64], got {io_threads}")
+    target.io_threads = io_threads
     return target
 
 
@@ -302,12 +339,31 @@ def tcp_server_options(
     port: int = 0,
     *,
     job_token: str = "",
+    allow_no_token: bool = False,
     handshake_timeout: float = 10.0,
+    idle_timeout: float = 300.0,
     max_connections: int = 1024,
+    max_unauthenticated: int = 256,
+    max_unauthenticated_per_host: int = 32,
+    io_threads: int = 4,
 ) -> Any:
-    """A TCP shard server's options (a ``C.TcpServerOptions``)."""
-    return _server_address(host, port, job_token, handshake_timeout, max_connections,
-                           C.TcpServerOptions())
+    """A TCP shard server's options (a ``C.TcpServerOptions``; csrc/server/tcp_server.h).
+
+    `handshake_timeout`: seconds from accept to a completed Hello (an absolute deadline).
+    `idle_timeout`: seconds an authenticated connection may send nothing (clients send
+    keep-alives every 30 s; 0: no limit). At most `max_unauthenticated` connections (and
+    `max_unauthenticated_per_host` from one address) may not have authenticated yet: a new
+    one sheds the oldest. `io_threads` loop threads serve every connection. An empty
+    `job_token` on a non-loopback `host` is refused unless `allow_no_token`.
+    """
+    o = _server_options(host, port, job_token, allow_no_token, handshake_timeout,
+                        max_connections, max_unauthenticated, max_unauthenticated_per_host,
+                        io_threads, C.TcpServerOptions())
+    idle_timeout = float_arg(idle_timeout, "idle_timeout")
+    if not idle_timeout >= 0:
+        raise ValueError(f"idle_timeout must be >= 0 (0: no limit), got {idle_timeout}")
+    o.idle_timeout = idle_timeout
+    return o
 
 
 def ucx_server_options(
@@ -315,20 +371,33 @@ def ucx_server_options(
     port: int = 0,
     *,
     job_token: str = "",
+    allow_no_token: bool = False,
     ucx_tls: str | None = None,
     ucx_devices: str | None = None,
     handshake_timeout: float = 10.0,
     max_connections: int = 1024,
+    max_unauthenticated: int = 256,
+    max_unauthenticated_per_host: int = 32,
+    io_threads: int = 2,
+    progress_threads: int = 2,
 ) -> Any:
     """A UCX shard server's options (a ``C.UcxServerOptions``; REQUIRES: a build with UCX).
-    `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server."""
+    `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server; the
+    other arguments are `tcp_server_options`' (for the bootstrap connections;
+    `io_threads` loop threads run the bootstraps); `progress_threads` threads drive every
+    established connection (csrc/transport/ucx_progress.h)."""
     for name, value in (("ucx_tls", ucx_tls or ""), ("ucx_devices", ucx_devices or "")):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str")
-    o = _server_address(host, port, job_token, handshake_timeout, max_connections,
-                        C.UcxServerOptions())
+    o = _server_options(host, port, job_token, allow_no_token, handshake_timeout,
+                        max_connections, max_unauthenticated, max_unauthenticated_per_host,
+                        io_threads, C.UcxServerOptions())
     o.ucx_tls = ucx_tls or ""
     o.ucx_devices = ucx_devices or ""
+    progress_threads = int_arg(progress_threads, "progress_threads", minimum=1)
+    if progress_threads > 64:
+        raise ValueError(f"progress_threads must be in [1, 64], got {progress_threads}")
+    o.progress_threads = progress_threads
     return o
 
 
@@ -353,6 +422,7 @@ def ps_client_options(
     init_value: float = 0.0,
     seed: int = 0,
     key_bound: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> PSClientOptions:
     """A `PSClient`'s options; arguments as `PSClient` (`partitioner`: its kind)."""
     if not isinstance(table, str):
@@ -360,7 +430,8 @@ def ps_client_options(
     c = C.ClientOptions()
     c.table = table
     c.dim = int_arg(dim, "dim", minimum=1)
-    c.lr = float_arg(lr, "lr")
+    c.lr = lr_arg(lr, "lr")
+    c.optimizer = optimizer_spec(optimizer)
     world_size = int_arg(world_size, "world_size", minimum=1)
     rank = int_arg(rank, "rank", minimum=0)
     if rank >= world_size:
@@ -408,10 +479,12 @@ def client_options(
     init_bound: float | Sequence[tuple[int, float]] | None = None,
     init_value: float = 0.0,
     key_bound: int | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
 ) -> PSClientOptions:
     """The options of one rank's client of table `table` under `config`: its gradient
     division, partitioner, packet rows, window, timeouts, job token (unless `job_token`, the
-    job's agreed one, is given) and init seed; the table's own facts are arguments."""
+    job's agreed one, is given) and init seed; the table's own facts (dim, lr, init, key
+    bound, optimizer) are arguments."""
     return ps_client_options(
         table=table,
         dim=dim,
@@ -431,6 +504,7 @@ def client_options(
         init_value=init_value,
         seed=config.init_seed,
         key_bound=key_bound,
+        optimizer=optimizer,
     )
 
 

@@ -72,30 +72,14 @@ class UcxShardServer(NativeServer):
     _scheme = "ucx://"
 
 
-def serve_ucx(
-    shard: Any,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    job_token: str = "",
-    ucx_tls: str | None = None,
-    ucx_devices: str | None = None,
-    handshake_timeout: float = 10.0,
-    max_connections: int = 1024,
-) -> UcxShardServer:
+def serve_ucx(shard: Any, host: str = "127.0.0.1", port: int = 0,
+              **options: Any) -> UcxShardServer:
     """Serves `shard` (a `PSShard`) over UCX; port 0 picks a free control port.
 
-    `ucx_tls` / `ucx_devices` override ``UCX_TLS`` / ``UCX_NET_DEVICES`` for this server.
+    `options` are `torchrec_bagpipe.ps.options.ucx_server_options`' keyword arguments
+    (``job_token``, ``ucx_tls`` / ``ucx_devices`` overriding ``UCX_TLS`` /
+    ``UCX_NET_DEVICES``, ``handshake_timeout``, ``max_connections``, ...).
     """
     require_rdma()
-    options = ucx_server_options(
-        host,
-        port,
-        job_token=job_token,
-        ucx_tls=ucx_tls,
-        ucx_devices=ucx_devices,
-        handshake_timeout=handshake_timeout,
-        max_connections=max_connections,
-    )
-    core = C.serve_ucx(shard.core, options)
+    core = C.serve_ucx(shard.core, ucx_server_options(host, port, **options))
     return UcxShardServer(core, shard)

@@ -2,10 +2,12 @@
 
 Serves one PS shard over TCP (or over UCX with ``--transport rdma``: RDMA verbs on a fabric,
 shared memory or TCP elsewhere). On start it prints one line to stdout,
-``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``), and logs
-one line per session event to stderr. SIGTERM (or SIGINT) drains: the server stops accepting,
-lets connected trainers finish and close their sessions (up to ``--drain-timeout``), closes
-the rest, checkpoints every table when ``--checkpoint-dir`` is set, and exits 0.
+``listening HOST:PORT shard I/N`` (with the port the kernel picked when ``--port 0``; and
+``draining shard I/N: SIGNAL`` when a signal starts the drain), and logs
+one line per session event to stderr. SIGTERM (or SIGINT) drains: the server tells every
+connected trainer (they stop with a `ShuttingDownError` naming the shard), refuses new work,
+waits for them to close their sessions (up to ``--drain-timeout``), closes the rest,
+checkpoints every table when ``--checkpoint-dir`` is set, and exits 0.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ learning rate, dimension and world size.
 
 Checkpoints: with --checkpoint-dir each table is saved to DIR/table-NAME (crash-safe, with its
 committed step in the checkpoint's meta) every --checkpoint-every committed steps and when
-the server drains. A restarted server restores them (--restore, the default when DIR holds
-checkpoints); trainers then replay from the committed step: steps the shard already
-committed are acknowledged without being applied again.
+the server drains; a trainer's checkpoint request with a label (a whole-job checkpoint)
+saves into DIR/LABEL/table-NAME. A restarted server restores them (--restore, the default
+when DIR holds checkpoints; --restore-from DIR/LABEL for a labelled set). A training job
+opening a table whose committed step is past -1 must resume from exactly that step (its
+steps are numbered after it); a fresh job is refused, naming the table and the steps.
 
 Examples:
   torchrec-bagpipe-ps --shard-id 0 --num-shards 2 --port 0 --checkpoint-dir /ckpt/ps0
@@ -79,10 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ucx-devices", default=None,
                    help="rdma: UCX devices, overriding $UCX_NET_DEVICES (e.g. mlx5_0:1)")
     BagPipeConfig.add_arguments(g, CONFIG_FLAGS["network"], group=None)
+    g.add_argument("--allow-no-token", action="store_true",
+                   help="serve without a job token on an address other than loopback (refused "
+                        "otherwise: anyone who reaches the port could read and write every "
+                        "table)")
     g.add_argument("--handshake-timeout", type=float, default=10.0,
-                   help="seconds a new connection has to authenticate (default 10)")
+                   help="seconds from accept by which a connection must have authenticated "
+                        "(an absolute deadline; default 10)")
+    g.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="tcp: seconds an authenticated connection may send nothing before it "
+                        "is closed (clients send keep-alives every 30 s; 0: no limit; "
+                        "default 300)")
     g.add_argument("--max-connections", type=int, default=1024,
-                   help="concurrent connections; more are refused (default 1024)")
+                   help="concurrent connections; when every one is authenticated, more are "
+                        "refused (default 1024)")
+    g.add_argument("--max-unauthenticated", type=int, default=256,
+                   help="connections that have not authenticated yet; a new one sheds the "
+                        "oldest (default 256)")
+    g.add_argument("--max-unauthenticated-per-host", type=int, default=32,
+                   help="of those, from one address (default 32)")
+    g.add_argument("--io-threads", type=int, default=None,
+                   help="threads serving the connections (default 4 for tcp, 2 bootstrap "
+                        "threads for rdma)")
+    g.add_argument("--progress-threads", type=int, default=2,
+                   help="rdma: threads driving every established UCX connection (default 2)")
     g.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                    help=f"largest frame accepted (default {DEFAULT_MAX_FRAME_BYTES})")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -103,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--restore", action=argparse.BooleanOptionalAction, default=None,
                    help="load the checkpoints in --checkpoint-dir at start (default: when "
                         "there are any)")
+    g.add_argument("--restore-from", default=None, metavar="DIR",
+                   help="load the table checkpoints in DIR at start instead (e.g. one set of "
+                        "a whole-job checkpoint, CHECKPOINT_DIR/step-N, which a trainer's "
+                        "checkpoint request with a label wrote)")
     g = p.add_argument_group("logging")
     g.add_argument("--quiet", action="store_true", help="no per-session log lines")
     return p
@@ -138,6 +166,17 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--checkpoint-every must be >= 0"
     if args.checkpoint_every and not args.checkpoint_dir:
         return "--checkpoint-every needs --checkpoint-dir"
+    for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_host"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1"
+    if args.io_threads is not None and not 1 <= args.io_threads <= 64:
+        return f"--io-threads must be in [1, 64], got {args.io_threads}"
+    if not 1 <= args.progress_threads <= 64:
+        return f"--progress-threads must be in [1, 64], got {args.progress_threads}"
+    if not args.handshake_timeout > 0:
+        return "--handshake-timeout must be > 0"
+    if not args.idle_timeout >= 0:
+        return "--idle-timeout must be >= 0 (0: no limit)"
     return None
 
 
@@ -159,8 +198,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if token is None:
         token = os.environ.get("BAGPIPE_JOB_TOKEN", "")
     prefix = f"bagpipe-ps shard {args.shard_id}/{args.num_shards}"
-    restore = args.restore if args.restore is not None else _has_checkpoints(args.checkpoint_dir)
-    if restore and not args.checkpoint_dir:
+    restore: bool | str = (args.restore if args.restore is not None
+                           else _has_checkpoints(args.checkpoint_dir))
+    if args.restore_from is not None:
+        if args.restore:
+            print("torchrec-bagpipe-ps: --restore and --restore-from exclude each other",
+                  file=sys.stderr)
+            return 2
+        if not _has_checkpoints(args.restore_from):
+            print(f"torchrec-bagpipe-ps: --restore-from {args.restore_from}: no table "
+                  "checkpoints there", file=sys.stderr)
+            return 2
+        restore = args.restore_from
+    if restore is True and not args.checkpoint_dir:
         print("torchrec-bagpipe-ps: --restore needs --checkpoint-dir", file=sys.stderr)
         return 2
     try:
@@ -175,25 +225,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             max_frame_bytes=args.max_frame_bytes,
         )
-        shard = PSShard.from_options(options, restore=bool(restore), verbose=not args.quiet)
+        shard = PSShard.from_options(
+            options, restore=restore if isinstance(restore, str) else bool(restore),
+            verbose=not args.quiet)
+        limits = {
+            "job_token": token,
+            "allow_no_token": bool(args.allow_no_token),
+            "handshake_timeout": args.handshake_timeout,
+            "max_connections": args.max_connections,
+            "max_unauthenticated": args.max_unauthenticated,
+            "max_unauthenticated_per_host": args.max_unauthenticated_per_host,
+        }
+        if args.io_threads is not None:
+            limits["io_threads"] = args.io_threads
         if args.transport == "rdma":
-            server = shard.serve_ucx(
-                args.host,
-                args.port,
-                job_token=token,
-                ucx_tls=args.ucx_tls,
-                ucx_devices=args.ucx_devices,
-                handshake_timeout=args.handshake_timeout,
-                max_connections=args.max_connections,
-            )
+            server = shard.serve_ucx(args.host, args.port, ucx_tls=args.ucx_tls,
+                                     ucx_devices=args.ucx_devices,
+                                     progress_threads=args.progress_threads, **limits)
         else:
-            server = shard.serve(
-                args.host,
-                args.port,
-                job_token=token,
-                handshake_timeout=args.handshake_timeout,
-                max_connections=args.max_connections,
-            )
+            server = shard.serve(args.host, args.port, idle_timeout=args.idle_timeout, **limits)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"torchrec-bagpipe-ps: {e}", file=sys.stderr)
         return 2
@@ -217,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     if not args.quiet:
         _log(prefix, f"{received[0]}: draining (up to {args.drain_timeout:g} s)")
+    # Documented like the listening line: the launcher's PS role tells the trainers.
+    print(f"draining shard {args.shard_id}/{args.num_shards}: {received[0]}", flush=True)
+    # Connected trainers are told at once (they stop with a ShuttingDownError naming this
+    # shard) instead of carrying on until the drain cuts them off.
+    shard.begin_shutdown(f"{received[0]}: draining")
     server.stop(args.drain_timeout)
     code = 0
     if args.checkpoint_dir and shard.tables():

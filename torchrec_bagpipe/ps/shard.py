@@ -25,6 +25,7 @@ import torch
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps._args import int_arg, keys_arg, optional_path, rows_arg
 from torchrec_bagpipe.ps.native_server import NativeServer
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.ps.options import (
     DEFAULT_MAX_FRAME_BYTES,
     PSShardOptions,
@@ -159,14 +160,28 @@ class PSShard:
         init_value: float = 0.0,
         seed: int = 0,
         key_bound: int | None = None,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
-        """Creates table `name` (a matching existing table is fine; a different one is a
-        ValueError naming the field). A client's session open creates it on demand too."""
+        """Creates table `name` whose rows `optimizer` updates (a matching existing table is
+        fine; a different one is a ValueError naming the table and the field). A client's
+        session open creates it on demand too."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
         schema = table_schema(dim, init=init, init_bound=init_bound, init_value=init_value,
-                              seed=seed, key_bound=key_bound)
+                              seed=seed, key_bound=key_bound, optimizer=optimizer)
         self._core.create_table(name, schema)
+
+    def table_optimizer(self, table: str) -> OptimizerSpec:
+        """The optimizer whose state the table's rows hold."""
+        o = self._core.table_schema(table).optimizer
+        return OptimizerSpec(kind=o.kind, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
+                             weight_decay=o.weight_decay,
+                             initial_accumulator_value=o.initial_accumulator_value)
+
+    def _width(self, table: str, with_state: bool) -> int:
+        schema = self._core.table_schema(table)
+        dim = int(schema.dim)
+        return dim + (OptimizerSpec(kind=schema.optimizer.kind).state_dim(dim) if with_state else 0)
 
     def tables(self) -> list[str]:
         return list(self._core.tables())
@@ -175,28 +190,37 @@ class PSShard:
         """The table's committed step (-1 before the first commit)."""
         return int(self._core.committed_step(table))
 
-    def lookup(self, table: str, keys: torch.Tensor) -> torch.Tensor:
-        """Rows of `keys` at the table's current committed step (a pure read)."""
+    def lookup(self, table: str, keys: torch.Tensor, *, with_state: bool = False) -> torch.Tensor:
+        """Rows of `keys` at the table's current committed step (a pure read); with their
+        optimizer state after the weights (dim + state_dim columns) when `with_state`."""
         k = keys_arg(keys)
-        out = torch.empty((k.shape[0], int(self._core.table_dim(table))), dtype=torch.float32)
-        self._core.read(table, k, out.numpy())
+        with_state = bool(with_state)
+        out = torch.empty((k.shape[0], self._width(table, with_state)), dtype=torch.float32)
+        self._core.read(table, k, out.numpy(), with_state)
         return out
 
     def get(
-        self, table: str, keys: torch.Tensor, at_step: int, timeout: float = 120.0
+        self, table: str, keys: torch.Tensor, at_step: int, timeout: float = 120.0, *,
+        with_state: bool = False,
     ) -> torch.Tensor:
-        """Rows of `keys` once the table committed `at_step` (TimeoutError after `timeout`)."""
+        """Rows of `keys` once the table committed `at_step` (TimeoutError after `timeout`);
+        `with_state` as `lookup`."""
         k = keys_arg(keys)
         at_step = int_arg(at_step, "at_step", minimum=-1)
-        out = torch.empty((k.shape[0], int(self._core.table_dim(table))), dtype=torch.float32)
-        self._core.read_at(table, at_step, k, out.numpy(), float(timeout))
+        with_state = bool(with_state)
+        out = torch.empty((k.shape[0], self._width(table, with_state)), dtype=torch.float32)
+        self._core.read_at(table, at_step, k, out.numpy(), float(timeout), with_state)
         return out
 
-    def assign(self, table: str, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Bulk load (outside the step protocol); the last duplicate wins."""
+    def assign(self, table: str, keys: torch.Tensor, rows: torch.Tensor, *,
+               with_state: bool = False) -> None:
+        """Bulk load (outside the step protocol); the last duplicate wins. `rows` are dim
+        wide (stored rows keep their optimizer state), or dim + state_dim with their state
+        when `with_state`."""
         k = keys_arg(keys)
-        dim = int(self._core.table_dim(table))
-        self._core.assign(table, k, rows_arg(rows, "rows", k.shape[0], dim))
+        with_state = bool(with_state)
+        width = self._width(table, with_state)
+        self._core.assign(table, k, rows_arg(rows, "rows", k.shape[0], width), with_state)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def checkpoint(self, directory: str | os.PathLike[str] | None = None) -> dict[str, int]:
@@ -205,21 +229,13 @@ class PSShard:
         return dict(self._core.checkpoint(optional_path(directory, "directory")))
 
     # ---- serving -------------------------------------------------------------------------
-    def serve(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        job_token: str = "",
-        handshake_timeout: float = 10.0,
-        max_connections: int = 1024,
-    ) -> ShardServer:
+    def serve(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> ShardServer:
         """Serves this shard over TCP on background native threads (port 0: any free port;
-        see `ShardServer.port`). Only 127.0.0.1 unless told otherwise."""
-        options = tcp_server_options(host, port, job_token=job_token,
-                                     handshake_timeout=handshake_timeout,
-                                     max_connections=max_connections)
-        core = self._core.serve(options)
+        see `ShardServer.port`). Only 127.0.0.1 unless told otherwise. `options` are
+        `torchrec_bagpipe.ps.options.tcp_server_options`' keyword arguments (``job_token``,
+        ``allow_no_token``, ``handshake_timeout``, ``idle_timeout``, ``max_connections``,
+        ``max_unauthenticated``, ``max_unauthenticated_per_host``, ``io_threads``)."""
+        core = self._core.serve(tcp_server_options(host, port, **options))
         server = ShardServer(core, self)
         self._servers.append(server)
         return server
@@ -241,13 +257,22 @@ class PSShard:
         """frames, rejected, unauthorized."""
         return dict(self._core.stats())
 
+    def begin_shutdown(self, why: str) -> None:
+        """Starts draining: every attached client is told (it fails with a
+        `torchrec_bagpipe.ShuttingDownError` naming this shard and `why`), new work is refused,
+        closing sessions still works. Idempotent."""
+        if not isinstance(why, str):
+            raise TypeError("why must be a str")
+        self._core.begin_shutdown(why)
+
     def close(self, drain_timeout: float = 0.0) -> None:
-        """Stops this shard's servers (draining up to `drain_timeout` s), then refuses new
-        work. In-process clients should be closed first."""
+        """Drains (clients are told, new work is refused), stops this shard's servers (waiting
+        up to `drain_timeout` s for clients to disconnect). In-process clients should be
+        closed first."""
+        self._core.begin_shutdown("closed")
         for s in self._servers:
             s.stop(drain_timeout)
         self._servers.clear()
-        self._core.begin_shutdown("closed")
 
     def __enter__(self) -> PSShard:
         return self

@@ -1,8 +1,9 @@
 """Python face of the native storage engine (``csrc/store``).
 
-`EmbeddingStore` holds fp32 rows of one dimension keyed by int64. Tensors cross into native
-code zero-copy (``tensor.numpy()``); the GIL is released while the store works. Arguments are
-checked here first so that errors name the argument the caller passed.
+`EmbeddingStore` holds fp32 rows of one dimension keyed by int64, each with the state of the
+store's optimizer (`OptimizerSpec`). Tensors cross into native code zero-copy
+(``tensor.numpy()``); the GIL is released while the store works. Arguments are checked here
+first so that errors name the argument the caller passed.
 """
 
 from __future__ import annotations
@@ -19,13 +20,27 @@ from torchrec_bagpipe.ps._args import (
     float_arg,
     int_arg,
     keys_arg,
+    out_arg,
     path_arg,
     rows_arg,
-    tensor_arg,
+    step_lr_arg,
 )
-from torchrec_bagpipe.ps.options import init_spec, load_overrides, store_options
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.options import (
+    init_spec,
+    load_overrides,
+    optimizer_spec,
+    store_options,
+)
 
-__all__ = ["EmbeddingStore", "SpillWarning", "checkpoint_info", "initial_rows"]
+__all__ = [
+    "EmbeddingStore",
+    "OptimizerSpec",
+    "SpillWarning",
+    "checkpoint_info",
+    "initial_rows",
+    "initial_state",
+]
 
 SpillWarning = C.SpillWarning
 
@@ -36,9 +51,11 @@ def _f32(x: float) -> int:
 
 
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The verified manifest of a checkpoint (dim, init, rows, meta, ...), without its data."""
+    """The verified manifest of a checkpoint (dim, init, rows, meta, optimizer (its kind),
+    optimizer_spec (an OptimizerSpec), state_dim, contents, ...), without its data."""
     info = dict(C.store_checkpoint_info(path_arg(path, "path")))
     info["meta"] = dict(info["meta"])
+    info["optimizer_spec"] = OptimizerSpec(**dict(info["optimizer_spec"]))
     return info
 
 
@@ -59,13 +76,36 @@ def initial_rows(
     return out
 
 
-class EmbeddingStore:
-    """fp32 rows of one dimension keyed by int64 (see docs/ARCHITECTURE.md §2).
+def initial_state(
+    num_rows: int, dim: int, optimizer: OptimizerSpec | str | dict[str, Any] = "sgd"
+) -> torch.Tensor:
+    """The optimizer state of `num_rows` fresh rows, (num_rows, state_dim) float32 (what a
+    store returns for unwritten keys; the same for every key)."""
+    num_rows = int_arg(num_rows, "num_rows", minimum=0)
+    dim = int_arg(dim, "dim", minimum=1)
+    spec = OptimizerSpec.of(optimizer)
+    out = torch.empty((num_rows, spec.state_dim(dim)), dtype=torch.float32)
+    C.store_initial_state(out.numpy(), dim, optimizer_spec(spec))
+    return out
 
-    Every row that was never written reads as its deterministic initial value. All batch
-    operations take 1-D contiguous int64 CPU key tensors and (n, dim) contiguous float32 CPU
-    row tensors; a bad argument raises TypeError / ValueError naming it, before anything is
-    written. Results are bitwise independent of ``num_threads`` and ``num_shards``.
+
+def _step_args(lr: Any, grad_divisor: Any) -> tuple[float, int]:
+    lr = step_lr_arg(lr, "lr")
+    grad_divisor = int_arg(grad_divisor, "grad_divisor", minimum=1)
+    if grad_divisor > 2**31 - 1:
+        raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")
+    return lr, grad_divisor
+
+
+class EmbeddingStore:
+    """fp32 rows of one dimension keyed by int64, each with the state of the store's optimizer
+    (see docs/ARCHITECTURE.md §2).
+
+    Every row that was never written reads as its deterministic initial value and initial
+    state. All batch operations take 1-D contiguous int64 CPU key tensors and (n, dim)
+    contiguous float32 CPU row tensors (state: (n, state_dim)); a bad argument raises
+    TypeError / ValueError naming it, before anything is written. Results are bitwise
+    independent of ``num_threads`` and ``num_shards``.
     """
 
     def __init__(
@@ -84,6 +124,7 @@ class EmbeddingStore:
         high_watermark: float = 0.8,
         low_watermark: float = 0.6,
         page_rows: int | None = None,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
         options = store_options(
             dim,
@@ -99,6 +140,7 @@ class EmbeddingStore:
             high_watermark=high_watermark,
             low_watermark=low_watermark,
             page_rows=page_rows,
+            optimizer=optimizer,
         )
         self._open(options)
 
@@ -110,18 +152,36 @@ class EmbeddingStore:
         return store
 
     def _open(self, options: Any) -> None:
-        self._core = C.StoreCore(options)
-        self._dim = int(options.dim)
-        self.meta: dict[str, str] = {}
+        self._adopt(C.StoreCore(options), {})
+
+    def _adopt(self, core: Any, meta: dict[str, str]) -> None:
+        self._core = core
+        resolved = core.options()
+        self._dim = int(resolved["dim"])
+        self._optimizer = OptimizerSpec(**dict(resolved["optimizer"]))
+        self._state_dim = int(core.state_dim())
+        self.meta: dict[str, str] = dict(meta)
 
     # ---- properties ---------------------------------------------------------------------
     @property
     def dim(self) -> int:
         return self._dim
 
+    @property
+    def optimizer(self) -> OptimizerSpec:
+        return self._optimizer
+
+    @property
+    def state_dim(self) -> int:
+        """Optimizer state floats per row (0 for SGD)."""
+        return self._state_dim
+
     def options(self) -> dict[str, Any]:
-        """The resolved construction options (an automatic budget shows as bytes)."""
-        return dict(self._core.options())
+        """The resolved construction options (an automatic budget shows as bytes; the
+        optimizer as an OptimizerSpec)."""
+        options = dict(self._core.options())
+        options["optimizer"] = OptimizerSpec(**dict(options["optimizer"]))
+        return options
 
     def __len__(self) -> int:
         return int(self._core.size())
@@ -130,7 +190,8 @@ class EmbeddingStore:
         o = self._core.options()
         return (
             f"EmbeddingStore(dim={self._dim}, rows={len(self)}, num_shards={o['num_shards']}, "
-            f"num_threads={o['num_threads']}, init={o['init']!r})"
+            f"num_threads={o['num_threads']}, init={o['init']!r}, "
+            f"optimizer={self._optimizer.kind!r})"
         )
 
     # ---- batch operations -----------------------------------------------------------------
@@ -143,32 +204,64 @@ class EmbeddingStore:
         are not stored.
         """
         k = keys_arg(keys)
-        n = k.shape[0]
-        if out is None:
-            out = torch.empty((n, self._dim), dtype=torch.float32)
-        o = tensor_arg(out, "out", torch.float32)
-        if o.dim() != 2 or o.shape[0] != n or o.shape[1] != self._dim:
-            raise ValueError(f"out must have shape ({n}, {self._dim}), got {tuple(o.shape)}")
-        if o.requires_grad:
-            raise ValueError("out must not require grad")
+        o = out_arg(out, "out", k.shape[0], self._dim)
         self._core.lookup(k, o.numpy(), bool(insert_missing))
-        return out
+        return o
 
-    def assign(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Sets the rows of `keys`; for duplicate keys the last occurrence wins."""
+    def lookup_with_state(
+        self,
+        keys: torch.Tensor,
+        out: torch.Tensor | None = None,
+        state_out: torch.Tensor | None = None,
+        insert_missing: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lookup` that also returns each row's optimizer state, (n, state_dim) into
+        `state_out` (allocated when None). Absent rows read as their initial state."""
         k = keys_arg(keys)
-        self._core.assign(k, rows_arg(rows, "rows", k.shape[0], self._dim))
+        n = k.shape[0]
+        o = out_arg(out, "out", n, self._dim)
+        so = out_arg(state_out, "state_out", n, self._state_dim)
+        self._core.lookup(k, o.numpy(), bool(insert_missing), so.numpy())
+        return o, so
+
+    def assign(
+        self, keys: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None
+    ) -> None:
+        """Sets the rows of `keys` and, with `state` ((n, state_dim)), their optimizer state;
+        for duplicate keys the last occurrence wins. Without `state`, stored rows keep their
+        state and new rows start from the initial state."""
+        k = keys_arg(keys)
+        n = k.shape[0]
+        r = rows_arg(rows, "rows", n, self._dim)
+        st = None if state is None else rows_arg(state, "state", n, self._state_dim)
+        self._core.assign(k, r, st)
+
+    def apply_gradients(
+        self, keys: torch.Tensor, grads: torch.Tensor, lr: float, grad_divisor: int = 1
+    ) -> None:
+        """One update per distinct key with the store's optimizer, applied to the sum of its
+        gradient rows in input order divided by `grad_divisor` (the arithmetic contract of
+        csrc/store/embedding_store.h). For Adam, `lr` is the bias-corrected step size
+        (`torchrec_bagpipe.ps.optimizers.adam_step_size`)."""
+        k = keys_arg(keys)
+        g = rows_arg(grads, "grads", k.shape[0], self._dim)
+        lr, grad_divisor = _step_args(lr, grad_divisor)
+        self._core.apply_gradients(k, g, lr, grad_divisor)
 
     def apply_sgd(
         self, keys: torch.Tensor, grads: torch.Tensor, lr: float, grad_divisor: int = 1
     ) -> None:
-        """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``."""
+        """One SGD step per distinct key: ``w -= lr * (sum of its grads in input order) / d``
+        (with weight decay when the spec has it). Only for SGD stores (ValueError naming
+        `optimizer` otherwise); `apply_gradients` serves every optimizer."""
+        if self._optimizer.kind != "sgd":
+            raise ValueError(
+                f"optimizer: apply_sgd needs an SGD store, this one runs "
+                f"{self._optimizer.kind!r} (use apply_gradients)"
+            )
         k = keys_arg(keys)
         g = rows_arg(grads, "grads", k.shape[0], self._dim)
-        lr = float_arg(lr, "lr")
-        grad_divisor = int_arg(grad_divisor, "grad_divisor", minimum=1)
-        if grad_divisor > 2**31 - 1:
-            raise ValueError(f"grad_divisor must be < 2**31, got {grad_divisor}")
+        lr, grad_divisor = _step_args(lr, grad_divisor)
         self._core.apply_sgd(k, g, lr, grad_divisor)
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
@@ -186,23 +279,31 @@ class EmbeddingStore:
         """Prepares key-map capacity for `n` rows in total (outside the hot path)."""
         self._core.reserve(int_arg(n, "n", minimum=0))
 
-    def export(self, chunk_rows: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yields (keys, rows) chunks of every stored row, in a deterministic order.
+    def export(
+        self, chunk_rows: int = 65536, *, with_state: bool = False
+    ) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Yields (keys, rows) chunks of every stored row, in a deterministic order;
+        ``with_state=True``: (keys, rows, state) chunks.
 
         The store must not change while the iterator is consumed (ValueError otherwise).
         """
         chunk_rows = int_arg(chunk_rows, "chunk_rows", minimum=1)
+        with_state = bool(with_state)
         cursor = 0
         while cursor != -1:
             keys = torch.empty(chunk_rows, dtype=torch.int64)
             rows = torch.empty((chunk_rows, self._dim), dtype=torch.float32)
-            n, cursor = self._core.export_chunk(cursor, keys.numpy(), rows.numpy())
+            state = torch.empty((chunk_rows, self._state_dim), dtype=torch.float32)
+            n, cursor = self._core.export_chunk(
+                cursor, keys.numpy(), rows.numpy(), state.numpy() if with_state else None
+            )
             if n:
-                yield keys[:n], rows[:n]
+                yield (keys[:n], rows[:n], state[:n]) if with_state else (keys[:n], rows[:n])
 
     def stats(self) -> dict[str, int]:
         """rows, bytes_resident, bytes_maps, bytes_spilled, pages, pages_spilled, page_bytes,
-        spill_count, swap_outs, swap_ins, lookups, updates, memory_budget."""
+        spill_count, swap_outs, swap_ins, lookups, updates, memory_budget, state_dim,
+        slot_bytes (arena bytes of one row: weights and optimizer state, with padding)."""
         return dict(self._core.stats())
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -215,7 +316,8 @@ class EmbeddingStore:
         """Crash-safe checkpoint into directory `path` (replaced atomically when it holds one).
 
         `meta` (str -> str) is stored in the manifest and returned by `load` as ``store.meta``.
-        ``weights_only=True`` writes an inference export without optimizer state.
+        The manifest records the optimizer spec; ``weights_only=True`` leaves the optimizer
+        state out (an inference export: loading it gives every row the initial state).
         """
         path = path_arg(path, "path")
         if meta is None:
@@ -248,14 +350,18 @@ class EmbeddingStore:
         low_watermark: float | None = None,
         page_rows: int | None = None,
         weights_only: bool = False,
+        optimizer: OptimizerSpec | str | dict[str, Any] | None = None,
     ) -> EmbeddingStore:
-        """Opens a checkpoint written by `save`.
+        """Opens a checkpoint written by `save` (this or an older format version).
 
         `dim`, `init`, `init_bound`, `init_value` and `seed`, when given, are expectations: a
-        checkpoint that disagrees is refused with a ValueError naming the field. The other
-        arguments override the checkpoint's layout (shards, page rows, key bound) or set the
-        runtime options (threads, budget, spill). A torn, corrupt or unknown-version
-        checkpoint raises ValueError.
+        checkpoint that disagrees is refused with a ValueError naming the field. So is
+        `optimizer` (naming the first differing field, e.g. ``optimizer.eps``), unless the
+        load is weights-only (``weights_only=True`` or a weights-only checkpoint): then it
+        may change the optimizer and every row starts from the initial state. Unset, the
+        store runs the checkpoint's optimizer. The other arguments override the checkpoint's
+        layout (shards, page rows, key bound) or set the runtime options (threads, budget,
+        spill). A torn, corrupt or unknown-version checkpoint raises ValueError.
         """
         path = path_arg(path, "path")
         info = checkpoint_info(path)
@@ -299,12 +405,11 @@ class EmbeddingStore:
             low_watermark=low_watermark,
             page_rows=page_rows,
             weights_only=weights_only,
+            optimizer=optimizer,
         )
         core, meta = C.store_load(path, overrides)
         store = cls.__new__(cls)
-        store._core = core
-        store._dim = int(core.options()["dim"])
-        store.meta = dict(meta)
+        store._adopt(core, meta)
         return store
 
     @staticmethod
@@ -324,3 +429,10 @@ class EmbeddingStore:
     ) -> torch.Tensor:
         """The deterministic initial value of each key's row (see csrc/store/init.h)."""
         return initial_rows(keys, dim, init, init_bound, init_value, seed)
+
+    @staticmethod
+    def initial_state(
+        num_rows: int, dim: int, optimizer: OptimizerSpec | str | dict[str, Any] = "sgd"
+    ) -> torch.Tensor:
+        """The optimizer state of `num_rows` fresh rows, (num_rows, state_dim) float32."""
+        return initial_state(num_rows, dim, optimizer)

@@ -11,7 +11,8 @@ One interface (`Aggregation`, a Protocol both strategies subclass), two strategi
     affected rows, and each union row's designated rank commits it.
 
 Every local row update goes through `DeviceCache.apply_gradients_`, the one place that holds
-the PS's optimizer arithmetic on the cache side.
+the PS's optimizer arithmetic on the cache side, at the learning rate the step's commit
+carries.
 
 Each strategy splits a step's aggregation in two:
 
@@ -20,8 +21,9 @@ Each strategy splits a step's aggregation in two:
     step t is prepared (after step t's admission, before any later step is prepared: the
     step preparer, `step_preparer.py`), under the controller's cache lock, on whichever
     thread prepares the step; it returns what ``finish`` needs (slots, gather plans, keys).
-  * ``finish(t, plan, grad, planned)``: the tensor work once the gradient exists: local row
-    updates on the slots ``plan_finish`` chose, all-reduces and the commit.
+  * ``finish(t, plan, grad, planned, lr)``: the tensor work once the gradient exists: local
+    row updates (weights and optimizer state, at the step's learning rate) on the slots
+    ``plan_finish`` chose, all-reduces and the commit, which carries ``lr``.
 
 Thread safety: the controller calls ``before_step(t)``, ``finish``, ``drain`` and ``close``
 from the training thread, in step order: ``before_step(t)`` before step t reads any row,
@@ -55,10 +57,11 @@ class Aggregation(Protocol):
         returns what `finish` needs."""
         ...
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: Any) -> None:
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: Any,
+               lr: float) -> None:
         """Step t's row gradient (fp32 [U, dim], on the controller's device when it has a
-        cache; borrowed: copied before it is kept) and `plan_finish`'s result: updates the
-        resident rows it chose and submits the commit."""
+        cache; borrowed: copied before it is kept), `plan_finish`'s result and the learning
+        rate: updates the resident rows it chose and submits the commit, which carries `lr`."""
         ...
 
     def drain(self) -> None:

@@ -4,12 +4,13 @@ After step t the gradients over the global union of the step's keys (every rank 
 from the exchanged ids) are all-reduced in two parts: S_now, the rows step t + 1 reads, first
 (applied to the resident rows at the start of step t + 1, before anything reads them), then
 S_later, the rest, on the communication worker with the commit, overlapping the next forward.
-Every rank updates all of its resident affected rows (`DeviceCache.apply_gradients_`), so no
-row is invalidated; each union row's designated rank (union index mod W) commits it, so the PS
-receives every row's summed gradient exactly once. One buffer per step holds the union rows
-[S_now | S_later], each part grouped by designated rank (the same layout on every rank): the
-gradient is scattered into it once, the all-reduces reduce its two parts in place, the local
-updates read them, and the commit sends this rank's two runs (one copy of 1/W of the rows).
+Every rank updates all of its resident affected rows, weights and optimizer state, at the
+step's learning rate (`DeviceCache.apply_gradients_`), so no row is invalidated; each union
+row's designated rank (union index mod W) commits it, so the PS receives every row's summed
+gradient exactly once. One buffer per step holds the union rows [S_now | S_later], each part
+grouped by designated rank (the same layout on every rank): the gradient is scattered into it
+once, the all-reduces reduce its two parts in place, the local updates read them, and the
+commit sends this rank's two runs (one copy of 1/W of the rows).
 
 The metadata part (`plan_finish`: the S_now / S_later split, the resident slots of each,
 their version t, the pins, the gather plans and the designated keys) depends on the plan
@@ -92,6 +93,7 @@ class NowUpdate:
     grads: torch.Tensor      # reduced in place by the worker
     slots: np.ndarray        # resident slots of S_now rows
     grad_rows: np.ndarray    # their rows in `grads`
+    lr: float                # the step's learning rate
 
 
 class CollectiveAggregation(Aggregation):
@@ -179,8 +181,8 @@ class CollectiveAggregation(Aggregation):
                               (n_now + int(a_later), n_now + int(b_later)), now_slots,
                               now_rows, later_slots, later_sel, commit_keys)
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor,
-               planned: CollectivePlan) -> None:
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: CollectivePlan,
+               lr: float) -> None:
         p = planned
         dev = grad.device
         # The union rows' gradients (zero where this rank has none), scattered once into the
@@ -193,7 +195,7 @@ class CollectiveAggregation(Aggregation):
         if p.n_now:
             fut = self._worker.submit(self._coll.all_reduce_sum_, g_now)
             self._metrics.add(allreduce_payload_bytes=g_now.numel() * 4, collectives_issued=1)
-            self._now_update = NowUpdate(fut, g_now, p.now_slots, p.now_rows)
+            self._now_update = NowUpdate(fut, g_now, p.now_slots, p.now_rows, lr)
         later_slots, later_sel = p.later_slots, p.later_sel
 
         def later_part() -> torch.Tensor:
@@ -203,22 +205,22 @@ class CollectiveAggregation(Aggregation):
                 self._metrics.add(allreduce_payload_bytes=g_later.numel() * 4,
                                   collectives_issued=1)
                 # No lock: these slots are pinned through t + 1 (invariant 2).
-                self._cache.apply_gradients_(later_slots, g_later, later_sel)
+                self._cache.apply_gradients_(later_slots, g_later, later_sel, lr=lr)
             runs = [buf[a:b] for a, b in (p.now_run, p.later_run) if b > a]
             if not runs:
                 return buf[:0].cpu()
             return (runs[0] if len(runs) == 1 else torch.cat(runs)).cpu()
 
-        fut = self._worker.submit(self._later_task, t, torch.from_numpy(p.keys), later_part)
+        fut = self._worker.submit(self._later_task, t, torch.from_numpy(p.keys), later_part, lr)
         self._tasks.append(WorkerTask(t, fut))
         if later_slots.size:
             self._later_pins[t] = fut
 
     def _later_task(self, t: int, keys: torch.Tensor,
-                    produce: Callable[[], torch.Tensor]) -> None:
-        """Runs on the worker: the S_later reduce and update, then commit t."""
+                    produce: Callable[[], torch.Tensor], lr: float) -> None:
+        """Runs on the worker: the S_later reduce and update, then commit t at `lr`."""
         grads = produce()
-        self._port.commit(t, keys, grads)
+        self._port.commit(t, keys, grads, lr)
 
     def _apply_now_update(self) -> None:
         """Waits for the last step's S_now all-reduce and applies it to the resident rows
@@ -231,7 +233,7 @@ class CollectiveAggregation(Aggregation):
         upd.future.result(timeout=self._timeout)
         self._metrics.add(collective_wait_s=time.perf_counter() - t0)
         if upd.slots.size:
-            self._cache.apply_gradients_(upd.slots, upd.grads, upd.grad_rows)
+            self._cache.apply_gradients_(upd.slots, upd.grads, upd.grad_rows, lr=upd.lr)
 
     # ---- lifetime -----------------------------------------------------------------------
     def drain(self) -> None:

@@ -5,14 +5,23 @@ The TorchRec layer drives it (ARCHITECTURE §4)::
     ctl.prescan(local_trace)     # optional, before training (a collective)
     ctl.submit(keys)             # each batch entering the lookahead window (online: a collective)
     step = ctl.next_step()       # oldest submitted batch: unique keys, inverse, rows (|U| x dim)
-    ctl.finish_step(step, grad)  # |U| x dim row gradient: commit + keep the cache coherent
+    ctl.finish_step(step, grad, lr=lr)  # |U| x dim row gradient at the step's learning rate:
+                                        # commit + keep the cache coherent
     ctl.flush(); ctl.metrics(); ctl.invalidate_all(); ctl.close()
+    ctl.drain()                  # reads outside the step sequence: commits of finished steps
+    ctl.check_submit(keys)       # would `submit(keys)` accept this batch? (no side effect)
 
 Step order: steps run strictly one after another (next_step(t), finish_step(t),
 next_step(t + 1), ...); batch t must have been submitted before next_step(t). Every rank
 makes the same sequence of calls (the same number of submits before each next_step): the
 window a step sees, and hence every cache decision, is a function of that sequence, so the
 cache contents are deterministic. Only *when* a fetch is issued depends on commit timing.
+
+Optimizers: the PS applies the table's optimizer (`ps.optimizers.OptimizerSpec`: SGD, Adagrad,
+row-wise Adagrad, Adam) once per row per step at the learning rate the step's commit carries
+(`finish_step(..., lr=)`; for Adam the bias-corrected step size, so the runtime is
+step-agnostic). The cache keeps each resident row's optimizer state next to its weights,
+fetched with the row, so the local updates below are the PS's arithmetic on both.
 
 Coherence (PS-owned BagPipe; invariants in docs/ARCHITECTURE.md §1). A resident row carries a
 version: the step whose commit its values reflect (-1: initial). Step t reads row k at version
@@ -73,12 +82,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.runtime.access_plans import StepPlan, as_key_array
 from torchrec_bagpipe.runtime.aggregation import Aggregation
 from torchrec_bagpipe.runtime.collective_aggregation import CollectiveAggregation
@@ -94,6 +105,16 @@ from torchrec_bagpipe.runtime.step_preparer import StepPreparer
 from torchrec_bagpipe.runtime.worker import MeteredWorker, acquire_worker, release_worker
 
 __all__ = ["BagPipeController", "ControllerError", "Handle", "PSClientLike", "Step"]
+
+
+def _check_lr(lr: Any, what: str) -> float:
+    """A learning rate: a finite real >= 0 (a warm-up may start at 0)."""
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{what} must be a float, got {type(lr).__name__}")
+    lr = float(lr)
+    if not (np.isfinite(lr) and lr >= 0.0):
+        raise ValueError(f"{what} must be finite and >= 0, got {lr}")
+    return lr
 
 
 class ControllerError(RuntimeError):
@@ -127,6 +148,7 @@ class BagPipeController:
         ps: PSClientLike,
         collectives: Collectives,
         device: torch.device | str | None = None,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
         if not isinstance(config, BagPipeConfig):
             raise TypeError(f"config must be a BagPipeConfig, got {type(config).__name__}")
@@ -139,8 +161,8 @@ class BagPipeController:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if num_keys < 1:
             raise ValueError(f"num_keys must be >= 1, got {num_keys}")
-        if not (isinstance(lr, (int, float)) and np.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number, got {lr!r}")
+        lr = _check_lr(lr, "lr")
+        spec = OptimizerSpec.of(optimizer)
         if getattr(collectives, "rank", rank) != rank or getattr(
             collectives, "world_size", world_size
         ) != world_size:
@@ -151,12 +173,18 @@ class BagPipeController:
         ps_dim = getattr(ps, "dim", dim)
         if ps_dim != dim:
             raise ValueError(f"the PS client has dim {ps_dim}, the controller dim {dim}")
+        ps_spec = getattr(ps, "optimizer", spec)
+        if ps_spec != spec:
+            raise ValueError(
+                f"the PS client's table runs optimizer {ps_spec}, the controller {spec}"
+            )
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.dim = dim
         self.num_keys = num_keys
-        self.lr = float(lr)
+        self.lr = lr
+        self.optimizer = spec
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._coll = collectives
         self._timeout = float(config.ps_timeout)
@@ -173,10 +201,11 @@ class BagPipeController:
         else:
             self._meta = None
             capacity = 0
-        self._dev = DeviceCache(capacity, dim, self.device, lr=self.lr, world_size=world_size,
-                                divide=divide)
+        self._dev = DeviceCache(capacity, dim, self.device, world_size=world_size, divide=divide,
+                                optimizer=spec)
         self._cache_lock = threading.RLock()
-        self._port = PSPort(ps, dim=dim, timeout=self._timeout, metrics=self.metrics_)
+        self._port = PSPort(ps, dim=dim, state_dim=spec.state_dim(dim), timeout=self._timeout,
+                            metrics=self.metrics_)
         self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
@@ -187,6 +216,7 @@ class BagPipeController:
             meta=self._meta, port=self._port, metrics=self.metrics_, device=self.device,
             distance=min(config.prepared_batches, self._lookahead),
             prepared_batches=config.prepared_batches,
+            with_state=cached and self._dev.state_dim > 0,
         )
         self._assembler = StepAssembler(
             meta=self._meta, cache=self._dev, prefetch=self._prefetch, port=self._port,
@@ -252,15 +282,17 @@ class BagPipeController:
         self._plans.prescan(local, progress=progress)
         self.metrics_.add(prescan_startup_s=time.perf_counter() - t0)
 
+    def check_submit(self, keys: torch.Tensor | np.ndarray) -> None:
+        """Raises what `submit(keys)` would raise for an unusable controller or a bad batch
+        (type, range, prescan plan), without submitting anything."""
+        self._validated(keys)
+
     def submit(self, keys: torch.Tensor | np.ndarray) -> None:
         """The next batch's fused keys (1-D int64, CPU) enter the lookahead window."""
-        self._check_usable()
         t0 = time.perf_counter()
         try:
             s = self._submitted
-            arr = as_key_array(keys, f"keys of step {s}")
-            self._check_range(arr, f"keys of step {s}")
-            arr = arr.copy()
+            arr = self._validated(keys).copy()
             self._plans.submit(s, arr)
             self._local_keys.append(arr)
             self._submitted += 1
@@ -290,8 +322,10 @@ class BagPipeController:
             self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
         return step
 
-    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
-        """Commits the step's row gradient (|U| x dim fp32) and keeps the cache coherent."""
+    def finish_step(self, step: Step, grad: torch.Tensor, lr: float | None = None) -> None:
+        """Commits the step's row gradient (|U| x dim fp32) at learning rate `lr` (the one in
+        force for this step: finite, >= 0; None: the constructor's; Adam: the bias-corrected
+        step size) and keeps the cache coherent. Every rank must give a step the same lr."""
         self._check_usable()
         if self._active is None or step is not self._active:
             raise ValueError("finish_step: `step` is not the step returned by next_step")
@@ -304,9 +338,10 @@ class BagPipeController:
             raise ValueError(
                 f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
             )
+        step_lr = self.lr if lr is None else _check_lr(lr, "finish_step: lr")
         t0 = time.perf_counter()
         try:
-            self._finish(step, grad.detach())
+            self._finish(step, grad.detach(), step_lr)
             self._active = None
             self._next += 1
             self._launch_ahead()
@@ -316,6 +351,17 @@ class BagPipeController:
         finally:
             self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
         self.metrics_.add(steps=1)
+
+    def drain(self) -> None:
+        """Waits until the commit of every finished step is committed (bounded by
+        ps_timeout); a running step is left running (its commit is not submitted yet), so
+        reads outside the step sequence see the PS after the last finished step."""
+        self._check_usable()
+        try:
+            self._drain()
+        except BaseException as e:
+            self._failed = e
+            raise
 
     def flush(self) -> None:
         """Waits until every submitted commit is committed (bounded by ps_timeout)."""
@@ -345,7 +391,10 @@ class BagPipeController:
                 self._meta.clear()
 
     def close(self, *, close_ps: bool = True) -> None:
-        """Drains pending commits, waits for outstanding gets, closes the PS client."""
+        """Drains pending commits, completes the ID exchanges of batches submitted but never
+        run (every rank submitted them, so every rank's worker runs the same collectives:
+        no peer is left waiting in one), waits for outstanding gets, closes the PS client.
+        A failed controller cancels those exchanges instead; every wait is bounded."""
         if self._closed:
             return
         t0 = time.perf_counter()
@@ -372,6 +421,11 @@ class BagPipeController:
                     self._prefetch.drop_fetches(self._timeout)
             except BaseException as e:
                 error = error or e
+            if self._failed is None and error is None:
+                try:
+                    self._plans.complete()
+                except BaseException as e:
+                    error = e
             self._plans.cancel()
             self._agg.close()
             release_worker(self._coll)
@@ -380,6 +434,27 @@ class BagPipeController:
             self.metrics_.add(shutdown_s=time.perf_counter() - t0)
         if error is not None:
             raise error
+
+    def cached_rows(self) -> tuple[np.ndarray, torch.Tensor]:
+        """The resident rows: their fused keys and a copy of their cached values, weights
+        then optimizer state ([n, dim + state_dim] on the device). For tests and
+        inspection, between steps, with no step prepared ahead (whose admitted slots are
+        claimed but not yet filled: after the last step, or after `invalidate_all`)."""
+        self._check_usable()
+        if self._active is not None:
+            raise ValueError(f"cached_rows: step {self._active.step} is still running")
+        if self._preparer.ahead is not None:
+            raise ValueError(f"cached_rows: step {self._preparer.ahead} is prepared ahead")
+        if self._meta is None:
+            return np.zeros(0, dtype=np.int64), self._dev.gather(np.zeros(0, dtype=np.int64))
+        with self._cache_lock:
+            keys, slots = [], []
+            for i in range(self._meta.capacity_rows):
+                key, state, *_ = self._meta.slot(i)
+                if state == "ready":
+                    keys.append(key)
+                    slots.append(i)
+            return np.array(keys, dtype=np.int64), self._dev.gather(np.array(slots, np.int64))
 
     def metrics(self) -> dict[str, float]:
         """The counters (ARCHITECTURE §4.1) as a plain dict; any thread."""
@@ -428,10 +503,10 @@ class BagPipeController:
         s = self._next + 1 if self._active is not None else self._next
         self._preparer.launch(s, self._submitted)
 
-    def _finish(self, step: Step, grad: torch.Tensor) -> None:
+    def _finish(self, step: Step, grad: torch.Tensor, lr: float) -> None:
         if grad.device != self.device and self._meta is not None:
             grad = grad.to(self.device)
-        self._agg.finish(step.step, step.plan, grad, self._finish_plan)
+        self._agg.finish(step.step, step.plan, grad, self._finish_plan, lr)
         self._finish_plan = None
         self._preparer.issue_later()
 
@@ -446,6 +521,14 @@ class BagPipeController:
             raise ControllerError("the BagPipe controller is closed")
         if self._failed is not None:
             raise ControllerError(f"the BagPipe controller failed earlier: {self._failed!r}")
+
+    def _validated(self, keys: torch.Tensor | np.ndarray) -> np.ndarray:
+        self._check_usable()
+        s = self._submitted
+        arr = as_key_array(keys, f"keys of step {s}")
+        self._check_range(arr, f"keys of step {s}")
+        self._plans.check(s, arr)
+        return arr
 
     def _check_range(self, arr: np.ndarray, what: str) -> None:
         if arr.size == 0 or (arr.min() >= 0 and arr.max() < self.num_keys):

@@ -10,13 +10,14 @@ lookahead window after it. They come one of two ways:
     `OnlinePlanner`; `absorb(t, upto)` waits (bounded) until every step <= upto is planned,
     then releases the steps before t.
 
-Thread safety: `prescan`, `submit` and `cancel` are called by the training thread, `absorb`
-and `plan` by whichever thread prepares a step (the step preparer's or the training thread,
-one at a time); `_exchange_and_plan` runs on the communication worker; `plan_seconds` and
-`memory_bytes` may be called from any thread. `_pending` is appended by `submit` and popped
-by `absorb` (atomic deque operations). `_plan_lock` guards the online planner (the worker
-adds steps while plans are read and steps released); the prescan
-planner is written once, by `prescan`, before any submit, and only read afterwards.
+Thread safety: `prescan`, `check`, `submit`, `complete` and `cancel` are called by the
+training thread, `absorb` and `plan` by whichever thread prepares a step (the step preparer's
+or the training thread, one at a time; `complete` only once no step is being prepared);
+`_exchange_and_plan` runs on the communication worker; `plan_seconds` and `memory_bytes` may
+be called from any thread. `_pending` is appended by `submit` and popped by `absorb` (atomic
+deque operations). `_plan_lock` guards the online planner (the worker adds steps while plans
+are read and steps released); the prescan planner is written once, by `prescan`, before any
+submit, and only read afterwards.
 
 Invariants:
   1. Steps enter the online planner in submission order: one FIFO worker runs the exchanges
@@ -123,6 +124,12 @@ class IdExchange:
             self._metrics.add(collective_wait_s=time.perf_counter() - t0)
 
     # ---- per batch ----------------------------------------------------------------------
+    def check(self, s: int, keys: np.ndarray) -> None:
+        """Raises what `submit(s, keys)` would raise for this batch (a prescan mismatch),
+        without submitting it."""
+        if self._prescan is not None:
+            self._prescan.check(s, keys)
+
     def submit(self, s: int, keys: np.ndarray) -> None:
         """Batch s (validated, owned) enters: checked against the prescan, or exchanged and
         planned on the worker (off the training thread)."""
@@ -177,6 +184,26 @@ class IdExchange:
             return self._prescan.plan(s)
         with self._plan_lock:
             return self._online.plan(s)
+
+    def complete(self) -> None:
+        """Close: waits for the exchange of every batch submitted and not yet absorbed (each
+        wait bounded). Every rank submitted the same batches, so each rank's worker runs the
+        same collectives and no peer is left waiting in one; a peer that submitted fewer
+        makes this raise TimeoutError naming the step."""
+        while self._pending:
+            pending = self._pending[0]
+            what = (f"ID exchange of submitted batch {pending.step} (rank {self.rank}) at "
+                    "close")
+            hint = "another rank closed without submitting it (every rank must submit the "\
+                   "same batches)"
+            try:
+                pending.future.result(timeout=self._timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{what} did not complete within {self._timeout}s: {hint}") from None
+            except Exception as e:
+                raise RuntimeError(f"{what} failed ({e!r}): {hint}") from e
+            self._pending.popleft()
 
     def cancel(self) -> None:
         """Cancels the exchanges not started yet (close)."""

@@ -7,9 +7,10 @@ candidates: its keys with their dependency steps, placed at step max(dep + 1, s 
 own invalidations are done), and at most `distance` steps before the use. At its placement
 step a candidate the cache already holds at the wanted version is dropped (an expected hit);
 the rest wait, per use step, until `issue_ready` finds their dependency committed on the PS and
-issues one get for everything ready (`Fetch`). A fetch's rows stay in its own buffer,
-moved to the device once (`materialize`), until the step assembly reads them; they enter the
-cache only through admission at use. Candidates of step t still queued when t runs are dropped
+issues one get for everything ready (`Fetch`). A fetch's rows (with their optimizer state
+when the cache keeps any: `with_state`) stay in its own buffer, moved to the device once
+(`materialize`), until the step assembly reads them; they enter the cache only through
+admission at use. Candidates of step t still queued when t runs are dropped
 (`drop_queued`): the step fetches those rows on demand.
 
 Without a cache (read_mode ps) the scheduler only tracks the window (`entered`).
@@ -93,9 +94,11 @@ class PrefetchScheduler:
         device: torch.device,
         distance: int,
         prepared_batches: int,
+        with_state: bool = False,
     ) -> None:
         self._meta = meta
         self._port = port
+        self._with_state = with_state
         self._metrics = metrics
         self._device = device
         self._distance = distance
@@ -202,7 +205,7 @@ class PrefetchScheduler:
             u = np.concatenate([np.full(c.keys.size, c.use, dtype=np.int64) for c in take])
             uses_list = sorted({c.use for c in take})
         k = _i64(k)
-        handle = self._port.get("prefetch", k, d, u)
+        handle = self._port.get("prefetch", k, d, u, with_state=self._with_state)
         fid = self._next_fid
         self._next_fid += 1
         self._fetches[fid] = Fetch(handle, k, u, up, uses_list[0], uses_list[-1])
@@ -231,7 +234,7 @@ class PrefetchScheduler:
         """Waits for a fetch and moves its rows to the device (once)."""
         if f.rows is None:
             t0 = time.perf_counter()
-            rows = self._port.wait_rows(f.handle, f.keys.size)
+            rows = self._port.wait_rows(f.handle, f.keys.size, self._with_state)
             self._metrics.add(fetch_wait_s=time.perf_counter() - t0,
                               staged_rows=int(f.keys.size))
             f.rows = rows if self._device.type == "cpu" else rows.to(self._device,

@@ -1,8 +1,9 @@
 """PSAggregation: every rank commits its own step gradients; the PS sums them (``ps``).
 
-After step t a rank updates the resident rows only it touched with its own gradient
-(`DeviceCache.apply_gradients_`: bitwise the PS's result, since the PS applies the same
-arithmetic to the same sum) and sets their version to t; resident rows another rank touched
+After step t a rank updates the resident rows only it touched, weights and optimizer state,
+with its own gradient at the step's learning rate (`DeviceCache.apply_gradients_`: bitwise
+the PS's result, since the PS applies the same arithmetic to the same sum) and sets their
+version to t; resident rows another rank touched
 are invalidated (it knows them from the exchanged ids: `StepPlan.others`). Then it commits
 its unique-row gradients to the PS.
 
@@ -90,12 +91,13 @@ class PSAggregation(Aggregation):
                 self._metrics.add(invalidations=int(freed.size))
         return LocalUpdate(slots, local)
 
-    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: LocalUpdate) -> None:
+    def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: LocalUpdate,
+               lr: float) -> None:
         if planned.slots.size:
-            self._cache.apply_gradients_(planned.slots, grad, planned.grad_rows)
+            self._cache.apply_gradients_(planned.slots, grad, planned.grad_rows, lr=lr)
         # A private copy: the caller may reuse its gradient buffer before the commit runs.
         grads_cpu = grad.detach().to("cpu", copy=True)
-        self._port.commit(t, torch.from_numpy(plan.unique_keys), grads_cpu)
+        self._port.commit(t, torch.from_numpy(plan.unique_keys), grads_cpu, lr)
 
     def drain(self) -> None:
         self._port.drain_commits()

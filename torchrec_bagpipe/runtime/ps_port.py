@@ -4,11 +4,15 @@ The runtime never names a transport: it is given an object satisfying `PSClientL
 (`ps.PSClient`, or the exact `ReferencePS` client in tests). The port adds what every caller
 of that client inside the runtime needs:
 
-  * `get(kind, keys, deps, uses, out=None)`: one get at the largest dependency step, reported
-    first to the `fetch_observer` test hook (kind is "prefetch" or "demand");
-  * `wait_rows(handle, n)`: a get's rows, checked to be fp32 (n, dim), counted as fetched;
-  * `commit(t, keys, grads)`: submits step t's commit and remembers its handle, so that
-    `poll_commits()` raises a failed commit's error and `drain_commits()` waits for all;
+  * `get(kind, keys, deps, uses, out=None, with_state=False)`: one get at the largest
+    dependency step, reported first to the `fetch_observer` test hook (kind is "prefetch" or
+    "demand"); `with_state` asks for each row's optimizer state after its weights (the rows
+    a cache admits);
+  * `wait_rows(handle, n, with_state=False)`: a get's rows, checked to be fp32 (n, dim) or
+    (n, dim + state_dim), counted as fetched;
+  * `commit(t, keys, grads, lr)`: submits step t's commit with the step's learning rate and
+    remembers its handle, so that `poll_commits()` raises a failed commit's error and
+    `drain_commits()` waits for all;
   * `committed()`: the client's committed step (the last value seen once the port is closed).
 
 Thread safety: `get`, `commit`, `committed` and `close` may be called from any thread; the
@@ -48,10 +52,13 @@ class Handle(Protocol):
 
 class PSClientLike(Protocol):
     dim: int
+    state_dim: int  # optimizer state floats per row of the table
 
-    def get_async(self, keys: torch.Tensor, at_step: int) -> Handle: ...
+    def get_async(self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None, *,
+                  with_state: bool = False) -> Handle: ...
 
-    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> Handle: ...
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
+                     lr: float | None = None) -> Handle: ...
 
     def committed_step(self) -> int: ...
 
@@ -63,10 +70,11 @@ FetchObserver = Callable[[str, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 class PSPort:
-    def __init__(self, ps: PSClientLike, *, dim: int, timeout: float,
+    def __init__(self, ps: PSClientLike, *, dim: int, state_dim: int, timeout: float,
                  metrics: RuntimeMetrics) -> None:
         self._ps = ps
         self._dim = dim
+        self._state_dim = state_dim
         self._timeout = timeout
         self._metrics = metrics
         self._client_lock = threading.Lock()
@@ -77,35 +85,39 @@ class PSPort:
 
     # ---- gets ---------------------------------------------------------------------------
     def get(self, kind: str, keys: np.ndarray, deps: np.ndarray, uses: np.ndarray,
-            out: torch.Tensor | None = None) -> Handle:
-        """Issues one get at the largest dependency step (the rows land in `out` if given)."""
+            out: torch.Tensor | None = None, with_state: bool = False) -> Handle:
+        """Issues one get at the largest dependency step (the rows land in `out` if given;
+        with their optimizer state after the weights when `with_state` and the table keeps
+        any)."""
         at_step = int(deps.max()) if deps.size else -1
         if self.fetch_observer is not None:
             self.fetch_observer(kind, keys, deps, uses, at_step)
+        kw = {"with_state": True} if with_state and self._state_dim else {}
         with self._client_lock:
             if out is None:
-                return self._ps.get_async(torch.from_numpy(keys), at_step)
-            return self._ps.get_async(torch.from_numpy(keys), at_step, out=out)
+                return self._ps.get_async(torch.from_numpy(keys), at_step, **kw)
+            return self._ps.get_async(torch.from_numpy(keys), at_step, out=out, **kw)
 
-    def wait_rows(self, handle: Handle, n: int) -> torch.Tensor:
+    def wait_rows(self, handle: Handle, n: int, with_state: bool = False) -> torch.Tensor:
         """The rows of a get of n keys (bounded wait); a wrong shape or dtype is a ValueError."""
+        width = self._dim + (self._state_dim if with_state else 0)
         rows = handle.wait(self._timeout)
         if not isinstance(rows, torch.Tensor):
             rows = torch.as_tensor(np.asarray(rows))
-        if rows.dtype != torch.float32 or tuple(rows.shape) != (n, self._dim):
+        if rows.dtype != torch.float32 or tuple(rows.shape) != (n, width):
             raise ValueError(
                 f"the PS returned rows of shape {tuple(rows.shape)} {rows.dtype}, expected "
-                f"({n}, {self._dim}) float32"
+                f"({n}, {width}) float32"
             )
-        self._metrics.add(fetched_bytes=n * self._dim * 4)
+        self._metrics.add(fetched_bytes=n * width * 4)
         return rows
 
     # ---- commits ------------------------------------------------------------------------
-    def commit(self, t: int, keys: torch.Tensor, grads: torch.Tensor) -> None:
-        """Submits step t's commit. The client starts it once its previous commit completed
-        (ARCHITECTURE §3, client rules), so nobody waits here."""
+    def commit(self, t: int, keys: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """Submits step t's commit at learning rate `lr`. The client starts it once its
+        previous commit completed (ARCHITECTURE §3, client rules), so nobody waits here."""
         with self._client_lock:
-            handle = self._ps.commit_async(t, keys, grads)
+            handle = self._ps.commit_async(t, keys, grads, lr=lr)
         self._commits.append(handle)
         self._metrics.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
 

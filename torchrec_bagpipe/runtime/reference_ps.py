@@ -1,17 +1,22 @@
 """An exact, in-process reference parameter server (numpy), used as the oracle in tests.
 
 It implements the semantics of ARCHITECTURE §1/§3 with the simplest possible code:
-  * every rank commits every step (possibly zero rows); once all W ranks' payloads for step
-    t are in, the gradients are concatenated in rank order, duplicate keys summed in that
-    order (the first one copied), divided by W when gradient division is on (fp32 true
-    division), multiplied by lr (fp32), and subtracted: the bitwise arithmetic of §1;
+  * every rank commits every step (possibly zero rows) with the step's learning rate; once
+    all W ranks' payloads for step t are in, the gradients are concatenated in rank order,
+    duplicate keys summed in that order (the first one copied), divided by W when gradient
+    division is on (fp32 true division), and the table's optimizer updates each row and its
+    state once at that lr (`reference_optimizer_step`: the contract of
+    csrc/store/embedding_store.h in numpy, one fp32 rounding per operation; for plain SGD
+    the bitwise arithmetic of §1); ranks that give one step different learning rates fail
+    the session ("conflicting lr");
   * the committed step advances to t; a retry of a committed step is a no-op, a conflicting
     payload or an out-of-order step fails the session (`ReferenceSessionError`);
   * like the native client, a rank may commit step t + 1 before its commit of step t was
     applied: it waits in that rank's queue and is accepted once step t is committed (a
     step that does not follow the rank's last commit is out of order);
   * ``get_async(keys, at_step)`` reads once ``committed_step >= at_step`` (immediately when it
-    already is, otherwise as soon as the commit lands), bounded by a timeout.
+    already is, otherwise as soon as the commit lands), bounded by a timeout;
+    ``with_state=True`` returns each row's optimizer state after its weights.
 
 `ReferencePSClient` (one per rank) satisfies the runtime's ``PSClientLike`` protocol. The
 server records every get (at_step and the committed step when it was issued) so tests can
@@ -29,7 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ReferencePS", "ReferencePSClient", "ReferenceSessionError", "reference_sgd_step"]
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+
+__all__ = [
+    "ReferencePS",
+    "ReferencePSClient",
+    "ReferenceSessionError",
+    "reference_optimizer_step",
+    "reference_sgd_step",
+]
 
 
 class ReferenceSessionError(RuntimeError):
@@ -45,9 +58,42 @@ def reference_sgd_step(
     divide: bool,
 ) -> None:
     """Applies one synchronous SGD step in place with the bitwise arithmetic of §1."""
+    no_state = np.zeros((values.shape[0], 0), dtype=np.float32)
+    reference_optimizer_step(values, no_state, keys_by_rank, grads_by_rank, lr, world_size,
+                             divide, OptimizerSpec())
+
+
+def _row_sums(x: np.ndarray) -> np.ndarray:
+    """Row sums over the store's fixed pairwise tree (contract step 7), (n,) float32."""
+    n, dim = x.shape
+    width = 1
+    while width < dim:
+        width *= 2
+    t = np.zeros((n, width), dtype=np.float32)
+    t[:, :dim] = x
+    while width > 1:
+        width //= 2
+        t = t[:, :width] + t[:, width:]
+    return t[:, 0]
+
+
+def reference_optimizer_step(
+    values: np.ndarray,
+    state: np.ndarray,
+    keys_by_rank: list[np.ndarray],
+    grads_by_rank: list[np.ndarray],
+    lr: float,
+    world_size: int,
+    divide: bool,
+    spec: OptimizerSpec,
+) -> None:
+    """Applies one synchronous step of `spec` in place to `values` (num_keys, dim) and
+    `state` (num_keys, state_dim): every operation one float32 numpy operation, in the order
+    of the arithmetic contract of csrc/store/embedding_store.h."""
     keys = np.concatenate([np.asarray(k, dtype=np.int64) for k in keys_by_rank])
     if keys.size == 0:
         return
+    f = np.float32
     dim = values.shape[1]
     grads = np.concatenate(
         [np.asarray(g, dtype=np.float32).reshape(-1, dim) for g in grads_by_rank]
@@ -58,11 +104,34 @@ def reference_sgd_step(
     rest[first] = False
     idx = np.nonzero(rest)[0]  # ascending: input order
     np.add.at(acc, inv[idx], grads[idx])
-    u = acc
-    if divide and world_size != 1:
-        u = u / np.float32(world_size)
-    u = u * np.float32(lr)
-    values[uniq] = values[uniq] - u
+    w = values[uniq]
+    s = state[uniq]
+    lr32 = f(lr)
+    with np.errstate(all="ignore"):  # NaN and inf follow the arithmetic
+        u = acc
+        if divide and world_size != 1:
+            u = u / f(world_size)
+        if spec.weight_decay != 0.0:
+            u = u + w * f(spec.weight_decay)
+        eps = f(spec.eps)
+        if spec.kind == "sgd":
+            w = w - u * lr32
+        elif spec.kind == "adagrad":
+            s = s + u * u
+            w = w - (u / (np.sqrt(s) + eps)) * lr32
+        elif spec.kind == "rowwise_adagrad":
+            s = s + (_row_sums(u * u) / f(dim))[:, None]
+            m = lr32 / (np.sqrt(s) + eps)
+            w = w - u * m
+        else:  # adam: state [m | v]
+            m0, v0 = s[:, :dim], s[:, dim:]
+            m1 = m0 + (u - m0) * f(1.0 - spec.beta1)
+            v1 = v0 + (u * u - v0) * f(1.0 - spec.beta2)
+            w = w - (m1 / (np.sqrt(v1) + eps)) * lr32
+            s = np.concatenate([m1, v1], axis=1)
+    values[uniq] = w
+    if state.shape[1]:
+        state[uniq] = s
 
 
 class _Handle:
@@ -99,7 +168,9 @@ class GetRecord:
 
 
 class ReferencePS:
-    """W ranks' view of one fused table held in a numpy array."""
+    """W ranks' view of one fused table held in numpy arrays: the rows and their optimizer
+    state (`optimizer`; every row starts from its initial state). `lr` is the learning rate
+    of a commit that names none."""
 
     def __init__(
         self,
@@ -114,6 +185,7 @@ class ReferencePS:
         timeout: float = 60.0,
         apply_delay: float = 0.0,
         record_gets: bool = True,
+        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     ) -> None:
         if init is not None:
             init = np.asarray(init, dtype=np.float32)
@@ -125,6 +197,9 @@ class ReferencePS:
             self.values = rng.uniform(-0.5, 0.5, size=(num_keys, dim)).astype(np.float32)
         self.num_keys = num_keys
         self.dim = dim
+        self.optimizer = OptimizerSpec.of(optimizer)
+        self.state_dim = self.optimizer.state_dim(dim)
+        self.state = self.optimizer.initial_state(num_keys, dim).numpy()
         self.world_size = world_size
         self.lr = float(lr)
         self.divide = divide
@@ -133,13 +208,14 @@ class ReferencePS:
         self.record_gets = record_gets
         self._cv = threading.Condition()
         self._committed = -1
-        self._pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._history: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        # Payloads: (keys, grads, lr) by rank.
+        self._pending: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}
+        self._history: dict[int, dict[int, tuple[np.ndarray, np.ndarray, float]]] = {}
         self._commit_handles: dict[int, list[_Handle]] = {}
-        self._waiting_gets: list[tuple[int, np.ndarray, _Handle, torch.Tensor | None]] = []
+        self._waiting_gets: list[tuple[int, np.ndarray, _Handle, torch.Tensor | None, bool]] = []
         # Per rank: the last step accepted or queued, and commits waiting for their turn.
         self._last_step: dict[int, int] = {}
-        self._queued: dict[int, deque[tuple[int, np.ndarray, np.ndarray, _Handle]]] = {}
+        self._queued: dict[int, deque[tuple[int, np.ndarray, np.ndarray, float, _Handle]]] = {}
         self._failed: BaseException | None = None
         self._apply_queue: deque[int] = deque()
         self._applier: threading.Thread | None = None
@@ -162,9 +238,19 @@ class ReferencePS:
         with self._cv:
             return self.values.copy()
 
-    def assign(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def snapshot_state(self) -> np.ndarray:
+        """Every row's optimizer state, (num_keys, state_dim)."""
         with self._cv:
-            self.values[np.asarray(keys, dtype=np.int64)] = np.asarray(rows, dtype=np.float32)
+            return self.state.copy()
+
+    def assign(self, keys: np.ndarray, rows: np.ndarray, with_state: bool = False) -> None:
+        """Writes rows (weights; with their state after them when `with_state`)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.float32)
+        with self._cv:
+            self.values[keys] = rows[:, :self.dim]
+            if with_state:
+                self.state[keys] = rows[:, self.dim:]
 
     # ---- protocol ---------------------------------------------------------------------
     def _check_keys(self, keys: Any, what: str) -> np.ndarray:
@@ -179,8 +265,12 @@ class ReferencePS:
             raise ValueError(f"{what}: keys outside [0, {self.num_keys})")
         return keys
 
-    def commit(self, rank: int, step: int, keys: Any, grads: Any) -> _Handle:
+    def commit(self, rank: int, step: int, keys: Any, grads: Any,
+               lr: float | None = None) -> _Handle:
         keys = self._check_keys(keys, "commit")
+        lr = self.lr if lr is None else float(lr)
+        if not (np.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"commit: lr must be finite and >= 0, got {lr}")
         if isinstance(grads, torch.Tensor):
             if grads.dtype != torch.float32:
                 raise TypeError("commit: grads must be float32")
@@ -198,7 +288,8 @@ class ReferencePS:
             receiving = self._committed + 1
             if done_payload is not None or (step == receiving and rank in self._pending):
                 prev = done_payload if done_payload is not None else self._pending[rank]
-                if not (np.array_equal(prev[0], keys) and np.array_equal(prev[1], grads)):
+                if not (np.array_equal(prev[0], keys) and np.array_equal(prev[1], grads)
+                        and prev[2] == np.float32(lr)):
                     self._fail(f"conflicting retry of step {step} by rank {rank}")
                     raise ReferenceSessionError(f"conflicting retry of step {step} by rank {rank}")
                 if step <= self._committed:
@@ -210,7 +301,7 @@ class ReferencePS:
             if step == last + 1 and step > receiving:
                 # Follows this rank's previous commit, which is not applied yet: queue it.
                 self._queued.setdefault(rank, deque()).append(
-                    (step, keys.copy(), grads.copy(), handle))
+                    (step, keys.copy(), grads.copy(), lr, handle))
                 self._last_step[rank] = step
                 return handle
             # Strict order: step t is accepted only once step t - 1 is applied.
@@ -221,13 +312,19 @@ class ReferencePS:
                     f"step is {self._committed}"
                 )
             self._last_step[rank] = step
-            self._accept(rank, step, keys.copy(), grads.copy(), handle)
+            self._accept(rank, step, keys.copy(), grads.copy(), lr, handle)
         return handle
 
-    def _accept(self, rank: int, step: int, keys: np.ndarray, grads: np.ndarray,
+    def _accept(self, rank: int, step: int, keys: np.ndarray, grads: np.ndarray, lr: float,
                 handle: _Handle) -> None:
         # REQUIRES: self._cv held; step == committed + 1.
-        self._pending[rank] = (keys, grads)
+        others = {p[2] for p in self._pending.values()}
+        if others and others != {np.float32(lr)}:
+            self._fail(f"conflicting lr: rank {rank} committed step {step} with lr {lr}, "
+                       f"other ranks with {sorted(others)}")
+            handle._set(error=self._failed)
+            return
+        self._pending[rank] = (keys, grads, np.float32(lr))
         self._commit_handles.setdefault(step, []).append(handle)
         if len(self._pending) == self.world_size:
             self._history[step] = self._pending
@@ -242,13 +339,15 @@ class ReferencePS:
         # REQUIRES: self._cv held.
         payload = self._history[step]
         order = sorted(payload)
-        reference_sgd_step(
+        reference_optimizer_step(
             self.values,
+            self.state,
             [payload[r][0] for r in order],
             [payload[r][1] for r in order],
-            self.lr,
+            float(payload[order[0]][2]),
             self.world_size,
             self.divide,
+            self.optimizer,
         )
         self.rows_committed += sum(payload[r][0].size for r in order)
         # Keep only what a retry of a recent step needs.
@@ -258,24 +357,28 @@ class ReferencePS:
         for h in self._commit_handles.pop(step, []):
             h._set(step)
         still = []
-        for at_step, keys, h, out in self._waiting_gets:
+        for at_step, keys, h, out, with_state in self._waiting_gets:
             if at_step <= self._committed:
-                self._serve(keys, h, out)
+                self._serve(keys, h, out, with_state)
             else:
-                still.append((at_step, keys, h, out))
+                still.append((at_step, keys, h, out, with_state))
         self._waiting_gets = still
         self._cv.notify_all()
         # Queued commits of the next step now take their turn (after this step's gets).
         for rank in sorted(self._queued):
             q = self._queued[rank]
             if q and q[0][0] == self._committed + 1 and rank not in self._pending:
-                nxt, keys, grads, h = q.popleft()
-                self._accept(rank, nxt, keys, grads, h)
+                nxt, keys, grads, lr, h = q.popleft()
+                self._accept(rank, nxt, keys, grads, lr, h)
 
-    def _serve(self, keys: np.ndarray, handle: _Handle, out: torch.Tensor | None) -> None:
+    def _serve(self, keys: np.ndarray, handle: _Handle, out: torch.Tensor | None,
+               with_state: bool = False) -> None:
         # REQUIRES: self._cv held.
         self.rows_served += keys.size
-        rows = torch.from_numpy(self.values[keys].copy())
+        rows = self.values[keys]
+        if with_state:
+            rows = np.concatenate([rows, self.state[keys]], axis=1)
+        rows = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
         if out is not None:
             out.copy_(rows)
             rows = out
@@ -303,11 +406,13 @@ class ReferencePS:
                 h._set(error=self._failed)
         self._queued.clear()
 
-    def get(self, rank: int, keys: Any, at_step: int, out: torch.Tensor | None = None) -> _Handle:
+    def get(self, rank: int, keys: Any, at_step: int, out: torch.Tensor | None = None,
+            with_state: bool = False) -> _Handle:
         keys = self._check_keys(keys, "get")
+        width = self.dim + (self.state_dim if with_state else 0)
         if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != (keys.size,
-                                                                                   self.dim)):
-            raise ValueError(f"get: out must be float32 of shape {(keys.size, self.dim)}")
+                                                                                   width)):
+            raise ValueError(f"get: out must be float32 of shape {(keys.size, width)}")
         handle = _Handle(f"get of {keys.size} rows at step {at_step} by rank {rank}", self.timeout)
         with self._cv:
             if self._failed is not None:
@@ -315,15 +420,18 @@ class ReferencePS:
             if self.record_gets:
                 self.gets.append(GetRecord(rank, int(at_step), self._committed, keys.copy()))
             if at_step <= self._committed:
-                self._serve(keys, handle, out)
+                self._serve(keys, handle, out, with_state)
             else:
-                self._waiting_gets.append((int(at_step), keys.copy(), handle, out))
+                self._waiting_gets.append((int(at_step), keys.copy(), handle, out, with_state))
         return handle
 
-    def lookup(self, keys: Any) -> torch.Tensor:
+    def lookup(self, keys: Any, with_state: bool = False) -> torch.Tensor:
         keys = self._check_keys(keys, "lookup")
         with self._cv:
-            return torch.from_numpy(self.values[keys].copy())
+            rows = self.values[keys]
+            if with_state:
+                rows = np.concatenate([rows, self.state[keys]], axis=1)
+            return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
 
     def close_rank(self, rank: int) -> None:
         with self._cv:
@@ -337,22 +445,27 @@ class ReferencePSClient:
         self.server = server
         self.rank = rank
         self.dim = server.dim
+        self.optimizer = server.optimizer
+        self.state_dim = server.state_dim
 
-    def get_async(self, keys: torch.Tensor, at_step: int,
-                  out: torch.Tensor | None = None) -> _Handle:
-        return self.server.get(self.rank, keys, at_step, out)
+    def get_async(self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None, *,
+                  with_state: bool = False) -> _Handle:
+        return self.server.get(self.rank, keys, at_step, out, with_state)
 
-    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor) -> _Handle:
-        return self.server.commit(self.rank, step, keys, grads)
+    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
+                     lr: float | None = None) -> _Handle:
+        return self.server.commit(self.rank, step, keys, grads, lr)
 
     def committed_step(self) -> int:
         return self.server.committed_step()
 
-    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.server.lookup(keys)
+    def lookup(self, keys: torch.Tensor, timeout: float | None = None, *,
+               with_state: bool = False) -> torch.Tensor:
+        return self.server.lookup(keys, with_state)
 
-    def assign(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        self.server.assign(np.asarray(keys), np.asarray(rows))
+    def assign(self, keys: torch.Tensor, rows: torch.Tensor, timeout: float | None = None, *,
+               with_state: bool = False) -> None:
+        self.server.assign(np.asarray(keys), np.asarray(rows), with_state)
 
     def close(self) -> None:
         self.server.close_rank(self.rank)

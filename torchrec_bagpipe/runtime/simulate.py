@@ -6,8 +6,13 @@ runs, reads `step.rows`, computes a row gradient and finishes the step.
 
 The parameter server is pluggable (`PSBackend`): the exact numpy `ReferencePS` by default, or
 any object with ``client(rank)``, ``committed_step()`` (the truth, min over shards),
-``snapshot()`` (every row, after the run) and ``close()`` — the tests plug the real
-in-process PS (PSShard + PSClient over the local transport) in this way.
+``snapshot()`` / ``snapshot_state()`` (every row and its optimizer state, after the run) and
+``close()`` — the tests plug the real in-process PS (PSShard + PSClient over the local
+transport) in this way.
+
+The table's optimizer (`optimizer`) and the learning rate of each step (`lr`: a constant, or a
+function of the step: an LR schedule; for Adam the bias-corrected step size) are the run's;
+`reference_run_with_state` replays them without cache, PS or threads.
 
 The default gradient is ``noise(t, r) + 0.5 * rows``: it depends on the values read, so a stale
 read changes the final weights, and it is a pure function of (step, rank, keys, rows), so the
@@ -26,13 +31,16 @@ import numpy as np
 import torch
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.ps.optimizers import OptimizerSpec
 from torchrec_bagpipe.runtime.collectives import ThreadGroup
 from torchrec_bagpipe.runtime.controller import BagPipeController
-from torchrec_bagpipe.runtime.reference_ps import ReferencePS, reference_sgd_step
+from torchrec_bagpipe.runtime.reference_ps import ReferencePS, reference_optimizer_step
 
-__all__ = ["SimResult", "default_grad", "reference_run", "simulate"]
+__all__ = ["SimResult", "default_grad", "reference_run", "reference_run_with_state", "simulate"]
 
 GradFn = Callable[[int, int, np.ndarray, np.ndarray], np.ndarray]
+# The learning rate of each step: a constant or a function of the global step.
+LR = float | Callable[[int], float]
 
 
 class PSBackend(Protocol):
@@ -42,11 +50,18 @@ class PSBackend(Protocol):
 
     def snapshot(self) -> np.ndarray: ...
 
+    def snapshot_state(self) -> np.ndarray: ...
+
     def close(self) -> None: ...
 
 
-# (num_keys, dim, world_size, lr, divide, init, timeout) -> a backend holding `init`.
-BackendFactory = Callable[[int, int, int, float, bool, np.ndarray, float], PSBackend]
+# (num_keys, dim, world_size, lr, divide, init, timeout, *, optimizer) -> a backend holding
+# `init` (every row at its initial optimizer state).
+BackendFactory = Callable[..., PSBackend]
+
+
+def _lr_of(lr: LR) -> Callable[[int], float]:
+    return lr if callable(lr) else (lambda t: float(lr))
 Trace = Sequence[Sequence[np.ndarray]]  # trace[t][r]: rank r's fused keys at step t
 
 
@@ -63,6 +78,9 @@ class SimResult:
     final: np.ndarray
     reads: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     ps: Any = None
+    final_state: np.ndarray | None = None  # every row's optimizer state on the PS
+    # Per rank, after the last step: the resident rows' keys and cached [weights | state].
+    cached: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 def simulate(
@@ -71,7 +89,8 @@ def simulate(
     *,
     num_keys: int,
     dim: int,
-    lr: float = 0.1,
+    lr: LR = 0.1,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
     world_size: int | None = None,
     init: np.ndarray | None = None,
     seed: int = 0,
@@ -87,28 +106,39 @@ def simulate(
     submit_ahead: int = 0,
 ) -> SimResult:
     """Trains `len(trace)` steps with W rank threads against an in-process PS (default: the
-    exact `ReferencePS`; `backend` builds another one). Before step t each rank has submitted
-    the batches up to t + lookahead + `submit_ahead` (as TorchRec's pipeline, which runs the
-    next batch's input_dist before the forward: `submit_ahead=1`, so the next step is
-    prepared while this one runs)."""
+    exact `ReferencePS`; `backend` builds another one), step t at learning rate `lr(t)`.
+    Before step t each rank has submitted the batches up to t + lookahead + `submit_ahead`
+    (as TorchRec's pipeline, which runs the next batch's input_dist before the forward:
+    `submit_ahead=1`, so the next step is prepared while this one runs)."""
     W = world_size if world_size is not None else len(trace[0]) if trace else 1
     for t, per_rank in enumerate(trace):
         if len(per_rank) != W:
             raise ValueError(f"trace step {t} has {len(per_rank)} ranks, expected {W}")
     divide = config.resolved_gradient_division()
+    spec = OptimizerSpec.of(optimizer)
+    lr_of = _lr_of(lr)
+    lr0 = lr_of(0)
     if backend is None:
-        ps: Any = ReferencePS(num_keys, dim, W, lr, divide=divide, seed=seed, init=init,
-                              timeout=timeout, apply_delay=ps_apply_delay)
+        ps: Any = ReferencePS(num_keys, dim, W, lr0, divide=divide, seed=seed, init=init,
+                              timeout=timeout, apply_delay=ps_apply_delay, optimizer=spec)
     else:
         if init is None:
             init = np.random.default_rng(seed).uniform(-0.5, 0.5, (num_keys, dim))
-        ps = backend(num_keys, dim, W, lr, divide, np.asarray(init, dtype=np.float32), timeout)
+        # A PS table is opened with a configured lr > 0; a schedule may be 0 for a while
+        # (warm-up). Every commit carries its step's lr, so the configured one is only a default.
+        open_lr = max([lr_of(t) for t in range(len(trace))] + [lr0])
+        open_lr = open_lr if open_lr > 0 else 1.0
+        ps = backend(num_keys, dim, W, open_lr, divide, np.asarray(init, dtype=np.float32), timeout,
+                     optimizer=spec)
     clients = [ps.client(r) for r in range(W)]
     group = ThreadGroup(W, timeout=timeout)
     metrics: list[dict[str, Any]] = [{} for _ in range(W)]
+    cached: list[tuple[np.ndarray, np.ndarray]] = [
+        (np.zeros(0, np.int64), np.zeros((0, dim), np.float32)) for _ in range(W)]
     reads: dict[tuple[int, int], np.ndarray] = {}
     errors: list[BaseException] = []
     final: list[np.ndarray] = []
+    final_state: list[np.ndarray] = []
     done = threading.Barrier(W)
     done2 = threading.Barrier(W)
     steps = len(trace)
@@ -118,8 +148,8 @@ def simulate(
         ctl = None
         try:
             ctl = BagPipeController(
-                config, rank=r, world_size=W, dim=dim, num_keys=num_keys, lr=lr,
-                ps=clients[r], collectives=group.collectives(r), device=device,
+                config, rank=r, world_size=W, dim=dim, num_keys=num_keys, lr=lr0,
+                ps=clients[r], collectives=group.collectives(r), device=device, optimizer=spec,
             )
             if observer is not None:
                 ctl.fetch_observer = lambda *a: observer(r, *a)
@@ -137,14 +167,17 @@ def simulate(
                     reads[(t, r)] = rows.copy()
                 g = grad_fn(t, r, step.unique_keys.numpy(), rows)
                 grad = torch.from_numpy(np.ascontiguousarray(g)).to(step.rows.device)
-                ctl.finish_step(step, grad)
+                ctl.finish_step(step, grad, lr=lr_of(t))
                 if step_hook is not None:
                     step_hook(r, ctl)
             ctl.flush()
             metrics[r] = ctl.metrics()
+            keys, rows = ctl.cached_rows()
+            cached[r] = (keys, rows.cpu().numpy())
             done.wait(timeout)  # every rank drained: the PS holds the final values
             if r == 0:
                 final.append(ps.snapshot())
+                final_state.append(ps.snapshot_state())
             done2.wait(timeout)
             ctl.close()
             ctl = None
@@ -176,24 +209,45 @@ def simulate(
         root = [e for e in errors
                 if not isinstance(e, (CollectiveAborted, threading.BrokenBarrierError))]
         raise (root or errors)[0]
-    return SimResult(metrics=metrics, final=final[0], reads=reads, ps=ps)
+    return SimResult(metrics=metrics, final=final[0], reads=reads, ps=ps,
+                     final_state=final_state[0], cached=cached)
 
 
 def reference_run(
     trace: Trace,
     *,
     init: np.ndarray,
-    lr: float,
+    lr: LR,
     divide: bool = True,
     grad_fn: GradFn = default_grad,
     reads: dict[tuple[int, int], np.ndarray] | None = None,
 ) -> np.ndarray:
-    """Plain synchronous SGD over the trace (no cache, no PS, no threads).
+    """Plain synchronous SGD over the trace (no cache, no PS, no threads): the final rows.
+    See `reference_run_with_state`."""
+    return reference_run_with_state(trace, init=init, lr=lr, divide=divide, grad_fn=grad_fn,
+                                    reads=reads)[0]
+
+
+def reference_run_with_state(
+    trace: Trace,
+    *,
+    init: np.ndarray,
+    lr: LR,
+    divide: bool = True,
+    grad_fn: GradFn = default_grad,
+    reads: dict[tuple[int, int], np.ndarray] | None = None,
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Synchronous training of the table with `optimizer` over the trace, step t at `lr(t)`
+    (no cache, no PS, no threads): the final rows and their optimizer state.
 
     When `reads` is given, checks that every recorded read equals the reference values
     before that step bitwise (invariant 1), raising AssertionError naming step and rank.
     """
+    spec = OptimizerSpec.of(optimizer)
+    lr_of = _lr_of(lr)
     values = np.array(init, dtype=np.float32, copy=True)
+    state = spec.initial_state(values.shape[0], values.shape[1]).numpy()
     for t, per_rank in enumerate(trace):
         W = len(per_rank)
         keys_by_rank, grads_by_rank = [], []
@@ -215,5 +269,6 @@ def reference_run(
                     )
             keys_by_rank.append(uniq)
             grads_by_rank.append(grad_fn(t, r, uniq, rows))
-        reference_sgd_step(values, keys_by_rank, grads_by_rank, lr, W, divide)
-    return values
+        reference_optimizer_step(values, state, keys_by_rank, grads_by_rank, lr_of(t), W, divide,
+                                 spec)
+    return values, state

@@ -16,6 +16,9 @@ Two phases, so that preparation runs ahead, off the training thread (`step_prepa
     unique-key order, write the admitted rows into their slots; then retire the fetches the
     step used up.
 
+With a cache, every row is staged with its optimizer state (the cache's `width`: the state
+an admitted row needs for local updates comes with it); the step's rows are the weights.
+
 Without a cache (read_mode ps) every unique key is fetched on demand into the step's rows.
 
 Thread safety: both phases run with the controller's cache lock held (the assembler has no
@@ -94,6 +97,9 @@ class StepAssembler:
         self._port = port
         self._metrics = metrics
         self._dim = dim
+        # With a cache, rows travel with their optimizer state (the cache's row width).
+        self._width = cache.width if meta is not None else dim
+        self._with_state = self._width != dim
         self._device = device
         self._lookahead = lookahead
         self._collective = collective
@@ -177,17 +183,19 @@ class StepAssembler:
             return None
         uses = np.full(keys.size, t, dtype=np.int64)
         if self._device.type == "cpu":
-            return self._port.get("demand", keys, deps, uses, out=out)
-        return self._port.get("demand", keys, deps, uses)
+            return self._port.get("demand", keys, deps, uses, out=out,
+                                  with_state=self._with_state)
+        return self._port.get("demand", keys, deps, uses, with_state=self._with_state)
 
     # ---- phase 2: tensor ops ------------------------------------------------------------
     def assemble(self, p: PreparedStep) -> torch.Tensor:
-        """The step's rows (fp32 [U, dim] on the device, in unique-key order, fresh).
+        """The step's rows (fp32 [U, dim] on the device, in unique-key order, fresh; without
+        their optimizer state, which only the cache keeps).
         REQUIRES: the training thread, after every earlier step's row writes
         (`Aggregation.before_step(t)`)."""
         n = p.plan.unique_keys.size
         # Allocated here, on the training thread (and its current stream on CUDA).
-        src = torch.empty(n, self._dim, dtype=torch.float32, device=self._device)
+        src = torch.empty(n, self._width, dtype=torch.float32, device=self._device)
         num_demand = p.demand_keys.size
         self._record_dependency(p.t, p.demand_deps)
         handle = self._demand(p.t, p.demand_keys, p.demand_deps, src[n - num_demand:])
@@ -204,6 +212,8 @@ class StepAssembler:
         rows = src if p.order is None else src.index_select(0, self._cache.index(p.order))
         if p.admit_slots.size:
             self._cache.fill(p.admit_slots, rows.index_select(0, self._cache.index(p.admit_pos)))
+        if self._with_state:
+            rows = rows[:, :self._dim].contiguous()
         if self._meta is not None:
             self._prefetch.retire(p.t)
             self._prefetch.materialize_ready(p.t)
@@ -222,7 +232,7 @@ class StepAssembler:
         if handle is None:
             return
         t0 = time.perf_counter()
-        rows = self._port.wait_rows(handle, n)
+        rows = self._port.wait_rows(handle, n, self._with_state)
         self._metrics.add(fetch_wait_s=time.perf_counter() - t0)
         if rows.data_ptr() != out.data_ptr():
             out.copy_(rows, non_blocking=True)

@@ -21,8 +21,8 @@ is full (batch s + lookahead submitted), so the window, and every decision, is t
 next_step(s) would see. Otherwise (the end of the data, batches submitted late, or no cache:
 read_mode ps) next_step(s) prepares it on the training thread (`take`), with the same code.
 
-Thread safety: `launch`, `take`, `issue_later`, `discard` and `close` are called by the
-training thread. The preparation runs on this preparer's thread (one FIFO thread per
+Thread safety: `launch`, `take`, `issue_later`, `discard`, `close` and `ahead` are called by
+the training thread. The preparation runs on this preparer's thread (one FIFO thread per
 controller) or on the training thread, never on both at once for the same step; it takes
 the controller's cache lock around the metadata (after the ID exchange waits, which hold no
 lock). Each task's run time counts as `runtime_worker_s` (`MeteredWorker`).
@@ -86,6 +86,11 @@ class StepPreparer:
         self._worker = MeteredWorker(self._thread, metrics)
         self._ahead: tuple[int, Future] | None = None  # the step prepared ahead
         self._tasks: list[Future] = []                 # other tasks not known to be done
+
+    @property
+    def ahead(self) -> int | None:
+        """The step prepared ahead (its preparation may still run), or None."""
+        return self._ahead[0] if self._ahead is not None else None
 
     # ---- the rule -----------------------------------------------------------------------
     def launch(self, s: int, submitted: int) -> None:
