@@ -15,7 +15,12 @@ import pytest
 import torchx.specs as specs
 
 from torchrec_bagpipe.launch.component import bagpipe
-from torchrec_bagpipe.launch.ps_role import advertised_host, build_parser, rendezvous_endpoint
+from torchrec_bagpipe.launch.ps_role import (
+    advertised_host,
+    build_parser,
+    checkpoint_server_args,
+    rendezvous_endpoint,
+)
 from torchrec_bagpipe.launch.rendezvous import JobStore, TrainerWatch, parse_endpoint
 from torchrec_bagpipe.launch.trainer_role import TrainerNode, rewrite_ps_type, torchrun_command
 
@@ -60,6 +65,34 @@ def test_component_has_a_ps_role_first_and_a_trainer_role():
                             ({"script": "t.py", "j": "1:2x1"}, "fixed number")):
         with pytest.raises(ValueError, match=message):
             bagpipe(**kwargs)
+
+
+def test_component_checkpoints_and_resumes_the_whole_job(tmp_path):
+    from torchrec_bagpipe.distributed.checkpoint_manifest import Manifest, write_manifest
+
+    d = str(tmp_path / "ckpt")
+    app = bagpipe(script="train.py", j="2x1", ps=2, checkpoint_dir=d, checkpoint_every=5,
+                  resume=d, env={"A": "1"})
+    ps, trainer = app.roles
+    for role in (ps, trainer):
+        assert role.env == {"A": "1", "BAGPIPE_CHECKPOINT_DIR": d,
+                            "BAGPIPE_CHECKPOINT_EVERY": "5", "BAGPIPE_RESUME": d}
+    a = ps.args
+    assert (a[a.index("--checkpoint-dir") + 1], a[a.index("--resume") + 1]) == (d, d)
+    assert "--resume" not in bagpipe(script="t.py", ps=1, checkpoint_dir=d).roles[0].args
+    with pytest.raises(ValueError, match="needs --checkpoint_dir"):
+        bagpipe(script="t.py", checkpoint_every=3)
+    # The PS role turns them into its server's arguments: its own part of the job's
+    # directory, and the manifest's set when resuming.
+    assert checkpoint_server_args(d, None, 1) == [
+        "--checkpoint-dir", os.path.join(d, "ps", "shard-1")]
+    with pytest.raises(ValueError, match="no MANIFEST"):
+        checkpoint_server_args(None, d, 1)
+    os.makedirs(d)
+    write_manifest(d, Manifest(label="step-8-ab", step=8))
+    assert checkpoint_server_args(None, d, 1) == [
+        "--checkpoint-dir", os.path.join(d, "ps", "shard-1"),
+        "--restore-from", os.path.join(d, "ps", "shard-1", "step-8-ab")]
 
 
 def test_torchx_accepts_the_component_file():

@@ -228,7 +228,10 @@ def load_job_checkpoint(model: nn.Module, *, optimizer: Any = None) -> tuple[int
     """Restores this trainer's state from the set the job resumed from (`BagPipeConfig.resume`;
     the PS tables were restored when the job started) and returns (step, extra). Call it after
     sharding the model and building `optimizer` as the checkpointed run did, before training.
-    Without a resumed set: (0, None)."""
+    Without a resumed set: (0, None), also for a model without BagPipe tables (size-based
+    placement may leave every table stock), unless a resume was asked for."""
+    if BagPipeJob.current() is None and not os.environ.get("BAGPIPE_RESUME"):
+        return 0, None
     job = _job()
     if job.resumed is None or job.resume_dir is None:
         return 0, None

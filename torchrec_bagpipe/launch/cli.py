@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shlex
 import sys
 import threading
 import time
@@ -86,32 +85,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--checkpoint-every must be >= 0")
     if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
         p.error("--checkpoint-every needs --checkpoint-dir (or --resume)")
+    if args.resume:
+        from torchrec_bagpipe.distributed.checkpoint_manifest import read_manifest
+
+        if read_manifest(args.resume) is None:
+            p.error(f"--resume {args.resume}: no whole-job checkpoint there (no MANIFEST.json)")
     args.command = command
     return args
-
-
-def _server_args(args: argparse.Namespace, shard: int) -> str:
-    """The shard's server arguments: --ps-server-args, plus its checkpoint directory and the
-    set it restores when checkpointing or resuming a whole job."""
-    from torchrec_bagpipe.distributed.checkpoint_manifest import (
-        ps_set_dir,
-        ps_shard_dir,
-        read_manifest,
-    )
-
-    extra: list[str] = []
-    directory = args.checkpoint_dir or args.resume
-    if directory:
-        directory = os.path.abspath(directory)
-        extra += ["--checkpoint-dir", ps_shard_dir(directory, shard)]
-    if args.resume:
-        manifest = read_manifest(args.resume)
-        if manifest is None:
-            raise ValueError(f"--resume {args.resume}: no whole-job checkpoint there "
-                             "(no MANIFEST.json)")
-        extra += ["--restore-from",
-                  ps_set_dir(os.path.abspath(args.resume), shard, manifest.label)]
-    return " ".join([args.ps_server_args, *(shlex.quote(a) for a in extra)]).strip()
 
 
 def _ps_command(args: argparse.Namespace, endpoint: str, run_id: str, shard: int) -> list[str]:
@@ -121,7 +101,10 @@ def _ps_command(args: argparse.Namespace, endpoint: str, run_id: str, shard: int
             "--replica-id", str(shard), "--num-replicas", str(args.ps_servers),
             "--store-host-replica", "-1", "--nnodes", "1", "--host", args.ps_host,
             "--startup-timeout", str(args.startup_timeout),
-            "--grace-period", str(args.grace_period), f"--server-args={_server_args(args, shard)}"]
+            "--grace-period", str(args.grace_period), f"--server-args={args.ps_server_args}",
+            *(["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+              if args.checkpoint_dir else []),
+            *(["--resume", os.path.abspath(args.resume)] if args.resume else [])]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

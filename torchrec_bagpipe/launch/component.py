@@ -59,6 +59,9 @@ def bagpipe(
     heartbeat_timeout: float = 60.0,
     max_retries: int = 0,
     tee: int = 3,
+    checkpoint_dir: Optional[str] = None,
+    checkpoint_every: int = 0,
+    resume: Optional[str] = None,
 ) -> specs.AppDef:
     """A BagPipe job: PS shard servers and torchrun trainers meeting in one rendezvous.
 
@@ -90,6 +93,13 @@ def bagpipe(
             take it as lost and drain
         max_retries: scheduler retries of a failed replica
         tee: torchrun --tee (0 none, 1 stdout, 2 stderr, 3 both)
+        checkpoint_dir: whole-job checkpoints go here: an absolute path every replica sees
+            (a shared file system); the PS servers checkpoint into its ps/shard-<i> parts
+        checkpoint_every: a whole-job checkpoint every N training steps (needs
+            checkpoint_dir or resume)
+        resume: resume from the whole-job checkpoint in this directory (every replica sees
+            it): the PS servers restore its set, the trainers their state; later
+            checkpoints go there too unless checkpoint_dir says otherwise
     """
     if (script is None) == (m is None):
         raise ValueError("exactly one of --script and -m must be given")
@@ -97,6 +107,18 @@ def bagpipe(
         raise ValueError(f"--ps must be >= 0, got {ps}")
     if ps_type not in ("tcp", "rdma"):
         raise ValueError(f"--ps_type must be tcp or rdma, got {ps_type!r}")
+    if checkpoint_every < 0:
+        raise ValueError(f"--checkpoint_every must be >= 0, got {checkpoint_every}")
+    if checkpoint_every and not (checkpoint_dir or resume):
+        raise ValueError("--checkpoint_every needs --checkpoint_dir (or --resume)")
+    job_env = dict(env or {})
+    if checkpoint_dir or resume:
+        job_env["BAGPIPE_CHECKPOINT_DIR"] = str(checkpoint_dir or resume)
+        job_env["BAGPIPE_CHECKPOINT_EVERY"] = str(checkpoint_every)
+    if resume:
+        job_env["BAGPIPE_RESUME"] = str(resume)
+    checkpoint_args = [*(["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir else []),
+                       *(["--resume", str(resume)] if resume else [])]
     min_nnodes, max_nnodes, nproc_per_node, _ = parse_nnodes(j)
     if min_nnodes != max_nnodes:
         raise ValueError(f"-j {j}: BagPipe jobs have a fixed number of trainer nodes")
@@ -116,7 +138,7 @@ def bagpipe(
               "--", *command, *script_args],
         num_replicas=nnodes,
         resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
-        env=dict(env or {}),
+        env=dict(job_env),
         port_map={"c10d": rdzv_port} if ps == 0 else {},
         max_retries=max_retries,
     )
@@ -130,10 +152,10 @@ def bagpipe(
                   "--replica-id", specs.macros.replica_id, "--num-replicas", str(ps),
                   "--nnodes", str(nnodes), "--host", ps_host,
                   "--transport", ps_type, "--heartbeat-timeout", str(heartbeat_timeout),
-                  f"--server-args={ps_args}"],
+                  f"--server-args={ps_args}", *checkpoint_args],
             num_replicas=ps,
             resource=specs.resource(cpu=ps_cpu, gpu=0, memMB=ps_memMB, h=ps_h),
-            env=dict(env or {}),
+            env=dict(job_env),
             port_map={"c10d": rdzv_port},
             max_retries=max_retries,
         )

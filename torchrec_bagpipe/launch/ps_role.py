@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["tcp", "rdma"], default="tcp")
     p.add_argument("--server-args", default="",
                    help="extra torchrec-bagpipe-ps arguments (one string)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="the job's whole-job checkpoint directory (every node sees it): this "
+                        "shard checkpoints into its ps/shard-<i> part")
+    p.add_argument("--resume", default=None,
+                   help="resume from the whole-job checkpoint in this directory: this shard "
+                        "restores its part of the manifest's set")
     p.add_argument("--startup-timeout", type=float, default=60.0,
                    help="seconds for the server to listen (default 60)")
     p.add_argument("--trainer-start-timeout", type=float, default=1800.0,
@@ -101,6 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, default=45.0,
                    help="seconds the server has to drain after SIGTERM (default 45)")
     return p
+
+
+def checkpoint_server_args(checkpoint_dir: str | None, resume: str | None,
+                           shard: int) -> list[str]:
+    """Server arguments of shard `shard` in a whole-job checkpoint (checkpoint_manifest.py):
+    its checkpoint directory under `checkpoint_dir` (or `resume`), and when resuming the set
+    the manifest names. Raises ValueError when `resume` holds no manifest."""
+    from torchrec_bagpipe.distributed.checkpoint_manifest import (
+        ps_set_dir,
+        ps_shard_dir,
+        read_manifest,
+    )
+
+    out: list[str] = []
+    directory = checkpoint_dir or resume
+    if directory:
+        out += ["--checkpoint-dir", ps_shard_dir(os.path.abspath(directory), shard)]
+    if resume:
+        manifest = read_manifest(resume)
+        if manifest is None:
+            raise ValueError(f"--resume {resume}: no whole-job checkpoint there "
+                             "(no MANIFEST.json)")
+        out += ["--restore-from", ps_set_dir(os.path.abspath(resume), shard, manifest.label)]
+    return out
 
 
 def _start_server(args: argparse.Namespace, token: str,
@@ -123,7 +153,8 @@ def _start_server(args: argparse.Namespace, token: str,
            "--shard-id", str(args.replica_id), "--num-shards", str(args.num_replicas),
            "--host", args.host, "--port", "0",
            *(["--transport", "rdma"] if args.transport == "rdma" else []),
-           *shlex.split(args.server_args)]
+           *shlex.split(args.server_args),
+           *checkpoint_server_args(args.checkpoint_dir, args.resume, args.replica_id)]
     env = {**os.environ, "BAGPIPE_JOB_TOKEN": token}
     server = Child(cmd, env, prefix=f"[ps {args.replica_id}]", on_line=on_line)
 
