@@ -124,6 +124,7 @@ def scenarios(draw):
         lookahead=lookahead,
         eviction_policy=policy,
         prepared_batches=draw(st.integers(1, 3)),
+        prepare_ahead=draw(st.booleans()),
         gradient_division=draw(st.booleans()),
         ps_timeout=30.0,
     )

@@ -115,6 +115,15 @@ class BagPipeConfig:
             "and wait in a bounded queue of prepared batches on the device"
         ),
     )
+    prepare_ahead: bool = field(
+        default=True,
+        metadata=_help(
+            "prepare step t+1 (access plan, cache query and admission, index plans, prefetch "
+            "issue) on the runtime's own thread while step t runs, leaving the training "
+            "thread only its step's tensor ops; off: prepared on the training thread at "
+            "next_step (one thread fewer: faster where the host has no spare core)"
+        ),
+    )
     placement_min_rows: int | None = field(
         default=None,
         metadata=_help(

@@ -499,7 +499,10 @@ class BagPipeController:
         )
 
     def _launch_ahead(self) -> None:
-        """Starts preparing the next step not yet prepared, if its window is full."""
+        """Starts preparing the next step not yet prepared, if its window is full (and
+        `BagPipeConfig.prepare_ahead`)."""
+        if not self.config.prepare_ahead:
+            return
         s = self._next + 1 if self._active is not None else self._next
         self._preparer.launch(s, self._submitted)
 
