@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import rdma, spawn_server
 
 BENCH = "ps_server_connections"
@@ -62,11 +63,15 @@ def _digest(token: str) -> int:
     return h ^ (h >> 33)
 
 
+_MAGIC, _HELLO, _HELLO_OK = 0x31535042, 1, 2
+_HEADER = struct.Struct("<IHHIiQQQ")  # wire.h FrameHeader: magic, version, type, slot, status, ...
+
+
 def _hello(token: str) -> bytes:
     t = token.encode()
     body = struct.pack("<II", len(t), 0) + t
-    header = struct.pack("<IHHIiQQQ", 0x31535042, 1, 1, 0, 0, 0, _digest(token), len(body))
-    return header + body
+    return _HEADER.pack(_MAGIC, C.PROTOCOL_VERSION, _HELLO, 0, 0, 0, _digest(token),
+                        len(body)) + body
 
 
 def _proc(pid: int) -> tuple[int, int]:
@@ -101,6 +106,10 @@ def _open(address: tuple[str, int], n: int, hello: bytes | None) -> list[socket.
                 if not chunk:
                     raise RuntimeError("the server closed an authenticated connection")
                 head += chunk
+            _, _, kind, _, status, *_ = _HEADER.unpack(head)
+            if kind != _HELLO_OK or status != 0:
+                raise RuntimeError(f"the server refused a Hello (frame type {kind}, status "
+                                   f"{status})")
     return socks
 
 

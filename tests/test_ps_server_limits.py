@@ -75,7 +75,6 @@ def test_handshake_deadline_is_absolute() -> None:
     try:
         hello = w.hello(TOKEN)
         with socket.create_connection((server.host, server.port), timeout=5) as s:
-            t0 = time.monotonic()
             closed = False
             for i in range(len(hello) - 1):  # a byte every 0.05 s: never a full Hello
                 try:
@@ -84,12 +83,9 @@ def test_handshake_deadline_is_absolute() -> None:
                     closed = True
                     break
                 time.sleep(0.05)
-                if time.monotonic() - t0 > 3:
-                    break
-            if not closed:
-                s.settimeout(5)
-                assert s.recv(1) == b"", "the server kept a connection past its deadline"
-            assert time.monotonic() - t0 < 3
+            # With a deadline per receive the server would keep a client that never stops
+            # trickling; an absolute one closes it while it still sends.
+            assert closed, "the server kept a trickling connection past its deadline"
         assert server.stats()["handshake_timeouts"] == 1
     finally:
         server.stop()

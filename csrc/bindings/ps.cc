@@ -25,6 +25,7 @@
 #include "common/errors.h"
 #include "common/log.h"
 #include "protocol/partitioner.h"
+#include "protocol/wire.h"
 #include "server/tcp_fuzzer.h"
 #include "server/tcp_server.h"
 #include "transport/connect.h"
@@ -99,6 +100,10 @@ BAGPIPE_BINDING(ps) {
         for (size_t i = 0; i < k.size; ++i) o[i] = p.ShardOf(k.data[i]);
       },
       py::arg("kind"), py::arg("num_shards"), py::arg("keys"), py::arg("out"));
+
+  // The wire's version, for tools that speak the protocol by hand (hostile-client tests,
+  // the connection benchmark).
+  m.attr("PROTOCOL_VERSION") = protocol::wire::kProtocolVersion;
 
   // ---- shard ----------------------------------------------------------------------------------
   py::class_<TcpShardServer>(m, "ShardServerCore")

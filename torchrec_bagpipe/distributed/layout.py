@@ -204,15 +204,6 @@ class FusedLayout:
         self._perms: dict[tuple[str, ...], list[list[int] | None]] = {}
 
     # ---- tables -------------------------------------------------------------------------------
-    @property
-    def embedding_names(self) -> list[str]:
-        """Output keys, in slot order."""
-        return [s.key for s in self.slots]
-
-    @property
-    def embedding_dims(self) -> list[int]:
-        return [s.dim for s in self.slots]
-
     def table(self, name: str) -> TableSpec:
         return self._table_by_name[name]
 

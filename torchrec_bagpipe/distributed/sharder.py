@@ -114,6 +114,36 @@ class _BagPipeSharder(BaseEmbeddingSharder[M], Generic[M]):
     def _bagpipe_tables(params: Mapping[str, ParameterSharding]) -> set[str]:
         return {name for name, p in params.items() if p.compute_kernel == BAGPIPE_KERNEL}
 
+    def _module_kwargs(self) -> dict[str, Any]:
+        """Extra constructor arguments of this sharder's sharded module."""
+        return {}
+
+    def shardable_parameters(self, module: M) -> dict[str, nn.Parameter]:
+        return self._stock().shardable_parameters(module)
+
+    def shard(
+        self,
+        module: M,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedModule[Any, Any, Any, Any]:
+        """A module without BagPipe tables goes to TorchRec's own sharder unchanged."""
+        if not self._bagpipe_tables(params):
+            return self._stock().shard(module, params, env, device, module_fqn)
+        return self.sharded_module_type(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            device=device,
+            config=self._config,
+            fused_params=self.fused_params,
+            module_fqn=module_fqn,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            **self._module_kwargs(),
+        )
+
 
 class BagPipeEmbeddingBagCollectionSharder(_BagPipeSharder[EmbeddingBagCollection]):
     """Shards EmbeddingBagCollections: BagPipe tables onto the PS, the others with TorchRec.
@@ -140,30 +170,6 @@ class BagPipeEmbeddingBagCollectionSharder(_BagPipeSharder[EmbeddingBagCollectio
     def _stock(self) -> EmbeddingBagCollectionSharder:
         return EmbeddingBagCollectionSharder(
             fused_params=self.fused_params, qcomm_codecs_registry=self.qcomm_codecs_registry
-        )
-
-    def shardable_parameters(self, module: EmbeddingBagCollection) -> dict[str, nn.Parameter]:
-        return self._stock().shardable_parameters(module)
-
-    def shard(
-        self,
-        module: EmbeddingBagCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedModule[Any, Any, Any, Any]:
-        if not self._bagpipe_tables(params):
-            return self._stock().shard(module, params, env, device, module_fqn)
-        return ShardedBagPipeEmbeddingBagCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            device=device,
-            config=self._config,
-            fused_params=self.fused_params,
-            module_fqn=module_fqn,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
         )
 
 
@@ -196,30 +202,8 @@ class BagPipeEmbeddingCollectionSharder(_BagPipeSharder[EmbeddingCollection]):
             use_index_dedup=self._use_index_dedup,
         )
 
-    def shardable_parameters(self, module: EmbeddingCollection) -> dict[str, nn.Parameter]:
-        return self._stock().shardable_parameters(module)
-
-    def shard(
-        self,
-        module: EmbeddingCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedModule[Any, Any, Any, Any]:
-        if not self._bagpipe_tables(params):
-            return self._stock().shard(module, params, env, device, module_fqn)
-        return ShardedBagPipeEmbeddingCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            device=device,
-            config=self._config,
-            fused_params=self.fused_params,
-            module_fqn=module_fqn,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup,
-        )
+    def _module_kwargs(self) -> dict[str, Any]:
+        return {"use_index_dedup": self._use_index_dedup}
 
 
 def bagpipe_sharders(
