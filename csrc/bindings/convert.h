@@ -1,5 +1,5 @@
 // Conversions shared by more than one binding file: enum names <-> values, a shard server's
-// counters and a fuzzer's counters as dicts. Errors name the argument (ValueError).
+// counters as a dict. Errors name the argument (ValueError).
 //
 // Thread safety: the dict builders need the GIL; the name conversions are pure functions.
 #pragma once
@@ -9,7 +9,6 @@
 #include <string>
 
 #include "common/errors.h"
-#include "server/frame_fuzzer.h"
 #include "server/server_stats.h"
 #include "store/init.h"
 
@@ -47,21 +46,6 @@ inline pybind11::dict ServerStatsDict(const server::ServerStats& st) {
   d["bytes_in"] = st.bytes_in;
   d["bytes_out"] = st.bytes_out;
   d["closed_by_server"] = st.closed_by_server;
-  return d;
-}
-
-// REQUIRES: GIL held. The dict behind fuzz_server() and fuzz_ucx_server().
-inline pybind11::dict FuzzStatsDict(const server::FuzzStats& st) {
-  pybind11::dict d;
-  d["bootstraps"] = st.bootstraps;
-  d["bootstraps_refused"] = st.bootstraps_refused;
-  d["frames"] = st.frames;
-  d["connections"] = st.connections;
-  d["error_replies"] = st.error_replies;
-  d["closed_by_server"] = st.closed_by_server;
-  d["accepted"] = st.accepted;
-  d["timeouts"] = st.timeouts;
-  d["first_accepted"] = st.first_accepted;
   return d;
 }
 

@@ -1,6 +1,6 @@
 // Python bindings of the commit protocol, PS shards, transports and the TCP server:
-// torchrec_bagpipe._C.{PSShardCore, ShardServerCore, PSClientCore, ClientOpCore, RawLink,
-// partition_assign, fuzz_server}. torchrec_bagpipe.ps.{shard, client, partitioner} wrap them
+// torchrec_bagpipe._C.{PSShardCore, ShardServerCore, PSClientCore, ClientOpCore,
+// partition_assign, PROTOCOL_VERSION}. torchrec_bagpipe.ps.{shard, client, partitioner} wrap them
 // and own argument conversion from tensors; settings arrive as the option structs of
 // options.cc. Types and calls only: what a call does lives in the layers below.
 //
@@ -26,11 +26,8 @@
 #include "common/log.h"
 #include "protocol/partitioner.h"
 #include "protocol/wire.h"
-#include "server/tcp_fuzzer.h"
 #include "server/tcp_server.h"
 #include "transport/connect.h"
-#include "transport/loopback_probe.h"
-#include "transport/raw_link.h"
 
 namespace bagpipe::bindings {
 namespace {
@@ -39,7 +36,6 @@ using commit::ClientOp;
 using commit::PSClient;
 using commit::PSShard;
 using server::TcpShardServer;
-using transport::RawLink;
 using transport::ShardEndpoint;
 
 // A PSClientCore endpoint: a PSShardCore (local), (host, port) (tcp) or ("ucx", host, port).
@@ -224,30 +220,6 @@ BAGPIPE_BINDING(ps) {
           },
           py::arg("options"));
 
-  py::class_<RawLink, std::shared_ptr<RawLink>>(m, "RawLink")
-      .def(py::init([](std::shared_ptr<PSShard> shard, bool authenticated) {
-             return std::make_shared<RawLink>(std::move(shard), authenticated);
-           }),
-           py::arg("shard"), py::arg("authenticated") = true)
-      .def("request",
-           [](std::shared_ptr<RawLink> self, py::bytes frame) {
-             std::string f = frame;
-             py::gil_scoped_release release;
-             return self->Request(f, self);
-           })
-      .def("take",
-           [](RawLink& self) {
-             std::vector<std::string> frames;
-             {
-               py::gil_scoped_release release;
-               frames = self.Take();
-             }
-             py::list out;
-             for (auto& f : frames) out.append(py::bytes(f));
-             return out;
-           })
-      .def("close", &RawLink::Close, py::call_guard<py::gil_scoped_release>());
-
   // ---- client -----------------------------------------------------------------------------
   py::class_<ClientOp, std::shared_ptr<ClientOp>>(m, "ClientOpCore")
       .def("done", &ClientOp::Done)
@@ -362,26 +334,6 @@ BAGPIPE_BINDING(ps) {
         return out;
       })
       .def("close", &PSClient::Close, py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
-
-  // ---- benchmark baselines ---------------------------------------------------------------------
-  m.def("raw_loopback_seconds", &transport::RawLoopbackSeconds, py::arg("total_bytes"),
-        py::arg("chunk_bytes"), py::call_guard<py::gil_scoped_release>());
-  m.def("raw_pingpong_seconds", &transport::RawPingPongSeconds, py::arg("iterations"),
-        py::arg("msg_bytes"), py::call_guard<py::gil_scoped_release>());
-
-  // ---- fuzzing ------------------------------------------------------------------------------
-  m.def(
-      "fuzz_server",
-      [](const std::string& host, uint16_t port, const std::string& token, uint64_t frames,
-         uint64_t seed) {
-        server::FuzzStats st;
-        {
-          py::gil_scoped_release release;
-          st = server::FuzzTcpServer(host, port, token, frames, seed);
-        }
-        return FuzzStatsDict(st);
-      },
-      py::arg("host"), py::arg("port"), py::arg("job_token"), py::arg("frames"), py::arg("seed"));
 }
 
 }  // namespace bagpipe::bindings

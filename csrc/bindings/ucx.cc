@@ -1,7 +1,7 @@
 // Python bindings of the rdma (UCX) transport: torchrec_bagpipe._C.{HAVE_UCX, UCX_VERSION,
-// RDMA_UNAVAILABLE, UcxServerOptions, UcxShardServerCore, serve_ucx, fuzz_ucx_server}. Built
-// in every configuration; without UCX only the flags exist (torchrec_bagpipe.ps.rdma turns
-// them into a clear error). Clients reach UCX shards through PSClientCore endpoints
+// RDMA_UNAVAILABLE, UcxServerOptions, UcxShardServerCore, serve_ucx}. Built in every
+// configuration; without UCX only the flags exist (torchrec_bagpipe.ps.rdma turns them into a
+// clear error). Clients reach UCX shards through PSClientCore endpoints
 // ("ucx", host, port) (ps.cc).
 //
 // Thread safety: the GIL is released around every call that may wait; the server runs on
@@ -18,7 +18,6 @@
 #include "transport/rdma.h"
 
 #ifdef BAGPIPE_HAVE_UCX
-#include "server/ucx_fuzzer.h"
 #include "server/ucx_server.h"
 #endif
 
@@ -69,19 +68,6 @@ BAGPIPE_BINDING(ucx) {
         return std::make_unique<UcxShardServer>(std::move(shard), options);
       },
       py::arg("shard"), py::arg("options"));
-  m.def(
-      "fuzz_ucx_server",
-      [](const std::string& host, uint16_t port, const std::string& token, uint64_t bootstraps,
-         uint64_t frames, uint64_t seed) {
-        server::FuzzStats st;
-        {
-          py::gil_scoped_release release;
-          st = server::FuzzUcxServer(host, port, token, bootstraps, frames, seed);
-        }
-        return FuzzStatsDict(st);
-      },
-      py::arg("host"), py::arg("port"), py::arg("job_token"), py::arg("bootstraps"),
-      py::arg("frames"), py::arg("seed"));
 #endif
 }
 

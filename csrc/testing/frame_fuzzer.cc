@@ -1,4 +1,4 @@
-#include "server/frame_fuzzer.h"
+#include "testing/frame_fuzzer.h"
 
 #include <cstdio>
 #include <cstring>
@@ -7,7 +7,7 @@
 
 #include "common/errors.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 
 namespace wire = protocol::wire;
 using wire::MsgType;
@@ -185,4 +185,4 @@ void FrameFuzzer::ClosingFrame() {
   Drop();
 }
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

@@ -20,9 +20,9 @@
 #include <cstdint>
 #include <string>
 
-#include "server/frame_mutator.h"
+#include "testing/frame_mutator.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 
 struct FuzzStats {
   uint64_t bootstraps = 0;          // malformed UCX bootstraps (control port; UCX only)
@@ -101,4 +101,4 @@ class FrameFuzzer {
   const bool unauthenticated_closing_;
 };
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

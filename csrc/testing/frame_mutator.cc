@@ -1,6 +1,6 @@
-#include "server/frame_mutator.h"
+#include "testing/frame_mutator.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 
 using namespace protocol::wire;  // the frame format this file builds
 
@@ -95,4 +95,4 @@ FrameMutator::Bytes FrameMutator::BrokenHeader(std::string* what) {
   return f;
 }
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

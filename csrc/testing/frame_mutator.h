@@ -19,7 +19,7 @@
 
 #include "protocol/wire.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 
 class FrameMutator {
  public:
@@ -75,4 +75,4 @@ class FrameMutator {
   const bool random_routing_;
 };
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

@@ -1,4 +1,4 @@
-#include "transport/loopback_probe.h"
+#include "testing/loopback_probe.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -10,8 +10,14 @@
 #include "common/errors.h"
 #include "transport/socket.h"
 
-namespace bagpipe::transport {
+namespace bagpipe::testing {
 namespace {
+
+using transport::ConnectTcp;
+using transport::ListenTcp;
+using transport::ReadFull;
+using transport::SetNoDelay;
+using transport::WriteAll;
 
 struct Pair {
   int client = -1;
@@ -84,4 +90,4 @@ std::vector<double> RawPingPongSeconds(size_t iterations, size_t msg_bytes) {
   return rtt;
 }
 
-}  // namespace bagpipe::transport
+}  // namespace bagpipe::testing

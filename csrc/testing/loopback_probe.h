@@ -9,7 +9,7 @@
 #include <cstddef>
 #include <vector>
 
-namespace bagpipe::transport {
+namespace bagpipe::testing {
 
 // Streams total_bytes in writes of chunk_bytes from one thread to another over 127.0.0.1;
 // returns the seconds from the first byte sent to the last byte received.
@@ -19,4 +19,4 @@ double RawLoopbackSeconds(size_t total_bytes, size_t chunk_bytes);
 // round trip in seconds.
 std::vector<double> RawPingPongSeconds(size_t iterations, size_t msg_bytes);
 
-}  // namespace bagpipe::transport
+}  // namespace bagpipe::testing

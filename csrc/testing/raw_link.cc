@@ -1,13 +1,15 @@
-#include "transport/raw_link.h"
+#include "testing/raw_link.h"
 
 #include <cstring>
 #include <iterator>
 
 #include "common/errors.h"
 
-namespace bagpipe::transport {
+namespace bagpipe::testing {
 
 namespace wire = protocol::wire;
+using transport::FrameHandler;
+using transport::PayloadFill;
 
 RawLink::RawLink(std::shared_ptr<FrameHandler> handler, bool authenticated_at_start)
     : handler_(std::move(handler)) {
@@ -60,4 +62,4 @@ void RawLink::Close() {
   handler_->LinkClosed(this);
 }
 
-}  // namespace bagpipe::transport
+}  // namespace bagpipe::testing

@@ -1,7 +1,8 @@
 // RawLink: a ServerLink driven by hand, for protocol tests (tests/test_ps_protocol.py drives
-// one from Python through torchrec_bagpipe._C.RawLink): request frames go to a FrameHandler
-// as bytes, and every frame the handler sends back is recorded as bytes (header + body) until
-// taken. No backend is involved, so a test sees exactly what the handler answers.
+// one from Python through torchrec_bagpipe.testing._C_testing.RawLink): request frames go to
+// a FrameHandler as bytes, and every frame the handler sends back is recorded as bytes
+// (header + body) until taken. No backend is involved, so a test sees exactly what the
+// handler answers.
 //
 // Thread safety: every method is thread-safe. Request delivers one frame at a time per link
 // (callers must not call it concurrently on one link, like any backend).
@@ -21,16 +22,16 @@
 
 #include "transport/frame_handler.h"
 
-namespace bagpipe::transport {
+namespace bagpipe::testing {
 
-class RawLink : public ServerLink {
+class RawLink : public transport::ServerLink {
  public:
   // REQUIRES: handler != nullptr. `authenticated`: start as if a Hello had succeeded.
-  RawLink(std::shared_ptr<FrameHandler> handler, bool authenticated);
+  RawLink(std::shared_ptr<transport::FrameHandler> handler, bool authenticated);
 
   bool Send(protocol::wire::MsgType type, protocol::wire::Status status, uint64_t tag,
             uint32_t slot, const void* fixed, size_t fixed_len, size_t payload_len,
-            const PayloadFill& fill) override;
+            const transport::PayloadFill& fill) override;
   std::string Describe() const override { return "raw"; }
 
   // Hands one frame (header + body bytes) to the handler; returns whether the link stays
@@ -42,10 +43,10 @@ class RawLink : public ServerLink {
   void Close();
 
  private:
-  const std::shared_ptr<FrameHandler> handler_;
+  const std::shared_ptr<transport::FrameHandler> handler_;
   std::mutex mu_;  // guards frames_ and closed_
   std::deque<std::string> frames_;
   bool closed_ = false;
 };
 
-}  // namespace bagpipe::transport
+}  // namespace bagpipe::testing

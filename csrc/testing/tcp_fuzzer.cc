@@ -1,4 +1,4 @@
-#include "server/tcp_fuzzer.h"
+#include "testing/tcp_fuzzer.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 #include "common/errors.h"
 #include "transport/socket.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 namespace {
 
 namespace wire = protocol::wire;
@@ -118,4 +118,4 @@ FuzzStats FuzzTcpServer(const std::string& host, uint16_t port, const std::strin
   return f.stats();
 }
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

@@ -15,13 +15,13 @@
 #include <cstdint>
 #include <string>
 
-#include "server/frame_fuzzer.h"
+#include "testing/frame_fuzzer.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 
 // Sends `frames` invalid frames to the TCP server at host:port (whose job token is
 // `job_token`). Throws TransportError if the server cannot be reached at all.
 FuzzStats FuzzTcpServer(const std::string& host, uint16_t port, const std::string& job_token,
                         uint64_t frames, uint64_t seed);
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

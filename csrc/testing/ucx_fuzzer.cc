@@ -1,4 +1,4 @@
-#include "server/ucx_fuzzer.h"
+#include "testing/ucx_fuzzer.h"
 
 #include <sys/socket.h>
 
@@ -15,7 +15,7 @@
 #include "transport/ucx_endpoint.h"
 #include "transport/ucx_wire.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 namespace {
 
 namespace ucx = transport::ucx;
@@ -224,4 +224,4 @@ FuzzStats FuzzUcxServer(const std::string& host, uint16_t port, const std::strin
   return f.stats();
 }
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing

@@ -17,9 +17,9 @@
 #include <cstdint>
 #include <string>
 
-#include "server/frame_fuzzer.h"
+#include "testing/frame_fuzzer.h"
 
-namespace bagpipe::server {
+namespace bagpipe::testing {
 
 // Sends `bootstraps` malformed bootstraps and `frames` invalid frames to the UCX listener at
 // host:port (whose job token is `job_token`). Throws TransportError if the server cannot be
@@ -27,4 +27,4 @@ namespace bagpipe::server {
 FuzzStats FuzzUcxServer(const std::string& host, uint16_t port, const std::string& job_token,
                         uint64_t bootstraps, uint64_t frames, uint64_t seed);
 
-}  // namespace bagpipe::server
+}  // namespace bagpipe::testing
