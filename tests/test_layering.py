@@ -16,10 +16,11 @@ from torchrec_bagpipe._native import C
 REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "csrc"
 
-# The native layers, lowest first: a layer includes only layers before it. bindings/testing
+# The native layers, lowest first: a layer includes only layers before it. client (the
+# trainer side of the PS protocol) and shard (the PS side) stand side by side; bindings/testing
 # (the test-only module torchrec_bagpipe.testing._C_testing) is a layer of its own, so the
 # product bindings cannot reach the test tools.
-NATIVE_ORDER = ["common", "store", "protocol", "transport", "cache", "commit", "server",
+NATIVE_ORDER = ["common", "store", "protocol", "transport", "cache", "client", "shard", "server",
                 "testing", "bindings", "bindings/testing"]
 # What each layer includes besides itself: EXACTLY the edges the code uses (an edge listed
 # here that no include uses fails too, so the table cannot drift from the code).
@@ -29,15 +30,18 @@ NATIVE_LAYERS: dict[str, set[str]] = {
     "protocol": {"common"},
     "transport": {"common", "protocol"},
     "cache": {"common"},
-    "commit": {"common", "store", "protocol", "transport"},
+    "client": {"common", "store", "protocol", "transport"},
+    "shard": {"common", "store", "protocol", "transport"},
     "server": {"common", "protocol", "transport"},
     "testing": {"common", "protocol", "transport"},
-    "bindings": {"common", "store", "protocol", "transport", "cache", "commit", "server"},
-    "bindings/testing": {"bindings", "commit", "testing"},
+    "bindings": {"common", "store", "protocol", "transport", "cache", "client", "shard",
+                 "server"},
+    "bindings/testing": {"bindings", "shard", "testing"},
 }
 # The layers of the product library (CMakeLists.txt BAGPIPE_LAYERS); bindings are the
 # extension modules above it, testing a library of its own.
-PRODUCT_LAYERS = {"common", "store", "protocol", "transport", "cache", "commit", "server"}
+PRODUCT_LAYERS = {"common", "store", "protocol", "transport", "cache", "client", "shard",
+                  "server"}
 # Not layers: the native tests may include any layer (and their own helpers).
 NATIVE_UNCHECKED = {"tests"}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -107,8 +111,8 @@ def test_every_allowed_edge_is_used() -> None:
 def test_the_include_check_sees_an_upward_include() -> None:
     # The check itself: the real tree has includes of every kind it judges.
     edges = used_edges()
-    assert ("commit", "transport") in edges and ("server", "transport") in edges
-    assert "commit" not in NATIVE_LAYERS["transport"]
+    assert ("shard", "transport") in edges and ("server", "transport") in edges
+    assert "shard" not in NATIVE_LAYERS["transport"] and "client" not in NATIVE_LAYERS["shard"]
     assert layer_of("bindings/testing/fuzz.cc") == "bindings/testing"
 
 

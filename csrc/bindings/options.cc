@@ -13,11 +13,11 @@
 
 #include "bindings/convert.h"
 #include "bindings/registry.h"
-#include "commit/client.h"
-#include "commit/ps_shard.h"
-#include "commit/table_backend.h"
+#include "client/ps_client.h"
 #include "protocol/partitioner.h"
 #include "server/tcp_server.h"
+#include "shard/ps_shard.h"
+#include "shard/table_backend.h"
 #include "store/embedding_store.h"
 #include "store/init.h"
 #include "store/optimizer.h"
@@ -90,7 +90,7 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("optimizer", &LoadOverrides::optimizer)
       .def_readwrite("weights_only", &LoadOverrides::weights_only);
 
-  using commit::TableSchema;
+  using shard::TableSchema;
   py::class_<TableSchema>(m, "TableSchema",
                           "A PS table: row width, init of never-written rows, key bound, "
                           "optimizer.")
@@ -100,8 +100,8 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("key_bound", &TableSchema::key_bound)
       .def_readwrite("optimizer", &TableSchema::optimizer);
 
-  using commit::ShardOptions;
-  py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/commit/ps_shard.h).")
+  using shard::ShardOptions;
+  py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/shard/ps_shard.h).")
       .def(py::init<>())
       .def_readwrite("shard_id", &ShardOptions::shard_id)
       .def_readwrite("num_shards", &ShardOptions::num_shards)
@@ -110,9 +110,9 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("checkpoint_every", &ShardOptions::checkpoint_every)
       .def_readwrite("max_frame_bytes", &ShardOptions::max_frame_bytes);
 
-  using commit::ClientOptions;
+  using client::ClientOptions;
   py::class_<ClientOptions>(m, "ClientOptions",
-                            "A PS client's session and protocol options (csrc/commit/client.h).")
+                            "A PS client's session and protocol options (csrc/client/ps_client.h).")
       .def(py::init<>())
       .def_readwrite("table", &ClientOptions::table)
       .def_readwrite("session", &ClientOptions::session)

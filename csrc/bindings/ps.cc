@@ -19,22 +19,22 @@
 #include "bindings/buffers.h"
 #include "bindings/convert.h"
 #include "bindings/registry.h"
-#include "commit/client.h"
-#include "commit/embedding_store_backend.h"
-#include "commit/ps_shard.h"
+#include "client/ps_client.h"
 #include "common/errors.h"
 #include "common/log.h"
 #include "protocol/partitioner.h"
 #include "protocol/wire.h"
 #include "server/tcp_server.h"
+#include "shard/embedding_store_backend.h"
+#include "shard/ps_shard.h"
 #include "transport/connect.h"
 
 namespace bagpipe::bindings {
 namespace {
 
-using commit::ClientOp;
-using commit::PSClient;
-using commit::PSShard;
+using client::ClientOp;
+using client::PSClient;
+using shard::PSShard;
 using server::TcpShardServer;
 using transport::ShardEndpoint;
 
@@ -63,11 +63,11 @@ py::dict StatsDict(const std::map<std::string, int64_t>& m) {
 }
 
 // Floats per row of a table read or written with (or without) its optimizer state.
-py::ssize_t RowWidth(const commit::TableSchema& schema, bool with_state) {
+py::ssize_t RowWidth(const shard::TableSchema& schema, bool with_state) {
   return static_cast<py::ssize_t>(schema.dim) + (with_state ? schema.state_dim() : 0);
 }
 
-py::dict ClientStatsDict(const commit::ClientStats& s) {
+py::dict ClientStatsDict(const client::ClientStats& s) {
   py::dict d;
   d["commits"] = s.commits;
   d["gets"] = s.gets;
@@ -111,7 +111,7 @@ BAGPIPE_BINDING(ps) {
       .def("stats", [](TcpShardServer& s) { return ServerStatsDict(s.stats()); });
 
   py::class_<PSShard, std::shared_ptr<PSShard>>(m, "PSShardCore")
-      .def(py::init([](const commit::ShardOptions& shard, const store::StoreOptions& store,
+      .def(py::init([](const shard::ShardOptions& shard, const store::StoreOptions& store,
                        bool verbose) {
              LogFn log;
              if (verbose) {
@@ -119,8 +119,8 @@ BAGPIPE_BINDING(ps) {
                                std::to_string(shard.num_shards));
              }
              return std::make_shared<PSShard>(shard,
-                                              commit::MakeEmbeddingStoreBackendFactory(store),
-                                              commit::MakeEmbeddingStoreBackendLoader(store),
+                                              shard::MakeEmbeddingStoreBackendFactory(store),
+                                              shard::MakeEmbeddingStoreBackendLoader(store),
                                               std::move(log));
            }),
            py::arg("shard"), py::arg("store"), py::arg("verbose"))
@@ -129,7 +129,7 @@ BAGPIPE_BINDING(ps) {
       .def_property_readonly("instance_id", &PSShard::instance_id)
       .def(
           "create_table",
-          [](PSShard& s, const std::string& name, const commit::TableSchema& schema) {
+          [](PSShard& s, const std::string& name, const shard::TableSchema& schema) {
             s.CreateTable(name, schema);
           },
           py::arg("name"), py::arg("schema"), py::call_guard<py::gil_scoped_release>())
@@ -179,10 +179,10 @@ BAGPIPE_BINDING(ps) {
            [](PSShard& s, const std::string& name) {
              auto* t = s.GetTable(name);
              const auto c = t->stats();
-             std::map<std::string, int64_t> store_stats;
+             std::map<std::string, int64_t> backend_stats;
              {
                py::gil_scoped_release release;
-               store_stats = t->store_stats();
+               backend_stats = t->backend_stats();
              }
              py::dict d;
              d["committed_step"] = c.committed_step;
@@ -197,7 +197,7 @@ BAGPIPE_BINDING(ps) {
              d["attached_ranks"] = t->attached_ranks();
              d["failed"] = t->failed();
              d["failure"] = t->failure();
-             d["store"] = StatsDict(store_stats);
+             d["store"] = StatsDict(backend_stats);
              return d;
            })
       .def("stats",
@@ -236,7 +236,7 @@ BAGPIPE_BINDING(ps) {
       .def_property_readonly("shard_steps", &ClientOp::shard_steps);
 
   py::class_<PSClient>(m, "PSClientCore")
-      .def(py::init([](py::list endpoints, const commit::ClientOptions& options,
+      .def(py::init([](py::list endpoints, const client::ClientOptions& options,
                        const transport::ConnectOptions& connect) {
              // Collect the endpoints with the GIL, connect without it.
              std::vector<ShardEndpoint> eps;
@@ -289,7 +289,7 @@ BAGPIPE_BINDING(ps) {
            })
       .def("checkpoint_report",
            [](PSClient& c) {
-             commit::CheckpointReport r;
+             client::CheckpointReport r;
              {
                py::gil_scoped_release release;
                r = c.checkpoint_report();
@@ -303,7 +303,7 @@ BAGPIPE_BINDING(ps) {
              return d;
            })
       .def("stats", [](PSClient& c) {
-        commit::ClientStats s;
+        client::ClientStats s;
         {
           py::gil_scoped_release release;
           s = c.stats();

@@ -14,7 +14,7 @@
 
 #include "bindings/convert.h"
 #include "bindings/registry.h"
-#include "commit/ps_shard.h"
+#include "shard/ps_shard.h"
 #include "transport/rdma.h"
 
 #ifdef BAGPIPE_HAVE_UCX
@@ -63,7 +63,7 @@ BAGPIPE_BINDING(ucx) {
       .def("stats", [](UcxShardServer& s) { return ServerStatsDict(s.stats()); });
   m.def(
       "serve_ucx",
-      [](std::shared_ptr<commit::PSShard> shard, const UcxServerOptions& options) {
+      [](std::shared_ptr<shard::PSShard> shard, const UcxServerOptions& options) {
         py::gil_scoped_release release;
         return std::make_unique<UcxShardServer>(std::move(shard), options);
       },

@@ -1,4 +1,4 @@
-#include "transport/device_staging.h"
+#include "client/device_staging.h"
 
 #include <algorithm>
 #include <chrono>
@@ -6,7 +6,7 @@
 
 #include "common/errors.h"
 
-namespace bagpipe::transport {
+namespace bagpipe::client {
 
 // Pinned buffers, reused by size (a buffer serves any request up to its capacity).
 class PinnedPool {
@@ -215,4 +215,4 @@ void DeviceStager::Run(Job& job) {
   }
 }
 
-}  // namespace bagpipe::transport
+}  // namespace bagpipe::client

@@ -31,9 +31,9 @@
 #include <vector>
 
 #include "common/cuda_api.h"
-#include "transport/channel.h"
+#include "common/deadline.h"
 
-namespace bagpipe::transport {
+namespace bagpipe::client {
 
 struct DeviceSource {
   const void* src = nullptr;  // device pointer to bytes of float32 rows
@@ -114,4 +114,4 @@ class DeviceStager {
   std::thread worker_;
 };
 
-}  // namespace bagpipe::transport
+}  // namespace bagpipe::client

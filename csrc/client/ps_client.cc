@@ -1,4 +1,4 @@
-#include "commit/client.h"
+#include "client/ps_client.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 
 #include "common/errors.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::client {
 
 using transport::Channel;
 using transport::Error;
@@ -1030,4 +1030,4 @@ void PSClient::Close(double timeout) {
   if (err) transport::ThrowError(*err);
 }
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::client

@@ -51,7 +51,7 @@
 #include "transport/channel.h"
 #include "transport/connect.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::client {
 
 namespace wire = protocol::wire;
 
@@ -286,4 +286,4 @@ class PSClient {
   std::thread worker_;
 };
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::client

@@ -1,4 +1,4 @@
-#include "commit/coordinator.h"
+#include "shard/coordinator.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@
 
 #include "common/errors.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 
 using transport::ServerLink;
 using wire::MsgType;
@@ -29,11 +29,11 @@ std::string FloatText(float v) {
 
 }  // namespace
 
-CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableBackend> store,
+CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableBackend> backend,
                                      int64_t committed_step, CoordinatorOptions options)
     : table_(std::move(table)),
-      store_(std::move(store)),
-      schema_(store_->schema()),
+      backend_(std::move(backend)),
+      schema_(backend_->schema()),
       options_(std::move(options)),
       committed_(committed_step) {
   stats_.committed_step = committed_step;
@@ -335,10 +335,10 @@ void CommitCoordinator::ApplyLocked() {
   if (total > 0) {
     try {
       // The segments are read in place: no concatenation of the step's gradients.
-      store_->ApplyGradientsSegments(apply_segments_.data(), apply_segments_.size(),
+      backend_->ApplyGradientsSegments(apply_segments_.data(), apply_segments_.size(),
                                      pending_lr_, divisor);
     } catch (const std::exception& e) {
-      // The store changed nothing (its invariant 3): the table stays at the committed step.
+      // The backend changed nothing (its invariant 3): the table stays at the committed step.
       FailLocked("applying step " + std::to_string(step) + " failed: " + e.what());
       return;
     }
@@ -400,7 +400,7 @@ void CommitCoordinator::ServeLocked(const Waiter& w) {
   try {
     w.link->Send(MsgType::kGetOk, Status::kOk, w.tag, w.slot, &body, sizeof(body),
                  n * (size_t{schema_.dim} + w.state_dim) * sizeof(float), [&](uint8_t* dst) {
-                   store_->Read(w.keys.data(), n, reinterpret_cast<float*>(dst), with_state);
+                   backend_->Read(w.keys.data(), n, reinterpret_cast<float*>(dst), with_state);
                  });
   } catch (const std::exception& e) {
     w.link->SendError(w.tag, w.slot, Status::kInternal, params_.session,
@@ -474,14 +474,14 @@ void CommitCoordinator::Assign(const int64_t* keys, size_t n, const float* rows,
   std::lock_guard<std::mutex> lock(mu_);
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) throw ValueError("assign: " + bad);
-  if (n > 0) store_->Assign(keys, n, rows, with_state);
+  if (n > 0) backend_->Assign(keys, n, rows, with_state);
 }
 
 int64_t CommitCoordinator::Read(const int64_t* keys, size_t n, float* out, bool with_state) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string bad = CheckKeysLocked(keys, n);
   if (!bad.empty()) throw ValueError("keys: " + bad);
-  if (n > 0) store_->Read(keys, n, out, with_state);
+  if (n > 0) backend_->Read(keys, n, out, with_state);
   ++stats_.reads;
   stats_.rows_read += static_cast<int64_t>(n);
   return committed_;
@@ -503,7 +503,7 @@ int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n
   if (committed_ < at_step) {
     throw SessionError(failed_ ? failure_ : "table '" + table_ + "': the shard is shutting down");
   }
-  if (n > 0) store_->Read(keys, n, out, with_state);
+  if (n > 0) backend_->Read(keys, n, out, with_state);
   ++stats_.reads;
   stats_.rows_read += static_cast<int64_t>(n);
   return committed_;
@@ -519,7 +519,7 @@ void CommitCoordinator::CheckpointLocked(const std::string& dir) {
   auto meta = options_.checkpoint_meta;
   meta["committed_step"] = std::to_string(committed_);
   meta["table"] = table_;
-  store_->Save(dir, meta);
+  backend_->Save(dir, meta);
   if (log_) {
     log_("table '" + table_ + "': checkpoint at committed step " + std::to_string(committed_) +
          " written to " + dir);
@@ -573,9 +573,9 @@ CoordinatorStats CommitCoordinator::stats() const {
   return stats_;
 }
 
-std::map<std::string, int64_t> CommitCoordinator::store_stats() {
+std::map<std::string, int64_t> CommitCoordinator::backend_stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return store_->Stats();
+  return backend_->Stats();
 }
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

@@ -14,7 +14,7 @@
 // every attached rank is notified.
 //
 // Thread safety: every public method is thread-safe; one internal mutex serializes them,
-// including the store calls, so a read never observes a half-applied step. Link::Send is
+// including the backend calls, so a read never observes a half-applied step. Link::Send is
 // called with that mutex held (links must not call back into the coordinator).
 //
 // Invariants:
@@ -49,14 +49,14 @@
 #include <string>
 #include <vector>
 
-#include "commit/table_backend.h"
 #include "common/deadline.h"
 #include "common/log.h"
 #include "protocol/wire.h"
+#include "shard/table_backend.h"
 #include "transport/frame_handler.h"
 #include "transport/recv_buffer.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 
 namespace wire = protocol::wire;
 
@@ -89,8 +89,8 @@ struct CoordinatorStats {
 class CommitCoordinator {
  public:
   // `committed_step`: -1 for a new table, the checkpoint's step for a restored one.
-  CommitCoordinator(std::string table, std::unique_ptr<TableBackend> store, int64_t committed_step,
-                    CoordinatorOptions options);
+  CommitCoordinator(std::string table, std::unique_ptr<TableBackend> backend,
+                    int64_t committed_step, CoordinatorOptions options);
   ~CommitCoordinator();
   CommitCoordinator(const CommitCoordinator&) = delete;
   CommitCoordinator& operator=(const CommitCoordinator&) = delete;
@@ -156,7 +156,7 @@ class CommitCoordinator {
   std::string failure() const;
   int attached_ranks() const;
   CoordinatorStats stats() const;
-  std::map<std::string, int64_t> store_stats();
+  std::map<std::string, int64_t> backend_stats();
 
  private:
   struct Chunk {
@@ -198,12 +198,12 @@ class CommitCoordinator {
   int AttachedLocked() const;
 
   const std::string table_;
-  const std::unique_ptr<TableBackend> store_;
+  const std::unique_ptr<TableBackend> backend_;
   const TableSchema schema_;
   const CoordinatorOptions options_;
   const LogFn& log_ = options_.log;
 
-  mutable std::mutex mu_;  // guards everything below and every store_ call
+  mutable std::mutex mu_;  // guards everything below and every backend_ call
   int64_t committed_ = -1;
   bool has_session_ = false;  // parameters fixed by the first Open
   SessionParams params_;
@@ -221,4 +221,4 @@ class CommitCoordinator {
   CoordinatorStats stats_;
 };
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

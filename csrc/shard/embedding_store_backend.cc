@@ -1,4 +1,4 @@
-#include "commit/embedding_store_backend.h"
+#include "shard/embedding_store_backend.h"
 
 #include <cstring>
 #include <memory>
@@ -7,7 +7,7 @@
 #include "common/errors.h"
 #include "store/embedding_store.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 namespace {
 
 class EmbeddingStoreBackend : public TableBackend {
@@ -112,4 +112,4 @@ TableBackendLoader MakeEmbeddingStoreBackendLoader(const store::StoreOptions& st
   };
 }
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

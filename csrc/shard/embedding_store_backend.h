@@ -11,10 +11,10 @@
 //      caller's struct change nothing.
 #pragma once
 
-#include "commit/table_backend.h"
+#include "shard/table_backend.h"
 #include "store/embedding_store.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 
 // Creates empty tables: `store` with dim, init, key_bound and optimizer replaced by each
 // table's schema (the rest: shards, threads, page rows, budget, spill, watermarks).
@@ -24,4 +24,4 @@ TableBackendFactory MakeEmbeddingStoreBackendFactory(const store::StoreOptions& 
 // from the checkpoint.
 TableBackendLoader MakeEmbeddingStoreBackendLoader(const store::StoreOptions& store);
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

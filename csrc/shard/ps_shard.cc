@@ -1,4 +1,4 @@
-#include "commit/ps_shard.h"
+#include "shard/ps_shard.h"
 
 #include <algorithm>
 #include <chrono>
@@ -8,7 +8,7 @@
 
 #include "common/errors.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 
 using transport::ServerLink;
 using wire::MsgType;
@@ -92,8 +92,8 @@ CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSche
     }
     return it->second.get();
   }
-  auto store = factory_(name, schema);
-  auto coord = std::make_unique<CommitCoordinator>(name, std::move(store), -1,
+  auto backend = factory_(name, schema);
+  auto coord = std::make_unique<CommitCoordinator>(name, std::move(backend), -1,
                                                    MakeCoordinatorOptions(name));
   auto* raw = coord.get();
   tables_.emplace(name, std::move(coord));
@@ -458,7 +458,7 @@ std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
   for (const auto& path : entries) {
     const std::string name = path.filename().string().substr(6);
     std::map<std::string, std::string> meta;
-    auto store = loader_(path.string(), &meta);
+    auto backend = loader_(path.string(), &meta);
     auto get = [&](const char* key) -> std::string {
       auto it = meta.find(key);
       if (it == meta.end()) {
@@ -484,12 +484,12 @@ std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
       throw ValueError("restore: checkpoint '" + path.string() + "' holds table '" +
                        get("table") + "'");
     }
-    if (options_.expected_dim != 0 && store->schema().dim != options_.expected_dim) {
+    if (options_.expected_dim != 0 && backend->schema().dim != options_.expected_dim) {
       throw ValueError("restore: table '" + name + "' has dim " +
-                       std::to_string(store->schema().dim) + ", this shard's --dim is " +
+                       std::to_string(backend->schema().dim) + ", this shard's --dim is " +
                        std::to_string(options_.expected_dim));
     }
-    auto coord = std::make_unique<CommitCoordinator>(name, std::move(store), step,
+    auto coord = std::make_unique<CommitCoordinator>(name, std::move(backend), step,
                                                      MakeCoordinatorOptions(name));
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -517,4 +517,4 @@ void PSShard::BeginShutdown(const std::string& why) {
   if (log_) log_("shutting down: " + why);
 }
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

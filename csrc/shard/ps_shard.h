@@ -28,14 +28,14 @@
 #include <string>
 #include <vector>
 
-#include "commit/coordinator.h"
-#include "commit/table_backend.h"
 #include "common/log.h"
 #include "protocol/wire.h"
+#include "shard/coordinator.h"
+#include "shard/table_backend.h"
 #include "transport/frame_handler.h"
 #include "transport/recv_buffer.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 
 struct ShardOptions {
   uint32_t shard_id = 0;
@@ -136,4 +136,4 @@ class PSShard : public transport::FrameHandler {
   ShardStats stats_;
 };
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

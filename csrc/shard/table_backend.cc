@@ -1,9 +1,9 @@
-#include "commit/table_backend.h"
+#include "shard/table_backend.h"
 
 #include <cstdio>
 #include <cstring>
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 namespace {
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
@@ -92,4 +92,4 @@ void TableBackend::ApplyGradientsSegments(const store::GradSegment* segs, size_t
   ApplyGradients(concat_keys_.data(), n, concat_grads_.data(), lr, grad_divisor);
 }
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

@@ -28,7 +28,7 @@
 
 #include "store/embedding_store.h"
 
-namespace bagpipe::commit {
+namespace bagpipe::shard {
 
 // What a table is: its row width, how never-written rows read, its key domain and its
 // optimizer. (Not the Python TableSpec of distributed/types.py, which describes a TorchRec
@@ -85,4 +85,4 @@ using TableBackendFactory =
 using TableBackendLoader = std::function<std::unique_ptr<TableBackend>(
     const std::string& dir, std::map<std::string, std::string>* meta)>;
 
-}  // namespace bagpipe::commit
+}  // namespace bagpipe::shard

@@ -205,7 +205,7 @@ class EmbeddingStore {
   void SetSpillCallback(SpillCallback cb);
 
   // Crash-safe checkpoint into `dir` (format and guarantees: checkpoint.h, manifest.h).
-  // `meta` is stored verbatim in the manifest (the commit layer records its committed step
+  // `meta` is stored verbatim in the manifest (the shard layer records its committed step
   // there). The manifest records the optimizer spec; the state files are written unless
   // weights_only (an inference export: loading it gives every row the initial state).
   // REQUIRES: dir absent, empty or a previous checkpoint (ValueError otherwise).

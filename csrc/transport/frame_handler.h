@@ -1,7 +1,7 @@
 // The shard side of the transport interface: a backend (local channel, TCP server, UCX
 // server) delivers each request frame it receives to a FrameHandler, together with the
 // ServerLink the replies go back through. The transport layer knows no more of the shard
-// than this interface (commit::PSShard implements it), so no backend depends on the commit
+// than this interface (shard::PSShard implements it), so no backend depends on the shard
 // layer.
 //
 //   ServerLink    shard side of one connection: how the handler sends a reply frame back.

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "bindings/registry.h"
-#include "commit/ps_shard.h"
+#include "shard/ps_shard.h"
 #include "testing/raw_link.h"
 
 namespace py = pybind11;
@@ -20,7 +20,7 @@ namespace bagpipe::bindings {
 BAGPIPE_BINDING(raw_link) {
   using testing::RawLink;
   py::class_<RawLink, std::shared_ptr<RawLink>>(m, "RawLink")
-      .def(py::init([](std::shared_ptr<commit::PSShard> shard, bool authenticated) {
+      .def(py::init([](std::shared_ptr<shard::PSShard> shard, bool authenticated) {
              return std::make_shared<RawLink>(std::move(shard), authenticated);
            }),
            py::arg("shard"), py::arg("authenticated") = true)
