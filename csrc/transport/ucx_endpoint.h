@@ -55,6 +55,8 @@
 //   6. An endpoint's progress thread is its own, or (shards: AcceptLimits::progress) the
 //      thread of a ProgressGroup shared with other endpoints (ucx_progress.h); either way
 //      every UCP call on its worker happens on that one thread.
+//
+// The implementation is one file per phase (ucx_endpoint_internal.h lists them).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -255,8 +257,20 @@ class Endpoint {
   const EndpointHandlers& Handlers();
   std::vector<uint8_t> WorkerAddress();        // progress thread
   void CreateEndpoint(const std::vector<uint8_t>& remote_address);  // progress thread
+  // Client: reads the shard's BootReply, its packed key and worker address off the control
+  // connection and checks them against this endpoint's ring (slots, stride, key digest).
+  // Throws TransportError (a refusal names the shard's reason) or TimeoutError.
+  void ReceiveBootReply(int fd, Deadline deadline, wire::BootReply* reply,
+                        std::vector<uint8_t>* key, std::vector<uint8_t>* address);
   // Client: reads the RingHeader back through the remote key and compares it.
   void VerifyRing(const wire::BootReply& reply, Deadline deadline);
+  // Shard: picks a random ring id and writes the RingHeader at the start of ring_.
+  void WriteRingHeader();
+  // Shard: the BootReply announcing ring_ and *key, its packed remote key, with `fault`
+  // injected (a kWrongKey decoy ring of ring_bytes is allocated into *decoy).
+  wire::BootReply MakeBootReply(BootFault fault, uint64_t ring_bytes,
+                                const std::vector<uint8_t>& my_address, std::vector<uint8_t>* key,
+                                std::unique_ptr<Region>* decoy);
 
   // ---- progress thread ---------------------------------------------------------------------
   void Loop();  // an endpoint's own thread: Step, arm, poll, until stopped; then Teardown
