@@ -94,7 +94,6 @@ class ClientOp {
 
  private:
   friend class PSClient;
-  friend class ClientRequest;
   ClientOp(OpKind kind, int64_t step) : kind_(kind), step_(step) {}
   void Finish(const std::optional<transport::Error>& error);
 
@@ -207,8 +206,7 @@ class PSClient {
   void Close(double timeout);
 
  private:
-  friend class ClientRequest;
-  class ChunkRequest;
+  class AckRequest;
   class GetRequest;
   class SyncRequest;
 
@@ -234,7 +232,7 @@ class PSClient {
   template <typename PostChunk>
   void SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector<size_t>& off,
                   bool marker, PostChunk&& post_chunk);
-  void OnChunkReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r);
+  void OnAckReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r);
   void OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r,
                   const int64_t* positions, size_t count, bool direct);
   void OnRequestFailure(const std::shared_ptr<ClientOp>& op, uint32_t shard,
