@@ -211,83 +211,115 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
                                     uint32_t slot, transport::RecvBuffer* owner) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& b = chunk.body;
-  auto reply_error = [&](Status st, const std::string& text) {
-    link->SendError(tag, slot, st, b.session, text);
-  };
-  auto ack = [&](wire::Disposition d) {
-    wire::AckBody a{};
-    a.step = b.step;
-    a.committed_step = committed_;
-    a.rank = b.rank;
-    a.chunk_index = b.chunk_index;
-    a.disposition = static_cast<uint32_t>(d);
-    link->Send(MsgType::kAck, Status::kOk, tag, slot, &a, sizeof(a), 0, nullptr);
-  };
   const std::string what = "commit of step " + std::to_string(b.step) + " rank " +
                            std::to_string(b.rank) + " chunk " + std::to_string(b.chunk_index) +
                            "/" + std::to_string(b.chunk_count);
-  if (failed_) return reply_error(Status::kSessionFailed, failure_);
-  if (shutting_down_) return reply_error(Status::kShuttingDown, "the shard is shutting down");
-  if (!has_session_ || b.rank >= attached_.size() || attached_[b.rank].get() != link.get()) {
-    return reply_error(Status::kNotOpen, what + ": this connection has not opened table '" +
-                                             table_ + "' as rank " + std::to_string(b.rank));
+  ChunkVerdict v = AdmitChunkLocked(b, link.get(), what);
+  if (v.kind == ChunkVerdict::kStore) v = SequenceChunkLocked(chunk, what);
+  if (v.kind == ChunkVerdict::kStore) {
+    const std::string bad = CheckKeysLocked(chunk.keys, b.nrows);
+    if (!bad.empty()) v = ChunkVerdict::Refuse(Status::kInvalidArgument, what + ": " + bad);
+  }
+  switch (v.kind) {
+    case ChunkVerdict::kRefuse:
+      link->SendError(tag, slot, v.status, b.session, v.text);
+      return;
+    case ChunkVerdict::kAck:
+      AckChunkLocked(b, *link, tag, slot, v.disposition);
+      return;
+    case ChunkVerdict::kStore:
+      break;
+  }
+  StoreChunkLocked(chunk, owner);
+  AckChunkLocked(b, *link, tag, slot, wire::Disposition::kStored);  // before any update work
+  if (ranks_complete_ == params_.world_size) ApplyLocked();
+}
+
+// The session's checks: the shard is serving, `link` opened the table as the chunk's rank,
+// and the chunk's session, world size, dim and lr are the session's.
+CommitCoordinator::ChunkVerdict CommitCoordinator::AdmitChunkLocked(const wire::CommitBody& b,
+                                                                    const ServerLink* link,
+                                                                    const std::string& what) {
+  using V = ChunkVerdict;
+  if (failed_) return V::Refuse(Status::kSessionFailed, failure_);
+  if (shutting_down_) return V::Refuse(Status::kShuttingDown, "the shard is shutting down");
+  if (!has_session_ || b.rank >= attached_.size() || attached_[b.rank].get() != link) {
+    return V::Refuse(Status::kNotOpen, what + ": this connection has not opened table '" +
+                                           table_ + "' as rank " + std::to_string(b.rank));
   }
   if (b.session != params_.session) {
-    return reply_error(Status::kInvalidArgument,
-                       what + ": session " + std::to_string(b.session) +
-                           " differs from the open session " + std::to_string(params_.session));
+    return V::Refuse(Status::kInvalidArgument,
+                     what + ": session " + std::to_string(b.session) +
+                         " differs from the open session " + std::to_string(params_.session));
   }
   if (b.world_size != params_.world_size) {
-    return reply_error(Status::kInvalidArgument,
-                       what + ": world_size " + std::to_string(b.world_size) +
-                           " differs from the session's " + std::to_string(params_.world_size));
+    return V::Refuse(Status::kInvalidArgument,
+                     what + ": world_size " + std::to_string(b.world_size) +
+                         " differs from the session's " + std::to_string(params_.world_size));
   }
   if (b.dim != schema_.dim) {
-    return reply_error(Status::kInvalidArgument, what + ": dim " + std::to_string(b.dim) +
-                                                     " differs from the table's " +
-                                                     std::to_string(schema_.dim));
+    return V::Refuse(Status::kInvalidArgument, what + ": dim " + std::to_string(b.dim) +
+                                                   " differs from the table's " +
+                                                   std::to_string(schema_.dim));
   }
   if (!std::isfinite(b.lr) || b.lr < 0.0f) {
-    return reply_error(Status::kInvalidArgument,
-                       what + ": lr " + FloatText(b.lr) + " must be finite and >= 0");
+    return V::Refuse(Status::kInvalidArgument,
+                     what + ": lr " + FloatText(b.lr) + " must be finite and >= 0");
   }
+  return V::Store();
+}
+
+// The step protocol's checks (invariants 1-3): a committed step's chunk is acknowledged
+// again, a later step than the next one, a conflicting lr or a conflicting retry fails the
+// session, a byte-identical retry is acknowledged as a duplicate.
+CommitCoordinator::ChunkVerdict CommitCoordinator::SequenceChunkLocked(
+    const wire::CommitView& chunk, const std::string& what) {
+  using V = ChunkVerdict;
+  const auto& b = chunk.body;
   if (b.step <= committed_) {
     ++stats_.committed_retries;
-    return ack(wire::Disposition::kAlreadyCommitted);
+    return V::Ack(wire::Disposition::kAlreadyCommitted);
   }
   if (b.step != committed_ + 1) {
     FailLocked("out-of-order step: " + what + " arrived while the shard's committed step is " +
                std::to_string(committed_) + " (it expects step " + std::to_string(committed_ + 1) +
                ")");
-    return reply_error(Status::kSessionFailed, failure_);
+    return V::Refuse(Status::kSessionFailed, failure_);
   }
   if (pending_has_lr_ && !SameBits(b.lr, pending_lr_)) {
     FailLocked("conflicting lr: " + what + " carries lr " + FloatText(b.lr) +
                " but the step's chunks received first carry " + FloatText(pending_lr_) +
                " (every rank must commit a step with the same learning rate)");
-    return reply_error(Status::kSessionFailed, failure_);
+    return V::Refuse(Status::kSessionFailed, failure_);
   }
-  RankPending& rp = pending_[b.rank];
+  const RankPending& rp = pending_[b.rank];
   if (rp.chunk_count != 0 && rp.chunk_count != b.chunk_count) {
     FailLocked("conflicting retry: " + what + " announces chunk_count " +
                std::to_string(b.chunk_count) + " but this rank's earlier chunks of the step said " +
                std::to_string(rp.chunk_count));
-    return reply_error(Status::kSessionFailed, failure_);
+    return V::Refuse(Status::kSessionFailed, failure_);
   }
   if (rp.chunk_count != 0 && rp.chunks[b.chunk_index].present) {
     const Chunk& c = rp.chunks[b.chunk_index];
     if (c.nrows == b.nrows && c.len == chunk.payload_len &&
-        (chunk.payload_len == 0 || std::memcmp(c.payload(), chunk.payload, chunk.payload_len) == 0)) {
+        (chunk.payload_len == 0 ||
+         std::memcmp(c.payload(), chunk.payload, chunk.payload_len) == 0)) {
       ++stats_.duplicate_chunks;
-      return ack(wire::Disposition::kDuplicate);
+      return V::Ack(wire::Disposition::kDuplicate);
     }
     FailLocked("conflicting retry: " + what +
                " carries a different payload than the copy received first");
-    return reply_error(Status::kSessionFailed, failure_);
+    return V::Refuse(Status::kSessionFailed, failure_);
   }
-  const std::string bad = CheckKeysLocked(chunk.keys, b.nrows);
-  if (!bad.empty()) return reply_error(Status::kInvalidArgument, what + ": " + bad);
+  return V::Store();
+}
 
+// Keeps the chunk for the pending step: takes over `owner` (the receive buffer) when it holds
+// the payload aligned, else copies it; counts the rank complete once all its chunks are in.
+void CommitCoordinator::StoreChunkLocked(const wire::CommitView& chunk,
+                                         transport::RecvBuffer* owner) {
+  const auto& b = chunk.body;
+  RankPending& rp = pending_[b.rank];
   if (rp.chunk_count == 0) {
     rp.chunk_count = b.chunk_count;
     rp.received = 0;
@@ -313,8 +345,17 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
   ++rp.received;
   ++stats_.chunks_received;
   if (rp.received == rp.chunk_count) ++ranks_complete_;
-  ack(wire::Disposition::kStored);  // before any update work: "acknowledged at once"
-  if (ranks_complete_ == params_.world_size) ApplyLocked();
+}
+
+void CommitCoordinator::AckChunkLocked(const wire::CommitBody& b, ServerLink& link, uint64_t tag,
+                                       uint32_t slot, wire::Disposition d) {
+  wire::AckBody a{};
+  a.step = b.step;
+  a.committed_step = committed_;
+  a.rank = b.rank;
+  a.chunk_index = b.chunk_index;
+  a.disposition = static_cast<uint32_t>(d);
+  link.Send(MsgType::kAck, Status::kOk, tag, slot, &a, sizeof(a), 0, nullptr);
 }
 
 void CommitCoordinator::ApplyLocked() {

@@ -184,6 +184,26 @@ class CommitCoordinator {
     uint32_t slot;
   };
 
+  // What SubmitChunk does with a chunk once it is checked.
+  struct ChunkVerdict {
+    enum Kind : uint8_t { kStore, kAck, kRefuse } kind = kStore;
+    wire::Disposition disposition = wire::Disposition::kStored;  // kAck
+    wire::Status status = wire::Status::kOk;                      // kRefuse
+    std::string text;                                             // kRefuse
+    static ChunkVerdict Store() { return {}; }
+    static ChunkVerdict Ack(wire::Disposition d) { return {kAck, d, wire::Status::kOk, {}}; }
+    static ChunkVerdict Refuse(wire::Status s, std::string t) {
+      return {kRefuse, wire::Disposition::kStored, s, std::move(t)};
+    }
+  };
+  // SubmitChunk's steps: the session's checks, the step protocol's (they may fail the
+  // session), keeping the chunk, and its acknowledgement.
+  ChunkVerdict AdmitChunkLocked(const wire::CommitBody& b, const transport::ServerLink* link,
+                                const std::string& what);
+  ChunkVerdict SequenceChunkLocked(const wire::CommitView& chunk, const std::string& what);
+  void StoreChunkLocked(const wire::CommitView& chunk, transport::RecvBuffer* owner);
+  void AckChunkLocked(const wire::CommitBody& b, transport::ServerLink& link, uint64_t tag,
+                      uint32_t slot, wire::Disposition d);
   void FailLocked(const std::string& why);
   void CheckpointLocked(const std::string& dir);
   // Tells every attached rank how the periodic checkpoint of committed_ went (error "" : ok).

@@ -365,104 +365,115 @@ std::string EncodeManifest(const Manifest& m) {
   return body + "#xxh64 " + Checksum::Hex(c.Digest()) + "\n";
 }
 
-Manifest DecodeManifest(const std::string& text, const std::string& what) {
+namespace {
+
+// The manifest's body, once its checksum trailer ("#xxh64 <16 hex>\n") matches it.
+std::string VerifiedBody(const std::string& text, const std::string& what) {
   // Trailer first: a manifest cut short anywhere fails here.
   const std::string tag = "#xxh64 ";
   const size_t at = text.rfind(tag);
   if (at == std::string::npos || text.size() != at + tag.size() + 17 || text.back() != '\n') {
     throw ValueError(what + ": torn or corrupt checkpoint (the manifest has no checksum trailer)");
   }
-  const std::string body = text.substr(0, at);
+  std::string body = text.substr(0, at);
   Checksum c;
   c.Update(body.data(), body.size());
   if (Checksum::Hex(c.Digest()) != text.substr(at + tag.size(), 16)) {
     throw ValueError(what + ": torn or corrupt checkpoint (manifest checksum mismatch)");
   }
-  const Json doc = Parser(body, what).ParseDocument();
-  Reader r(doc, "", what);
+  return body;
+}
+
+// format, version, contents and dim.
+void DecodeHead(const Reader& r, Manifest* m) {
+  const std::string& what = r.what();
   if (r.Str("format") != kCheckpointFormat) {
     throw ValueError(what + ": not an EmbeddingStore checkpoint (format '" + r.Str("format") + "')");
   }
-  Manifest m;
   const int64_t version = r.Int("version");
   if (version < kOldestCheckpointVersion || version > kCheckpointVersion) {
     throw ValueError(what + ": unknown checkpoint version " + std::to_string(version) +
                      " (this build reads versions " + std::to_string(kOldestCheckpointVersion) +
                      " to " + std::to_string(kCheckpointVersion) + ")");
   }
-  m.version = static_cast<int>(version);
+  m->version = static_cast<int>(version);
   const std::string contents = r.Str("contents");
   if (contents != "full" && contents != "weights") r.Fail("contents", "is not 'full' or 'weights'");
-  m.weights_only = contents == "weights";
+  m->weights_only = contents == "weights";
   const int64_t dim = r.Int("dim");
   if (dim <= 0 || dim > (1 << 20)) r.Fail("dim", "is out of range");
-  m.dim = static_cast<int>(dim);
+  m->dim = static_cast<int>(dim);
+}
 
-  const Reader init = r.Obj("init");
+// The "init" object: kind, seed, bound and value (as float bits), bound ranges.
+InitSpec DecodeInit(const Reader& init) {
+  InitSpec spec;
   const std::string kind = init.Str("kind");
   if (kind == "uniform") {
-    m.init.kind = InitKind::kUniform;
+    spec.kind = InitKind::kUniform;
   } else if (kind == "zeros") {
-    m.init.kind = InitKind::kZeros;
+    spec.kind = InitKind::kZeros;
   } else if (kind == "constant") {
-    m.init.kind = InitKind::kConstant;
+    spec.kind = InitKind::kConstant;
   } else {
     init.Fail("init.kind", "is unknown ('" + kind + "')");
   }
-  m.init.seed = init.UInt("seed");
+  spec.seed = init.UInt("seed");
   const uint64_t bound_bits = init.UInt("bound_bits");
   const uint64_t value_bits = init.UInt("value_bits");
   if (bound_bits > 0xFFFFFFFFu || value_bits > 0xFFFFFFFFu) init.Fail("init", "has bad float bits");
-  m.init.bound = BitsFloat(static_cast<uint32_t>(bound_bits));
-  m.init.value = BitsFloat(static_cast<uint32_t>(value_bits));
-  for (const Json& v : init.Arr("bound_starts")) m.init.bound_starts.push_back(init.ToInt(v, "init.bound_starts"));
+  spec.bound = BitsFloat(static_cast<uint32_t>(bound_bits));
+  spec.value = BitsFloat(static_cast<uint32_t>(value_bits));
+  for (const Json& v : init.Arr("bound_starts")) {
+    spec.bound_starts.push_back(init.ToInt(v, "init.bound_starts"));
+  }
   for (const Json& v : init.Arr("bound_value_bits")) {
     const uint64_t b = init.ToUInt(v, "init.bound_value_bits");
     if (b > 0xFFFFFFFFu) init.Fail("init.bound_value_bits", "has bad float bits");
-    m.init.bound_values.push_back(BitsFloat(static_cast<uint32_t>(b)));
+    spec.bound_values.push_back(BitsFloat(static_cast<uint32_t>(b)));
   }
   try {
-    ValidateInitSpec(m.init);
+    ValidateInitSpec(spec);
   } catch (const ValueError& e) {
-    throw ValueError(what + ": manifest field 'init' is invalid: " + e.what());
+    throw ValueError(init.what() + ": manifest field 'init' is invalid: " + e.what());
   }
+  return spec;
+}
 
-  m.key_bound = r.Int("key_bound");
-  const int64_t shards = r.Int("num_shards");
-  if (shards < 1 || shards > 4096) r.Fail("num_shards", "is out of range");
-  m.num_shards = static_cast<int>(shards);
-  const uint64_t page_rows = r.UInt("page_rows");
-  if (page_rows > (1u << 24)) r.Fail("page_rows", "is out of range");
-  m.page_rows = static_cast<uint32_t>(page_rows);
-  const Reader opt = r.Obj("optimizer");
+// The "optimizer" object: name, constants (version >= 2, as double bits) and state_dim.
+// REQUIRES: m->version and m->dim decoded.
+void DecodeOptimizer(const Reader& opt, Manifest* m) {
   try {
-    m.optimizer.kind = ParseOptimizerKind(opt.Str("name"));
+    m->optimizer.kind = ParseOptimizerKind(opt.Str("name"));
   } catch (const ValueError& e) {
     opt.Fail("optimizer.name", std::string("is invalid: ") + e.what());
   }
-  if (version >= 2) {
+  if (m->version >= 2) {
     for (const DoubleField& f : kOptimizerFields) {
-      m.optimizer.*f.member = BitsDouble(opt.UInt(std::string(f.name) + "_bits"));
+      m->optimizer.*f.member = BitsDouble(opt.UInt(std::string(f.name) + "_bits"));
     }
-  } else if (m.optimizer.kind != OptimizerKind::kSgd) {
+  } else if (m->optimizer.kind != OptimizerKind::kSgd) {
     opt.Fail("optimizer.name", "is not 'sgd' in a version 1 checkpoint");
   }
   try {
-    ValidateOptimizerSpec(m.optimizer);
+    ValidateOptimizerSpec(m->optimizer);
   } catch (const ValueError& e) {
-    throw ValueError(what + ": manifest field 'optimizer' is invalid: " + e.what());
+    throw ValueError(opt.what() + ": manifest field 'optimizer' is invalid: " + e.what());
   }
   const int64_t state_dim = opt.Int("state_dim");
-  if (state_dim != StateDim(m.optimizer.kind, m.dim)) {
+  if (state_dim != StateDim(m->optimizer.kind, m->dim)) {
     opt.Fail("optimizer.state_dim", "does not fit the optimizer and dim");
   }
-  m.state_dim = static_cast<int>(state_dim);
-  m.rows = r.UInt("rows");
+  m->state_dim = static_cast<int>(state_dim);
+}
 
+// The "segments" array; their counts must add up to m->rows.
+// REQUIRES: m->dim, m->state_dim, m->weights_only and m->rows decoded.
+void DecodeSegments(const Reader& r, Manifest* m) {
   uint64_t total = 0;
   const auto& segs = r.Arr("segments");
   for (size_t i = 0; i < segs.size(); ++i) {
-    const Reader s(segs[i], "segments[" + std::to_string(i) + "]", what);
+    const Reader s(segs[i], "segments[" + std::to_string(i) + "]", r.what());
     SegmentEntry e;
     e.count = s.UInt("count");
     e.keys = DecodeFile(s.Obj("keys"));
@@ -471,27 +482,53 @@ Manifest DecodeManifest(const std::string& text, const std::string& what) {
       e.has_state = true;
       e.state = DecodeFile(s.Obj("state"));
     }
-    if (e.keys.bytes != e.count * 8 || e.rows.bytes != e.count * static_cast<uint64_t>(m.dim) * 4) {
+    if (e.keys.bytes != e.count * 8 || e.rows.bytes != e.count * static_cast<uint64_t>(m->dim) * 4) {
       s.Fail(s.Name("count"), "disagrees with the file sizes");
     }
-    if (e.has_state != (m.state_dim > 0 && !m.weights_only)) {
+    if (e.has_state != (m->state_dim > 0 && !m->weights_only)) {
       s.Fail(s.Name("state"), "does not match optimizer.state_dim and contents");
     }
-    if (e.has_state && e.state.bytes != e.count * static_cast<uint64_t>(m.state_dim) * 4) {
+    if (e.has_state && e.state.bytes != e.count * static_cast<uint64_t>(m->state_dim) * 4) {
       s.Fail(s.Name("state.bytes"), "disagrees with count and state_dim");
     }
     total += e.count;
-    m.segments.push_back(std::move(e));
+    m->segments.push_back(std::move(e));
   }
-  if (total != m.rows) r.Fail("rows", "is not the sum of the segment counts");
+  if (total != m->rows) r.Fail("rows", "is not the sum of the segment counts");
+}
+
+// The "meta" object: strings only.
+void DecodeMeta(const Json& doc, const Reader& r, Manifest* m) {
   const Reader meta = r.Obj("meta");
   for (const auto& [k, v] : doc.fields) {
     if (k != "meta") continue;
     for (const auto& [mk, mv] : v.fields) {
       if (mv.kind != Json::kString) meta.Fail("meta." + mk, "is not a string");
-      m.meta[mk] = mv.text;
+      m->meta[mk] = mv.text;
     }
   }
+}
+
+}  // namespace
+
+Manifest DecodeManifest(const std::string& text, const std::string& what) {
+  const std::string body = VerifiedBody(text, what);
+  const Json doc = Parser(body, what).ParseDocument();
+  Reader r(doc, "", what);
+  Manifest m;
+  DecodeHead(r, &m);
+  m.init = DecodeInit(r.Obj("init"));
+  m.key_bound = r.Int("key_bound");
+  const int64_t shards = r.Int("num_shards");
+  if (shards < 1 || shards > 4096) r.Fail("num_shards", "is out of range");
+  m.num_shards = static_cast<int>(shards);
+  const uint64_t page_rows = r.UInt("page_rows");
+  if (page_rows > (1u << 24)) r.Fail("page_rows", "is out of range");
+  m.page_rows = static_cast<uint32_t>(page_rows);
+  DecodeOptimizer(r.Obj("optimizer"), &m);
+  m.rows = r.UInt("rows");
+  DecodeSegments(r, &m);
+  DecodeMeta(doc, r, &m);
   return m;
 }
 
