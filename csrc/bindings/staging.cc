@@ -1,7 +1,7 @@
 // Python bindings of gradient staging from device memory: torchrec_bagpipe._C.{
-// cuda_runtime_status, DeviceStagerCore, DeviceSource, commit_async_device}. Built in every configuration;
-// the CUDA runtime is loaded at run time (common/cuda_api.h), so on a machine without CUDA
-// DeviceStagerCore raises a RuntimeError naming libcudart.
+// cuda_runtime_status, DeviceStagerCore, DeviceSource, commit_async_device}. Built in every
+// configuration; the CUDA runtime is loaded at run time (common/cuda_api.h), so on a machine
+// without CUDA DeviceStagerCore raises a RuntimeError naming libcudart.
 //
 // Thread safety: the GIL is released around native calls. Device pointers and CUDA events
 // cross as integers (tensor.data_ptr(), torch.cuda.Event.cuda_event); the Python client keeps
