@@ -37,6 +37,9 @@
 //   7. Every attached rank hears of what it cannot see otherwise: each periodic checkpoint's
 //      outcome (kNotifyCheckpoint, failures included) and the shard draining
 //      (kNotifyShutdown).
+//
+// Files: coordinator.cc (sessions, reads, bulk loads, checkpoints), coordinator_commit.cc
+// (SubmitChunk and the step's application).
 #pragma once
 
 #include <condition_variable>
