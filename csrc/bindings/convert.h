@@ -2,6 +2,8 @@
 // counters as a dict. Errors name the argument (ValueError).
 //
 // Thread safety: the dict builders need the GIL; the name conversions are pure functions.
+// Invariants:
+//   1. ParseInitKind(InitKindName(k)) == k for every InitKind.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -22,6 +24,7 @@ inline store::InitKind ParseInitKind(const std::string& kind) {
   throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
 }
 
+// The name ParseInitKind reads ("unknown" for a value outside the enum).
 inline const char* InitKindName(store::InitKind kind) {
   switch (kind) {
     case store::InitKind::kUniform: return "uniform";

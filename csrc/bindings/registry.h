@@ -32,6 +32,8 @@ void RunBindings(pybind11::module_& m);
 
 }  // namespace bagpipe::bindings
 
+// BAGPIPE_BINDING(name) { ... }: defines the init function `name` (its module is `m`) and
+// registers it. REQUIRES: at namespace scope, once per name in a module.
 #define BAGPIPE_BINDING(name)                                                            \
   static void bagpipe_bind_##name(pybind11::module_& m);                                \
   static ::bagpipe::bindings::Registrar bagpipe_binding_reg_##name(#name, bagpipe_bind_##name); \

@@ -54,6 +54,7 @@ class PinnedPool;
 
 class StagedRows {
  public:
+  // Returns the pinned buffer to the pool (invariant 2).
   ~StagedRows();
   // The rows (n x dim), readable while this object lives. Throws TimeoutError at the
   // deadline (or when the producer's event never completed), or the staging error.

@@ -83,8 +83,10 @@ enum class OpKind : uint8_t { kCommit = 0, kGet = 1, kAssign = 2, kCheckpoint = 
 // An asynchronous operation's handle.
 class ClientOp {
  public:
+  // What the operation is (fixed at submission).
   OpKind kind() const { return kind_; }
   int64_t step() const { return step_; }  // commit step / get at_step; -1 otherwise
+  // True once the operation succeeded or failed (Wait then returns or throws at once).
   bool Done() const;
   // Waits until done; throws TimeoutError at the deadline (the operation continues), or the
   // operation's error (TransportError, SessionError, ValueError, TimeoutError).
@@ -159,6 +161,7 @@ class PSClient {
   PSClient(const PSClient&) = delete;
   PSClient& operator=(const PSClient&) = delete;
 
+  // The options as given to the constructor.
   const ClientOptions& options() const { return options_; }
   // Optimizer state floats per row of the table (StateDim of options().optimizer).
   uint32_t state_dim() const { return state_dim_; }

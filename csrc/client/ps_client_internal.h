@@ -31,12 +31,14 @@ using wire::kHeaderBytes;
 using wire::MsgType;
 using wire::Status;
 
+// "[s0, s1, ...]": the shards' committed steps in a message.
 inline std::string StepsText(const std::vector<int64_t>& steps) {
   std::string s = "[";
   for (size_t i = 0; i < steps.size(); ++i) s += (i ? ", " : "") + std::to_string(steps[i]);
   return s + "]";
 }
 
+// The operation's name in a message ("commit", "get", ...).
 inline const char* OpName(OpKind k) {
   switch (k) {
     case OpKind::kCommit: return "commit";
@@ -52,8 +54,10 @@ inline const char* OpName(OpKind k) {
 // A packet whose reply is a plain acknowledgement (Ack, AssignOk, CheckpointOk).
 class PSClient::AckRequest : public transport::PendingRequest {
  public:
+  // One packet of `op` to shard `shard`. REQUIRES: client outlives the request.
   AckRequest(PSClient* client, std::shared_ptr<ClientOp> op, uint32_t shard)
       : client_(client), op_(std::move(op)), shard_(shard) {}
+  // The reply or the failure goes to the client; a failure fails the client (fatal).
   void OnReply(const Reply& r) override { client_->OnAckReply(op_, shard_, r); }
   void OnFailure(const Error& e) override { client_->OnRequestFailure(op_, shard_, e, true); }
 
@@ -67,11 +71,14 @@ class PSClient::AckRequest : public transport::PendingRequest {
 // contiguous, else in the slot's reply buffer and are scattered from there.
 class PSClient::GetRequest : public transport::PendingRequest {
  public:
+  // `count` rows for op's output positions[0..count); `direct`: the positions are
+  // consecutive. REQUIRES: client outlives the request; positions point into op->order_.
   GetRequest(PSClient* client, std::shared_ptr<ClientOp> op, uint32_t shard,
              const int64_t* positions, size_t count, bool direct)
       : client_(client), op_(std::move(op)), shard_(shard), positions_(positions), count_(count),
         direct_(direct) {}
 
+  // Where a well-formed direct reply's rows go: op's output itself; nullptr otherwise.
   uint8_t* ReplySink(const Reply& head, size_t payload_len) override {
     const size_t width = client_->options_.dim + op_->state_dim_;
     if (!direct_ || head.type() != MsgType::kGetOk || head.status() != Status::kOk ||
@@ -85,6 +92,7 @@ class PSClient::GetRequest : public transport::PendingRequest {
     }
     return reinterpret_cast<uint8_t*>(op_->out_ + positions_[0] * static_cast<int64_t>(width));
   }
+  // The reply or the failure goes to the client; a failure fails only this get.
   void OnReply(const Reply& r) override {
     client_->OnGetReply(op_, shard_, r, positions_, count_, direct_);
   }

@@ -94,10 +94,12 @@ class CommitCoordinator {
   // `committed_step`: -1 for a new table, the checkpoint's step for a restored one.
   CommitCoordinator(std::string table, std::unique_ptr<TableBackend> backend,
                     int64_t committed_step, CoordinatorOptions options);
+  // Pending chunks and deferred reads are dropped unanswered.
   ~CommitCoordinator();
   CommitCoordinator(const CommitCoordinator&) = delete;
   CommitCoordinator& operator=(const CommitCoordinator&) = delete;
 
+  // Fixed at construction: the table's name and its backend's schema.
   const std::string& table() const { return table_; }
   const TableSchema& schema() const { return schema_; }
 
@@ -123,22 +125,25 @@ class CommitCoordinator {
   // replies, and protocol violations fail the session (invariants 2, 3).
   // `owner`, if not null and holding chunk.payload, may be taken over (swapped with the
   // chunk slot's previous buffer) instead of copying the payload; otherwise it is untouched.
-  void SubmitChunk(const wire::CommitView& chunk, const std::shared_ptr<transport::ServerLink>& link,
+  // REQUIRES: chunk parsed by wire::ParseCommit, its pointers valid during the call.
+  void SubmitChunk(const wire::CommitView& chunk,
+                   const std::shared_ptr<transport::ServerLink>& link,
                    uint64_t tag, uint32_t slot, transport::RecvBuffer* owner = nullptr);
 
   // Serves a read of n keys now or once committed_step >= at_step, replying through `link`
   // (kGetOk with the rows, or an error). `state_dim` 0 reads weights only; the table's
   // state_dim reads rows with their optimizer state (table_backend.h invariant 4); any other
-  // value is refused. Never throws.
+  // value is refused. Never throws. REQUIRES: keys holds n keys (copied when deferred).
   void Get(int64_t at_step, const int64_t* keys, size_t n, uint32_t dim, uint32_t state_dim,
            const std::shared_ptr<transport::ServerLink>& link, uint64_t tag, uint32_t slot);
 
   // Bulk load (outside the step protocol); rows with their state when with_state.
-  // Throws ValueError for a key out of range.
+  // Throws ValueError for a key out of range. REQUIRES: rows n x (dim [+ state_dim]).
   void Assign(const int64_t* keys, size_t n, const float* rows, bool with_state = false);
 
   // Reads rows (with their state when with_state) at the current committed step
-  // (in-process use). Throws ValueError.
+  // (in-process use); returns that step. Throws ValueError. REQUIRES: out n x (dim
+  // [+ state_dim]).
   int64_t Read(const int64_t* keys, size_t n, float* out, bool with_state = false);
 
   // Waits until committed_step >= at_step or the deadline, then reads. Throws TimeoutError /
@@ -154,11 +159,14 @@ class CommitCoordinator {
   // (wire::kNotifyShutdown with `why`), and refuses new work. Idempotent.
   void Shutdown(const std::string& why);
 
+  // Snapshots under the mutex: the committed step, whether the session failed and why (the
+  // first error, "" if none), the ranks attached now, the counters since construction.
   int64_t committed_step() const;
   bool failed() const;
   std::string failure() const;
   int attached_ranks() const;
   CoordinatorStats stats() const;
+  // The backend's own counters (TableBackend::Stats), read under the mutex.
   std::map<std::string, int64_t> backend_stats();
 
  private:

@@ -59,10 +59,14 @@ class PSShard : public transport::FrameHandler {
   // (ValueError naming the field).
   PSShard(ShardOptions options, TableBackendFactory factory, TableBackendLoader loader,
           LogFn log = nullptr);
+  // Destroys the tables (pending work dropped unanswered). Servers and links hold the shard
+  // by shared_ptr, so no frame is delivered to it any more.
   ~PSShard() override;
   PSShard(const PSShard&) = delete;
   PSShard& operator=(const PSShard&) = delete;
 
+  // The options as given; a random id drawn at construction and announced in HelloOk (a
+  // restarted shard has another).
   const ShardOptions& options() const { return options_; }
   uint64_t instance_id() const { return instance_id_; }
 
@@ -99,6 +103,7 @@ class PSShard : public transport::FrameHandler {
   void BeginShutdown(const std::string& why);
   bool shutting_down() const { return shutting_down_.load(); }
 
+  // Counters since construction.
   ShardStats stats();
 
   // The directory of table `name` inside checkpoint directory `dir`.

@@ -52,6 +52,7 @@ std::string SchemaDifference(const TableSchema& a, const TableSchema& b);
 class TableBackend {
  public:
   virtual ~TableBackend() = default;
+  // What the table is; fixed for the backend's life.
   virtual const TableSchema& schema() const = 0;
   // Applies one optimizer step (invariant 1).
   // REQUIRES: grad_divisor >= 1; lr finite; keys within schema().key_bound (checked by the

@@ -47,6 +47,7 @@ class EmbeddingStore::Impl {
   static constexpr size_t kTasksPerThread = 4;  // dynamic claiming balances uneven threads
   static constexpr size_t kMaxKeysPerCall = 0xFFFFFFFFu;  // batch indices are uint32
 
+  // Bytes between weight rows: dim floats rounded up to a cache line.
   static size_t RowStride(int dim) {
     return RoundUp(static_cast<size_t>(dim) * sizeof(float), kRowAlign);
   }
@@ -68,16 +69,20 @@ class EmbeddingStore::Impl {
     return p;
   }
   static bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
+  // floor(log2(v)). REQUIRES: v > 0.
   static int Log2(uint64_t v) { return 63 - __builtin_clzll(v); }
+  // Arena bytes of one row: its weights and its state, with padding.
   static size_t SlotBytes(int dim, int state_dim) {
     return RowStride(dim) + StateStride(state_dim);
   }
   // The options with every field checked (ValueError naming it) and the automatic values
   // resolved: page_rows 0 (about 2 MiB of rows per page), memory_budget -1 (half the memory).
   static StoreOptions Resolve(StoreOptions o);
+
   // One hash shard: its key map and the per-op scratch of the thread that runs it.
   // Owner: the thread that runs the shard's task of the current batch op.
   struct Shard {
+    // An empty key map for a store of 2^shard_bits hash shards.
     explicit Shard(int shard_bits) : map(shard_bits) {}
 
     KeyMap map;
@@ -111,11 +116,15 @@ class EmbeddingStore::Impl {
     std::vector<uint32_t> freed;                  // slots the current Erase released
   };
 
+  // REQUIRES: options valid (Resolve throws ValueError naming the field otherwise).
   explicit Impl(const StoreOptions& options);
 
+  // The resolved options, and the optimizer state floats per row.
   const StoreOptions& options() const { return opt_; }
   int state_dim() const { return state_dim_; }
 
+  // EmbeddingStore's operations (their contracts: embedding_store.h), each under mu_.
+  // RequireSgd throws ValueError naming `optimizer` and `method` unless the store runs SGD.
   void Lookup(const int64_t* keys, size_t n, float* out, float* state_out, bool insert_missing);
   void Assign(const int64_t* keys, size_t n, const float* rows, const float* state);
   void ApplyGradients(const int64_t* keys, size_t n, const float* grads, float lr, int divisor);

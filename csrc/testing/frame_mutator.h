@@ -32,14 +32,18 @@ class FrameMutator {
       : token_(std::move(token)), digest_(protocol::wire::TokenDigest(token_)), rng_(seed),
         random_routing_(random_routing) {}
 
+  // The server's job token and its digest (wire::TokenDigest).
   const std::string& token() const { return token_; }
   uint64_t digest() const { return digest_; }
 
+  // The generator's next 64-bit value (invariant 1).
   uint64_t Next() { return rng_(); }
   // A uniform value in [0, n); 0 when n is 0.
   uint64_t U(uint64_t n) { return n ? rng_() % n : 0; }
+  // n values of the generator, one byte each.
   Bytes RandomBytes(size_t n);
 
+  // Appends v's bytes (trivially copyable T) / n bytes at p to *b.
   template <typename T>
   static void Append(Bytes* b, const T& v) {
     AppendBytes(b, &v, sizeof(T));

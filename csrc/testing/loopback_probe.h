@@ -4,6 +4,8 @@
 // machine's loopback does in the same run.
 //
 // Thread safety: each call owns its sockets and threads.
+// Invariants:
+//   1. Every socket and thread a call made is gone when it returns.
 #pragma once
 
 #include <cstddef>

@@ -29,9 +29,11 @@ class RawLink : public transport::ServerLink {
   // REQUIRES: handler != nullptr. `authenticated`: start as if a Hello had succeeded.
   RawLink(std::shared_ptr<transport::FrameHandler> handler, bool authenticated);
 
+  // Records the frame (invariant 1); false once closed (invariant 2).
   bool Send(protocol::wire::MsgType type, protocol::wire::Status status, uint64_t tag,
             uint32_t slot, const void* fixed, size_t fixed_len, size_t payload_len,
             const transport::PayloadFill& fill) override;
+  // "raw", for log lines.
   std::string Describe() const override { return "raw"; }
 
   // Hands one frame (header + body bytes) to the handler; returns whether the link stays

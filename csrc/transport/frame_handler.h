@@ -85,12 +85,14 @@ class FrameHandler {
 
   virtual ~FrameHandler() = default;
 
+  // What HelloOk announces; fixed for the handler's life.
   virtual Identity identity() const = 0;
   // Where a backend logs connection events (violations); may be empty.
   virtual const LogFn& log() const = 0;
 
   // Handles one request frame from `link` and replies through it. Returns false when the
-  // connection must be closed (invariant 1). Never throws. `owner`, if not null, is the
+  // connection must be closed (invariant 1). Never throws. REQUIRES: body holds
+  // header.body_len bytes; one call at a time per link. `owner`, if not null, is the
   // buffer that holds body: the handler may take it over (swapping in another buffer)
   // instead of copying the body.
   virtual bool HandleFrame(const std::shared_ptr<ServerLink>& link,

@@ -40,9 +40,11 @@ class TcpChannel : public Channel {
                                              const std::string& job_token,
                                              const ChannelOptions& options,
                                              double connect_timeout);
+  // Close(), then the socket is closed.
   ~TcpChannel() override;
 
   const char* kind() const override { return "tcp"; }
+  // The shard's instance id from its HelloOk (PSShard::instance_id).
   uint64_t remote_instance() const { return remote_instance_; }
 
  protected:

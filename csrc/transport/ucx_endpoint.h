@@ -192,10 +192,12 @@ class Endpoint {
       const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
       Deadline deadline);
 
+  // Close(graceful unless failed). REQUIRES: as Close.
   ~Endpoint();
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
 
+  // Fixed by the bootstrap: which side this is, who the peer is, the ring's geometry.
   Role role() const { return role_; }
   const std::string& peer() const { return peer_; }
   uint32_t num_slots() const { return num_slots_; }
@@ -222,11 +224,13 @@ class Endpoint {
   // thread. Idempotent. REQUIRES: not called from a handler.
   void Close(bool graceful = true);
 
+  // Whether the endpoint failed, and the first failure (message "" if none).
   bool failed() const;
   Failure failure() const;
   // Waits (bounded) until a failed endpoint finished its failure handling (invariant 4):
   // after it, UCX writes nothing more into Landing buffers. Returns at once if not failed.
   void WaitFailureHandled(Deadline deadline);
+  // Counters since construction; whether the caller is the endpoint's progress thread.
   EndpointStats stats() const;
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
 

@@ -106,6 +106,7 @@ struct MessagePrefix {
 };
 static_assert(sizeof(MessagePrefix) == 8);
 
+// Bytes between ring slots: slot_bytes rounded up to kSlotAlign.
 inline size_t SlotStride(size_t slot_bytes) {
   return (slot_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
 }
