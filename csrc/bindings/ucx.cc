@@ -2,7 +2,7 @@
 // RDMA_UNAVAILABLE, UcxServerOptions, UcxShardServerCore, serve_ucx}. Built in every
 // configuration; without UCX only the flags exist (torchrec_bagpipe.ps.rdma turns them into a
 // clear error). Clients reach UCX shards through PSClientCore endpoints
-// ("ucx", host, port) (ps.cc).
+// ("ucx", host, port) (client.cc).
 //
 // Thread safety: the GIL is released around every call that may wait; the server runs on
 // native threads that never touch Python objects.
