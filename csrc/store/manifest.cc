@@ -7,171 +7,15 @@
 
 #include "common/errors.h"
 #include "store/checksum.h"
+#include "store/manifest_json.h"
 
 namespace bagpipe::store {
 
+using manifest_json::Json;
+using manifest_json::Quote;
+using manifest_json::Reader;
+
 namespace {
-
-// ---- a minimal JSON value (objects, arrays, strings, numbers kept as text, booleans) ----
-struct Json {
-  enum Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = kNull;
-  std::string text;  // number literal or string contents
-  bool boolean = false;
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> fields;
-};
-
-class Parser {
- public:
-  Parser(const std::string& s, const std::string& what) : s_(s), what_(what) {}
-
-  Json ParseDocument() {
-    Json v = ParseValue(0);
-    SkipSpace();
-    if (pos_ != s_.size()) Fail("trailing characters");
-    return v;
-  }
-
- private:
-  [[noreturn]] void Fail(const std::string& why) {
-    throw ValueError(what_ + ": malformed manifest (" + why + " at byte " + std::to_string(pos_) +
-                     ")");
-  }
-  void SkipSpace() {
-    while (pos_ < s_.size() && std::strchr(" \t\r\n", s_[pos_]) != nullptr) ++pos_;
-  }
-  char Peek() {
-    SkipSpace();
-    if (pos_ >= s_.size()) Fail("unexpected end");
-    return s_[pos_];
-  }
-  void Expect(char c) {
-    if (Peek() != c) Fail(std::string("expected '") + c + "'");
-    ++pos_;
-  }
-  Json ParseValue(int depth) {
-    if (depth > 32) Fail("nesting too deep");
-    const char c = Peek();
-    Json v;
-    if (c == '{') {
-      v.kind = Json::kObject;
-      ++pos_;
-      if (Peek() == '}') {
-        ++pos_;
-        return v;
-      }
-      for (;;) {
-        if (Peek() != '"') Fail("expected a key");
-        std::string key = ParseString();
-        Expect(':');
-        v.fields.emplace_back(std::move(key), ParseValue(depth + 1));
-        if (Peek() == ',') {
-          ++pos_;
-          continue;
-        }
-        Expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.kind = Json::kArray;
-      ++pos_;
-      if (Peek() == ']') {
-        ++pos_;
-        return v;
-      }
-      for (;;) {
-        v.items.push_back(ParseValue(depth + 1));
-        if (Peek() == ',') {
-          ++pos_;
-          continue;
-        }
-        Expect(']');
-        return v;
-      }
-    }
-    if (c == '"') {
-      v.kind = Json::kString;
-      v.text = ParseString();
-      return v;
-    }
-    if (s_.compare(pos_, 4, "true") == 0 || s_.compare(pos_, 5, "false") == 0) {
-      v.kind = Json::kBool;
-      v.boolean = s_[pos_] == 't';
-      pos_ += v.boolean ? 4 : 5;
-      return v;
-    }
-    if (s_.compare(pos_, 4, "null") == 0) {
-      pos_ += 4;
-      return v;
-    }
-    const size_t start = pos_;
-    while (pos_ < s_.size() && std::strchr("+-0123456789.eE", s_[pos_]) != nullptr) ++pos_;
-    if (pos_ == start) Fail("unexpected character");
-    v.kind = Json::kNumber;
-    v.text = s_.substr(start, pos_ - start);
-    return v;
-  }
-  std::string ParseString() {
-    Expect('"');
-    std::string out;
-    for (;;) {
-      if (pos_ >= s_.size()) Fail("unterminated string");
-      const char c = s_[pos_++];
-      if (c == '"') return out;
-      if (c != '\\') {
-        out.push_back(c);
-        continue;
-      }
-      if (pos_ >= s_.size()) Fail("unterminated escape");
-      const char e = s_[pos_++];
-      switch (e) {
-        case '"': out.push_back('"'); break;
-        case '\\': out.push_back('\\'); break;
-        case '/': out.push_back('/'); break;
-        case 'b': out.push_back('\b'); break;
-        case 'f': out.push_back('\f'); break;
-        case 'n': out.push_back('\n'); break;
-        case 'r': out.push_back('\r'); break;
-        case 't': out.push_back('\t'); break;
-        case 'u': {
-          if (pos_ + 4 > s_.size()) Fail("short \\u escape");
-          const unsigned long cp = std::stoul(s_.substr(pos_, 4), nullptr, 16);
-          pos_ += 4;
-          if (cp > 0xFF) Fail("\\u escape above 0xFF (the writer escapes bytes only)");
-          out.push_back(static_cast<char>(cp));
-          break;
-        }
-        default:
-          Fail("bad escape");
-      }
-    }
-  }
-
-  const std::string& s_;
-  const std::string& what_;
-  size_t pos_ = 0;
-};
-
-// Strings are byte strings: control bytes and '"' '\\' are escaped, other bytes (UTF-8
-// included) pass through unchanged.
-void Quote(std::ostringstream& os, const std::string& s) {
-  os << '"';
-  for (unsigned char c : s) {
-    if (c == '"') {
-      os << "\\\"";
-    } else if (c == '\\') {
-      os << "\\\\";
-    } else if (c < 0x20 || c == 0x7F) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      os << buf;
-    } else {
-      os << c;
-    }
-  }
-  os << '"';
-}
 
 uint32_t FloatBits(float f) {
   uint32_t b;
@@ -231,72 +75,6 @@ void EncodeFile(std::ostringstream& os, const FileEntry& f) {
   Quote(os, f.file);
   os << ", \"bytes\": " << f.bytes << ", \"xxh64\": \"" << Checksum::Hex(f.xxh64) << "\"}";
 }
-
-// Field access with errors that name the field.
-class Reader {
- public:
-  Reader(const Json& obj, std::string path, const std::string& what)
-      : obj_(obj), path_(std::move(path)), what_(what) {
-    if (obj_.kind != Json::kObject) Fail(path_, "is not an object");
-  }
-  [[noreturn]] void Fail(const std::string& field, const std::string& why) const {
-    throw ValueError(what_ + ": manifest field '" + field + "' " + why);
-  }
-  const Json* Find(const std::string& key) const {
-    for (const auto& [k, v] : obj_.fields) {
-      if (k == key) return &v;
-    }
-    return nullptr;
-  }
-  const Json& Get(const std::string& key, Json::Kind kind) const {
-    const Json* v = Find(key);
-    if (v == nullptr) Fail(Name(key), "is missing");
-    if (v->kind != kind) Fail(Name(key), "has the wrong type");
-    return *v;
-  }
-  std::string Name(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
-  int64_t Int(const std::string& key) const { return ToInt(Get(key, Json::kNumber), Name(key)); }
-  uint64_t UInt(const std::string& key) const { return ToUInt(Get(key, Json::kNumber), Name(key)); }
-  std::string Str(const std::string& key) const { return Get(key, Json::kString).text; }
-  uint64_t Hex(const std::string& key) const {
-    const std::string t = Str(key);
-    if (t.size() != 16 || t.find_first_not_of("0123456789abcdef") != std::string::npos) {
-      Fail(Name(key), "is not 16 hex digits");
-    }
-    return std::stoull(t, nullptr, 16);
-  }
-  Reader Obj(const std::string& key) const { return Reader(Get(key, Json::kObject), Name(key), what_); }
-  const std::vector<Json>& Arr(const std::string& key) const { return Get(key, Json::kArray).items; }
-  const std::string& what() const { return what_; }
-
-  int64_t ToInt(const Json& v, const std::string& name) const {
-    if (v.kind != Json::kNumber) Fail(name, "is not a number");
-    try {
-      size_t used = 0;
-      const long long x = std::stoll(v.text, &used);
-      if (used != v.text.size()) Fail(name, "is not an integer");
-      return x;
-    } catch (const std::logic_error&) {
-      Fail(name, "is not a 64-bit integer");
-    }
-  }
-  uint64_t ToUInt(const Json& v, const std::string& name) const {
-    if (v.kind != Json::kNumber || v.text.empty() || v.text[0] == '-') Fail(name, "is not unsigned");
-    try {
-      size_t used = 0;
-      const unsigned long long x = std::stoull(v.text, &used);
-      if (used != v.text.size()) Fail(name, "is not an integer");
-      return x;
-    } catch (const std::logic_error&) {
-      Fail(name, "is not a 64-bit unsigned integer");
-    }
-  }
-
- private:
-  const Json& obj_;
-  std::string path_;
-  const std::string& what_;
-};
 
 FileEntry DecodeFile(const Reader& r) {
   FileEntry f;
@@ -513,7 +291,7 @@ void DecodeMeta(const Json& doc, const Reader& r, Manifest* m) {
 
 Manifest DecodeManifest(const std::string& text, const std::string& what) {
   const std::string body = VerifiedBody(text, what);
-  const Json doc = Parser(body, what).ParseDocument();
+  const Json doc = manifest_json::Parse(body, what);
   Reader r(doc, "", what);
   Manifest m;
   DecodeHead(r, &m);
