@@ -105,4 +105,4 @@ bench: build
 	$(PY) benchmarks/ps_transport.py --quick
 
 clean:
-	rm -rf build torchrec_bagpipe/_C*.so
+	rm -rf build torchrec_bagpipe/_C*.so torchrec_bagpipe/testing/_C_testing*.so

@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import EmbeddingStore, PSClient, PSShard, rdma
+from torchrec_bagpipe.testing import _C_testing as tools
 
 GB = 1e9
 
@@ -61,7 +61,7 @@ def raw_gbps(nbytes: int, repeats: int) -> float:
     secs: dict[int, list[float]] = {w: [] for w in RAW_WRITE_BYTES}
     for _ in range(repeats):
         for w in RAW_WRITE_BYTES:
-            secs[w].append(C.raw_loopback_seconds(nbytes, w))
+            secs[w].append(tools.raw_loopback_seconds(nbytes, w))
     return max(nbytes / statistics.median(v) / GB for v in secs.values())
 
 
@@ -195,7 +195,7 @@ def bench_round_trip(transport: str, iterations: int) -> None:
         step = 1
         before = counters(client)
         for _ in range(blocks):
-            raw.extend(C.raw_pingpong_seconds(iterations // blocks, 88))
+            raw.extend(tools.raw_pingpong_seconds(iterations // blocks, 88))
             for _ in range(iterations // blocks):
                 t0 = time.perf_counter()
                 client.commit_async(step, empty_k, empty_g).wait()
@@ -240,7 +240,7 @@ def main() -> int:
         for metric, value in zip(("store_read_gbps", "store_sgd_gbps"), stores[(rows, d)]):
             emit(bench="ps_transport", metric=metric, value=value, unit="GB/s", baseline=None,
                  ratio=None, threads=1, dim=d, transport="in-process store", rows=rows)
-    pings = C.raw_pingpong_seconds(2000 if args.quick else 10000, 88)
+    pings = tools.raw_pingpong_seconds(2000 if args.quick else 10000, 88)
     raw_us = statistics.median(pings) * 1e6
     emit(bench="ps_transport", metric="raw_pingpong_us", value=raw_us, unit="us", baseline=None,
          ratio=None, threads=1, transport="raw-tcp", msg_bytes=88)

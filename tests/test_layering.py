@@ -1,6 +1,7 @@
 """The code's layering stays true (docs/ARCHITECTURE.md, "Layers"): native includes only run
-downward through csrc/'s folders, no binding takes more than 8 positional arguments (settings
-cross as option structs), and the Python package imports without cycles."""
+downward through csrc/'s folders, along exactly the edges listed here; the test tools stay out
+of the product; no binding takes more than 8 positional arguments (settings cross as option
+structs), and the Python package imports without cycles."""
 
 from __future__ import annotations
 
@@ -15,22 +16,47 @@ from torchrec_bagpipe._native import C
 REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "csrc"
 
-# What each native layer may include besides itself, lowest layer first:
-#   common < store < protocol < transport < commit < server < bindings; cache beside commit.
+# The native layers, lowest first: a layer includes only layers before it. client (the
+# trainer side of the PS protocol) and shard (the PS side) stand side by side; bindings/testing
+# (the test-only module torchrec_bagpipe.testing._C_testing) is a layer of its own, so the
+# product bindings cannot reach the test tools.
+NATIVE_ORDER = ["common", "store", "protocol", "transport", "cache", "client", "shard", "server",
+                "testing", "bindings", "bindings/testing"]
+# What each layer includes besides itself: EXACTLY the edges the code uses (an edge listed
+# here that no include uses fails too, so the table cannot drift from the code).
 NATIVE_LAYERS: dict[str, set[str]] = {
     "common": set(),
     "store": {"common"},
-    "protocol": {"common", "store"},
-    "transport": {"common", "store", "protocol"},
+    "protocol": {"common"},
+    "transport": {"common", "protocol"},
     "cache": {"common"},
-    "commit": {"common", "store", "protocol", "transport"},
-    "server": {"common", "store", "protocol", "transport", "commit"},
-    "bindings": {"common", "store", "protocol", "transport", "cache", "commit", "server"},
+    "client": {"common", "store", "protocol", "transport"},
+    "shard": {"common", "store", "protocol", "transport"},
+    "server": {"common", "protocol", "transport"},
+    "testing": {"common", "protocol", "transport"},
+    "bindings": {"common", "store", "protocol", "transport", "cache", "client", "shard",
+                 "server"},
+    "bindings/testing": {"bindings", "shard", "testing"},
 }
+# The layers of the product library (CMakeLists.txt BAGPIPE_LAYERS); bindings are the
+# extension modules above it, testing a library of its own.
+PRODUCT_LAYERS = {"common", "store", "protocol", "transport", "cache", "client", "shard",
+                  "server"}
 # Not layers: the native tests may include any layer (and their own helpers).
 NATIVE_UNCHECKED = {"tests"}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 MAX_POSITIONAL = 8
+# What the test tools export; none of it may be in the product module.
+TEST_TOOL_NAMES = {"RawLink", "fuzz_server", "fuzz_ucx_server", "raw_loopback_seconds",
+                   "raw_pingpong_seconds"}
+
+
+def layer_of(path: str) -> str:
+    """The layer of a csrc/-relative path (a file, or the target of an include)."""
+    parts = path.split("/")
+    if parts[0] == "bindings" and len(parts) > 2 and parts[1] == "testing":
+        return "bindings/testing"
+    return parts[0]
 
 
 def native_includes() -> list[tuple[str, Path, str]]:
@@ -39,7 +65,7 @@ def native_includes() -> list[tuple[str, Path, str]]:
     for path in sorted(CSRC.rglob("*")):
         if path.suffix not in (".h", ".cc"):
             continue
-        layer = path.relative_to(CSRC).parts[0]
+        layer = layer_of(path.relative_to(CSRC).as_posix())
         if layer in NATIVE_UNCHECKED:
             continue
         for included in INCLUDE.findall(path.read_text()):
@@ -47,27 +73,64 @@ def native_includes() -> list[tuple[str, Path, str]]:
     return out
 
 
+def used_edges() -> set[tuple[str, str]]:
+    return {(layer, layer_of(inc)) for layer, _, inc in native_includes()
+            if layer_of(inc) != layer}
+
+
 def test_every_native_folder_is_a_known_layer() -> None:
     folders = {p.name for p in CSRC.iterdir() if p.is_dir()}
-    assert folders - NATIVE_UNCHECKED == set(NATIVE_LAYERS), (
-        "a new csrc/ folder must be placed in NATIVE_LAYERS (and docs/ARCHITECTURE.md)"
+    folders |= {f"bindings/{p.name}" for p in (CSRC / "bindings").iterdir() if p.is_dir()}
+    assert folders - NATIVE_UNCHECKED == set(NATIVE_LAYERS) == set(NATIVE_ORDER), (
+        "a new csrc/ folder must be placed in NATIVE_ORDER and NATIVE_LAYERS (and "
+        "docs/ARCHITECTURE.md)"
     )
 
 
-def test_native_includes_only_run_downward() -> None:
+def test_the_layer_table_runs_downward() -> None:
+    rank = {layer: i for i, layer in enumerate(NATIVE_ORDER)}
+    upward = [f"{a} -> {b}" for a, deps in NATIVE_LAYERS.items() for b in deps
+              if rank[b] >= rank[a]]
+    assert not upward, upward
+
+
+def test_native_includes_follow_the_layer_table() -> None:
     upward = []
     for layer, path, included in native_includes():
-        target = included.split("/", 1)[0]
+        target = layer_of(included)
         if target != layer and target not in NATIVE_LAYERS[layer]:
             upward.append(f"{path.relative_to(REPO)} includes {included}")
     assert not upward, "includes against the layer order:\n" + "\n".join(upward)
 
 
+def test_every_allowed_edge_is_used() -> None:
+    allowed = {(a, b) for a, deps in NATIVE_LAYERS.items() for b in deps}
+    assert allowed - used_edges() == set(), "edges no include uses: drop them from NATIVE_LAYERS"
+
+
 def test_the_include_check_sees_an_upward_include() -> None:
     # The check itself: the real tree has includes of every kind it judges.
-    pairs = {(layer, inc.split("/", 1)[0]) for layer, _, inc in native_includes()}
-    assert ("commit", "transport") in pairs and ("server", "transport") in pairs
-    assert "commit" not in NATIVE_LAYERS["transport"]
+    edges = used_edges()
+    assert ("shard", "transport") in edges and ("server", "transport") in edges
+    assert "shard" not in NATIVE_LAYERS["transport"] and "client" not in NATIVE_LAYERS["shard"]
+    assert layer_of("bindings/testing/fuzz.cc") == "bindings/testing"
+
+
+def test_the_product_library_is_the_product_layers() -> None:
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    m = re.search(r"^set\(BAGPIPE_LAYERS ([^)]*)\)", cmake, re.MULTILINE)
+    assert m, "CMakeLists.txt no longer sets BAGPIPE_LAYERS"
+    assert set(m.group(1).split()) == PRODUCT_LAYERS
+    assert all("testing" not in NATIVE_LAYERS[layer] for layer in PRODUCT_LAYERS | {"bindings"})
+
+
+def test_the_product_module_carries_no_test_tools() -> None:
+    assert TEST_TOOL_NAMES.isdisjoint(dir(C)), TEST_TOOL_NAMES & set(dir(C))
+    assert not [n for n in dir(C) if "fuzz" in n.lower() or "raw" in n.lower()]
+    from torchrec_bagpipe.testing import _C_testing as tools  # built by `make build`
+
+    want = TEST_TOOL_NAMES - (set() if C.HAVE_UCX else {"fuzz_ucx_server"})
+    assert want <= set(dir(tools))
 
 
 # ---- bindings -------------------------------------------------------------------------------

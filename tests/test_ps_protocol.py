@@ -33,8 +33,8 @@ from ps_reference import ReferencePS
 from ps_transports import endpoint, params, transport_env
 
 from torchrec_bagpipe import SessionError
-from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import PSClient, PSShard
+from torchrec_bagpipe.testing import _C_testing as tools
 
 DIM = 3
 KEYS = 12
@@ -78,7 +78,7 @@ class CommitProtocol(RuleBasedStateMachine):
         self.world = world
         self.lr = lr
         self.shard = PSShard(0, 1)
-        self.links = [C.RawLink(self.shard.core, True) for _ in range(world)]
+        self.links = [tools.RawLink(self.shard.core, True) for _ in range(world)]
         for r, link in enumerate(self.links):
             link.request(w.open_session("t", session=SESSION, rank=r, world_size=world, dim=DIM,
                                         grad_division=division, init="uniform",

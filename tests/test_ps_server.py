@@ -14,8 +14,8 @@ import torch
 from ps_transports import address, params, server_args
 
 from torchrec_bagpipe import TransportError
-from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import PSClient, spawn_server
+from torchrec_bagpipe.testing import _C_testing as tools
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,12 +79,12 @@ def fuzz(server: object, transport: str, token: str) -> dict:
     Returns frames, accepted, timeouts, rejected (error replies + connections closed on a
     frame) and connections."""
     if not transport.startswith("rdma"):
-        st = C.fuzz_server(server.host, server.port, token, 100_000, 1234)
+        st = tools.fuzz_server(server.host, server.port, token, 100_000, 1234)
         return {"frames": st["frames"], "accepted": st["accepted"],
                 "first_accepted": st["first_accepted"], "timeouts": st["timeouts"],
                 "rejected": st["error_replies"] + st["closed_by_server"],
                 "connections": st["connections"], "want_frames": 100_000}
-    st = C.fuzz_ucx_server(server.host, server.port, token, 1000, 4000, 1234)
+    st = tools.fuzz_ucx_server(server.host, server.port, token, 1000, 4000, 1234)
     assert st["bootstraps_refused"] == st["bootstraps"] == 1000
     return {"frames": st["frames"], "accepted": st["accepted"],
             "first_accepted": st["first_accepted"], "timeouts": st["timeouts"],

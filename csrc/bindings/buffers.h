@@ -51,7 +51,8 @@ inline const char* DtypeName<uint8_t>() { return "uint8"; }
 template <>
 inline const char* DtypeName<int32_t>() { return "int32"; }
 
-// Returns the buffer of `arr` after checking dtype T, C-contiguity and ndim.
+// Returns the buffer of `arr` after checking dtype T, C-contiguity, writability (when asked)
+// and ndim (TypeError / ValueError naming `name`). REQUIRES (every check here): GIL held.
 template <typename T>
 py::buffer_info CheckedBuffer(const py::array& arr, const char* name, int ndim, bool writable) {
   if (!py::isinstance<py::array_t<T>>(arr) || arr.dtype().kind() != py::dtype::of<T>().kind() ||
@@ -72,6 +73,7 @@ py::buffer_info CheckedBuffer(const py::array& arr, const char* name, int ndim, 
   return arr.request(writable);
 }
 
+// A 1-D array of T.
 template <typename T>
 ConstVec<T> Vec(const py::array& arr, const char* name) {
   auto info = CheckedBuffer<T>(arr, name, 1, false);

@@ -33,6 +33,8 @@ namespace {
 using cache::CacheMetadata;
 using cache::RankPlan;
 using cache::StepPlanner;
+using MetadataClass = py::class_<CacheMetadata>;
+using PlannerClass = py::class_<StepPlanner>;
 
 template <typename T>
 py::array_t<T> ToArray(std::vector<T>&& v) {
@@ -70,8 +72,8 @@ py::array_t<int64_t> Shrunk(py::array_t<int64_t> a, int64_t k) {
 
 void SameLength(size_t n, size_t m, const char* a, const char* b) {
   if (n != m) {
-    throw ValueError(std::string(b) + " must have the length of " + a + " (" +
-                     std::to_string(n) + "), got " + std::to_string(m));
+    throw ValueError(std::string(b) + " must have the length of " + a + " (" + std::to_string(n) +
+                     "), got " + std::to_string(m));
   }
 }
 
@@ -80,8 +82,7 @@ struct Triple {
 };
 
 // Checks three equally long int64 arrays.
-Triple CheckTriple(const py::array& keys, const py::array& versions,
-                   const py::array& next_uses) {
+Triple CheckTriple(const py::array& keys, const py::array& versions, const py::array& next_uses) {
   Triple t{Vec<int64_t>(keys, "keys"), Vec<int64_t>(versions, "versions"),
            Vec<int64_t>(next_uses, "next_uses")};
   SameLength(t.keys.size, t.versions.size, "keys", "versions");
@@ -98,11 +99,9 @@ py::tuple QueryCall(CacheMetadata& c, const py::array& keys, const py::array& ve
   auto miss_pos = NewIndexArray(n);
   const cache::QueryOut out{hit_pos.mutable_data(), hit_slots.mutable_data(),
                             miss_pos.mutable_data()};
-  const auto r = MaybeWithoutGil(n, [&] {
-    return c.QueryInto(t.keys.data, t.versions.data, t.next_uses.data, n, out);
-  });
-  return py::make_tuple(Shrunk(std::move(hit_pos), r.hits),
-                        Shrunk(std::move(hit_slots), r.hits),
+  const auto r = MaybeWithoutGil(
+      n, [&] { return c.QueryInto(t.keys.data, t.versions.data, t.next_uses.data, n, out); });
+  return py::make_tuple(Shrunk(std::move(hit_pos), r.hits), Shrunk(std::move(hit_slots), r.hits),
                         Shrunk(std::move(miss_pos), r.misses), r.stale);
 }
 
@@ -116,9 +115,8 @@ py::tuple AdmitCall(CacheMetadata& c, const py::array& keys, const py::array& ve
   auto bypassed = NewIndexArray(n);
   const cache::AdmitOut out{pos.mutable_data(), slots.mutable_data(), evicted.mutable_data(),
                             bypassed.mutable_data()};
-  const auto r = MaybeWithoutGil(n, [&] {
-    return c.AdmitInto(t.keys.data, t.versions.data, t.next_uses.data, n, out);
-  });
+  const auto r = MaybeWithoutGil(
+      n, [&] { return c.AdmitInto(t.keys.data, t.versions.data, t.next_uses.data, n, out); });
   return py::make_tuple(Shrunk(std::move(pos), r.placed), Shrunk(std::move(slots), r.placed),
                         Shrunk(std::move(evicted), r.evicted),
                         Shrunk(std::move(bypassed), r.bypassed));
@@ -156,180 +154,177 @@ py::dict PlanDict(const RankPlan& p) {
   return d;
 }
 
-}  // namespace
-}  // namespace bagpipe::bindings
+// Construction, its properties and moving to a step.
+void BindMetadataState(MetadataClass& cls) {
+  cls.def(py::init([](int64_t capacity_units, const std::string& policy) {
+            return new CacheMetadata(capacity_units, cache::ParseEvictionPolicy(policy));
+          }),
+          py::arg("capacity_units"), py::arg("policy") = "oracle");
+  cls.def_property_readonly("capacity_rows", &CacheMetadata::capacity_rows);
+  cls.def_property_readonly("policy", [](const CacheMetadata& c) {
+    return c.policy() == cache::EvictionPolicy::kLru ? "lru" : "oracle";
+  });
+  cls.def_property_readonly("current_step", &CacheMetadata::current_step);
+  cls.def("__len__", &CacheMetadata::size);
+  cls.def(
+      "advance",
+      [](CacheMetadata& c, int64_t step) {
+        // Expiring a step's pins touches every row the step pinned.
+        MaybeWithoutGil(static_cast<size_t>(c.pin_entries()), [&] { c.Advance(step); });
+      },
+      py::arg("step"), "Moves to `step`: expired pins are released, stale next uses cleared.");
+}
 
-BAGPIPE_BINDING(cache) {
-  using namespace bagpipe;
-  using namespace bagpipe::bindings;
+// The batch calls of a step (GIL released from kReleaseGilKeys keys on).
+void BindMetadataBatches(MetadataClass& cls) {
+  cls.def("query", &QueryCall, py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
+          "-> (hit_pos, hit_slots, miss_pos, stale)");
+  cls.def("admit", &AdmitCall, py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
+          "-> (pos, slots, evicted_keys, bypassed): pos[i] is the source row of slots[i]");
+  cls.def(
+      "lookup",
+      [](const CacheMetadata& c, const py::array& keys) {
+        auto v = Vec<int64_t>(keys, "keys");
+        auto out = NewIndexArray(v.size);
+        int64_t* o = out.mutable_data();
+        MaybeWithoutGil(v.size, [&] { c.Lookup(v.data, v.size, o); });
+        return out;
+      },
+      py::arg("keys"), "-> slot of each key, else -1");
+  cls.def(
+      "resident",
+      [](const CacheMetadata& c, const py::array& keys, const py::array& versions) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto v = Vec<int64_t>(versions, "versions");
+        SameLength(k.size, v.size, "keys", "versions");
+        auto out = NewIndexArray(k.size);
+        int64_t* o = out.mutable_data();
+        MaybeWithoutGil(k.size, [&] { c.Resident(k.data, v.data, k.size, o); });
+        return out;
+      },
+      py::arg("keys"), py::arg("versions"),
+      "-> slot of each key if resident at that version, else -1 (no state change)");
+  cls.def(
+      "set_version",
+      [](CacheMetadata& c, const py::array& slots, int64_t version) {
+        auto v = Vec<int64_t>(slots, "slots");
+        MaybeWithoutGil(v.size, [&] { c.SetVersion(v.data, v.size, version); });
+      },
+      py::arg("slots"), py::arg("version"));
+  cls.def(
+      "pin",
+      [](CacheMetadata& c, const py::array& slots, int64_t pin_step) {
+        auto v = Vec<int64_t>(slots, "slots");
+        MaybeWithoutGil(v.size, [&] { c.Pin(v.data, v.size, pin_step); });
+      },
+      py::arg("slots"), py::arg("pin_step"));
+  cls.def(
+      "note_uses",
+      [](CacheMetadata& c, const py::array& keys, int64_t step) {
+        auto v = Vec<int64_t>(keys, "keys");
+        MaybeWithoutGil(v.size, [&] { c.NoteUses(v.data, v.size, step); });
+      },
+      py::arg("keys"), py::arg("step"));
+  cls.def(
+      "invalidate",
+      [](CacheMetadata& c, const py::array& keys) {
+        auto v = Vec<int64_t>(keys, "keys");
+        return ToArray(MaybeWithoutGil(v.size, [&] { return c.Invalidate(v.data, v.size); }));
+      },
+      py::arg("keys"), "-> slots freed");
+}
 
-  py::class_<CacheMetadata>(m, "BagPipeCacheMetadata", R"doc(
-Metadata of one rank's bounded embedding cache: key -> slot, per-slot version (the step whose
-commit the cached values reflect), pins, and the eviction order (lru or oracle).
-Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
-)doc")
-      .def(py::init([](int64_t capacity_units, const std::string& policy) {
-             return new CacheMetadata(capacity_units, cache::ParseEvictionPolicy(policy));
-           }),
-           py::arg("capacity_units"), py::arg("policy") = "oracle")
-      .def_property_readonly("capacity_rows", &CacheMetadata::capacity_rows)
-      .def_property_readonly("policy",
-                             [](const CacheMetadata& c) {
-                               return c.policy() == cache::EvictionPolicy::kLru ? "lru"
-                                                                                : "oracle";
-                             })
-      .def_property_readonly("current_step", &CacheMetadata::current_step)
-      .def("__len__", &CacheMetadata::size)
-      .def(
-          "advance",
-          [](CacheMetadata& c, int64_t step) {
-            // Expiring a step's pins touches every row the step pinned.
-            MaybeWithoutGil(static_cast<size_t>(c.pin_entries()), [&] { c.Advance(step); });
-          },
-          py::arg("step"), "Moves to `step`: expired pins are released, stale next uses cleared.")
-      .def("query", &QueryCall, py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
-           "-> (hit_pos, hit_slots, miss_pos, stale)")
-      .def("admit", &AdmitCall, py::arg("keys"), py::arg("versions"), py::arg("next_uses"),
-           "-> (pos, slots, evicted_keys, bypassed): pos[i] is the source row of slots[i]")
-      .def(
-          "lookup",
-          [](const CacheMetadata& c, const py::array& keys) {
-            auto v = Vec<int64_t>(keys, "keys");
-            auto out = NewIndexArray(v.size);
-            int64_t* o = out.mutable_data();
-            MaybeWithoutGil(v.size, [&] { c.Lookup(v.data, v.size, o); });
-            return out;
-          },
-          py::arg("keys"), "-> slot of each key, else -1")
-      .def(
-          "resident",
-          [](const CacheMetadata& c, const py::array& keys, const py::array& versions) {
-            auto k = Vec<int64_t>(keys, "keys");
-            auto v = Vec<int64_t>(versions, "versions");
-            SameLength(k.size, v.size, "keys", "versions");
-            auto out = NewIndexArray(k.size);
-            int64_t* o = out.mutable_data();
-            MaybeWithoutGil(k.size, [&] { c.Resident(k.data, v.data, k.size, o); });
-            return out;
-          },
-          py::arg("keys"), py::arg("versions"),
-          "-> slot of each key if resident at that version, else -1 (no state change)")
-      .def(
-          "set_version",
-          [](CacheMetadata& c, const py::array& slots, int64_t version) {
-            auto v = Vec<int64_t>(slots, "slots");
-            MaybeWithoutGil(v.size, [&] { c.SetVersion(v.data, v.size, version); });
-          },
-          py::arg("slots"), py::arg("version"))
-      .def(
-          "pin",
-          [](CacheMetadata& c, const py::array& slots, int64_t pin_step) {
-            auto v = Vec<int64_t>(slots, "slots");
-            MaybeWithoutGil(v.size, [&] { c.Pin(v.data, v.size, pin_step); });
-          },
-          py::arg("slots"), py::arg("pin_step"))
-      .def(
-          "note_uses",
-          [](CacheMetadata& c, const py::array& keys, int64_t step) {
-            auto v = Vec<int64_t>(keys, "keys");
-            MaybeWithoutGil(v.size, [&] { c.NoteUses(v.data, v.size, step); });
-          },
-          py::arg("keys"), py::arg("step"))
-      .def(
-          "invalidate",
-          [](CacheMetadata& c, const py::array& keys) {
-            auto v = Vec<int64_t>(keys, "keys");
-            return ToArray(MaybeWithoutGil(v.size, [&] { return c.Invalidate(v.data, v.size); }));
-          },
-          py::arg("keys"), "-> slots freed")
-      .def("clear", &CacheMetadata::Clear)
-      .def("stats", [](const CacheMetadata& c) { return StatsDict(c.Stats()); })
-      .def(
-          "slot",
-          [](const CacheMetadata& c, int64_t slot) {
-            auto s = c.Slot(slot);
-            const char* state = s.state == cache::SlotState::kFree ? "free" : "ready";
-            return py::make_tuple(s.key, state, s.version,
-                                  s.next_use == cache::kNever ? -1 : s.next_use, s.pin_step);
-          },
-          py::arg("slot"), "-> (key, state, version, next_use (-1: none), pin_step)")
-      .def("victim_order", [](const CacheMetadata& c) { return ToArray(c.VictimOrder()); });
+// Clearing, counters and what tests and debugging look at.
+void BindMetadataInspection(MetadataClass& cls) {
+  cls.def("clear", &CacheMetadata::Clear);
+  cls.def("stats", [](const CacheMetadata& c) { return StatsDict(c.Stats()); });
+  cls.def(
+      "slot",
+      [](const CacheMetadata& c, int64_t slot) {
+        auto s = c.Slot(slot);
+        const char* state = s.state == cache::SlotState::kFree ? "free" : "ready";
+        return py::make_tuple(s.key, state, s.version,
+                              s.next_use == cache::kNever ? -1 : s.next_use, s.pin_step);
+      },
+      py::arg("slot"), "-> (key, state, version, next_use (-1: none), pin_step)");
+  cls.def("victim_order", [](const CacheMetadata& c) { return ToArray(c.VictimOrder()); });
+}
 
-  py::class_<StepPlanner>(m, "StepPlanner", R"doc(
-Global facts of every step's accesses seen from one rank: unique keys + inverse, dependency
-steps, next/previous reads inside the lookahead window, keys other ranks touch, and (collective
-aggregation) the global union with its S_now rows. Not thread-safe.
-)doc")
-      .def(py::init([](int world_size, int rank, int64_t lookahead, int64_t num_keys,
-                       bool collective) {
-             cache::PlannerOptions o;
-             o.world_size = world_size;
-             o.rank = rank;
-             o.lookahead = lookahead;
-             o.num_keys = num_keys;
-             o.collective = collective;
-             return new StepPlanner(o);
-           }),
-           py::arg("world_size"), py::arg("rank"), py::arg("lookahead"), py::arg("num_keys"),
-           py::arg("collective") = false)
-      .def_property_readonly("num_steps", &StepPlanner::num_steps)
-      .def_property_readonly("first_retained", &StepPlanner::first_retained)
-      .def_property_readonly("distinct_keys", &StepPlanner::distinct_keys)
-      .def("memory_bytes", &StepPlanner::MemoryBytes)
-      .def(
-          "add_step",
-          [](StepPlanner& p, const py::array& keys, const py::array& offsets,
-             int64_t global_ids) {
-            auto k = Vec<int64_t>(keys, "keys");
-            auto o = Vec<int64_t>(offsets, "offsets");
-            const size_t w = static_cast<size_t>(p.options().world_size);
-            if (o.size != w + 1) {
-              throw ValueError("offsets must have world_size + 1 = " + std::to_string(w + 1) +
-                               " entries, got " + std::to_string(o.size));
-            }
-            if (o.data[w] != static_cast<int64_t>(k.size) || o.data[0] != 0) {
-              throw ValueError("offsets must run from 0 to len(keys) = " +
-                               std::to_string(k.size));
-            }
-            py::gil_scoped_release release;
-            return p.AddStep(k.data, o.data, global_ids);
-          },
-          py::arg("keys"), py::arg("offsets"), py::arg("global_ids") = -1,
-          "Adds the next step; rank q's keys are keys[offsets[q]:offsets[q+1]] (another rank's "
-          "may be its distinct keys only; global_ids then gives the step's id count, "
-          "duplicates included; -1: len(keys)). -> step")
-      .def(
-          "add_steps",
-          [](StepPlanner& p, const py::array& keys, const py::array& offsets) {
-            auto k = Vec<int64_t>(keys, "keys");
-            auto o = Vec<int64_t>(offsets, "offsets");
-            const size_t w = static_cast<size_t>(p.options().world_size);
-            if (o.size < 1 || (o.size - 1) % w != 0) {
-              throw ValueError("offsets must have steps * world_size + 1 entries, got " +
-                               std::to_string(o.size));
-            }
-            if (o.data[0] != 0 || o.data[o.size - 1] != static_cast<int64_t>(k.size)) {
-              throw ValueError("offsets must run from 0 to len(keys) = " +
-                               std::to_string(k.size));
-            }
-            const size_t steps = (o.size - 1) / w;
-            py::gil_scoped_release release;
-            std::vector<int64_t> local(w + 1);
-            for (size_t s = 0; s < steps; ++s) {
-              const int64_t base = o.data[s * w];
-              for (size_t q = 0; q <= w; ++q) local[q] = o.data[s * w + q] - base;
-              p.AddStep(k.data + base, local.data());
-            }
-            return steps;
-          },
-          py::arg("keys"), py::arg("offsets"),
-          "Adds several steps: offsets[s*W + q] is where step s, rank q starts. -> steps added")
-      .def(
-          "plan", [](const StepPlanner& p, int64_t step) { return PlanDict(p.Plan(step)); },
-          py::arg("step"), "-> dict of numpy arrays (copies) for `step`")
-      .def("release", &StepPlanner::Release, py::arg("upto"),
-           "Drops the plans of steps < upto.");
+// Construction and what the planner holds.
+void BindPlannerState(PlannerClass& cls) {
+  cls.def(
+      py::init([](int world_size, int rank, int64_t lookahead, int64_t num_keys, bool collective) {
+        cache::PlannerOptions o;
+        o.world_size = world_size;
+        o.rank = rank;
+        o.lookahead = lookahead;
+        o.num_keys = num_keys;
+        o.collective = collective;
+        return new StepPlanner(o);
+      }),
+      py::arg("world_size"), py::arg("rank"), py::arg("lookahead"), py::arg("num_keys"),
+      py::arg("collective") = false);
+  cls.def_property_readonly("num_steps", &StepPlanner::num_steps);
+  cls.def_property_readonly("first_retained", &StepPlanner::first_retained);
+  cls.def_property_readonly("distinct_keys", &StepPlanner::distinct_keys);
+  cls.def("memory_bytes", &StepPlanner::MemoryBytes);
+}
 
+// Adding steps (GIL released), their plans and releasing them.
+void BindPlannerSteps(PlannerClass& cls) {
+  cls.def(
+      "add_step",
+      [](StepPlanner& p, const py::array& keys, const py::array& offsets, int64_t global_ids) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto o = Vec<int64_t>(offsets, "offsets");
+        const size_t w = static_cast<size_t>(p.options().world_size);
+        if (o.size != w + 1) {
+          throw ValueError("offsets must have world_size + 1 = " + std::to_string(w + 1) +
+                           " entries, got " + std::to_string(o.size));
+        }
+        if (o.data[w] != static_cast<int64_t>(k.size) || o.data[0] != 0) {
+          throw ValueError("offsets must run from 0 to len(keys) = " + std::to_string(k.size));
+        }
+        py::gil_scoped_release release;
+        return p.AddStep(k.data, o.data, global_ids);
+      },
+      py::arg("keys"), py::arg("offsets"), py::arg("global_ids") = -1,
+      "Adds the next step; rank q's keys are keys[offsets[q]:offsets[q+1]] (another rank's "
+      "may be its distinct keys only; global_ids then gives the step's id count, "
+      "duplicates included; -1: len(keys)). -> step");
+  cls.def(
+      "add_steps",
+      [](StepPlanner& p, const py::array& keys, const py::array& offsets) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto o = Vec<int64_t>(offsets, "offsets");
+        const size_t w = static_cast<size_t>(p.options().world_size);
+        if (o.size < 1 || (o.size - 1) % w != 0) {
+          throw ValueError("offsets must have steps * world_size + 1 entries, got " +
+                           std::to_string(o.size));
+        }
+        if (o.data[0] != 0 || o.data[o.size - 1] != static_cast<int64_t>(k.size)) {
+          throw ValueError("offsets must run from 0 to len(keys) = " + std::to_string(k.size));
+        }
+        const size_t steps = (o.size - 1) / w;
+        py::gil_scoped_release release;
+        std::vector<int64_t> local(w + 1);
+        for (size_t s = 0; s < steps; ++s) {
+          const int64_t base = o.data[s * w];
+          for (size_t q = 0; q <= w; ++q) local[q] = o.data[s * w + q] - base;
+          p.AddStep(k.data + base, local.data());
+        }
+        return steps;
+      },
+      py::arg("keys"), py::arg("offsets"),
+      "Adds several steps: offsets[s*W + q] is where step s, rank q starts. -> steps added");
+  cls.def(
+      "plan", [](const StepPlanner& p, int64_t step) { return PlanDict(p.Plan(step)); },
+      py::arg("step"), "-> dict of numpy arrays (copies) for `step`");
+  cls.def("release", &StepPlanner::Release, py::arg("upto"), "Drops the plans of steps < upto.");
+}
+
+// unique_keys: distinct keys in first-occurrence order.
+void BindUniqueKeys(py::module_& m) {
   m.def(
       "unique_keys",
       [](const py::array& keys, bool return_inverse) -> py::object {
@@ -346,3 +341,26 @@ aggregation) the global union with its S_now rows. Not thread-safe.
       py::arg("keys"), py::arg("return_inverse") = false,
       "Distinct keys in first-occurrence order (-> unique, or (unique, inverse)).");
 }
+
+}  // namespace
+
+BAGPIPE_BINDING(cache) {
+  MetadataClass metadata(m, "BagPipeCacheMetadata", R"doc(
+Metadata of one rank's bounded embedding cache: key -> slot, per-slot version (the step whose
+commit the cached values reflect), pins, and the eviction order (lru or oracle).
+Capacity is in units of 64 rows. Not thread-safe: the owner serializes calls.
+)doc");
+  BindMetadataState(metadata);
+  BindMetadataBatches(metadata);
+  BindMetadataInspection(metadata);
+  PlannerClass planner(m, "StepPlanner", R"doc(
+Global facts of every step's accesses seen from one rank: unique keys + inverse, dependency
+steps, next/previous reads inside the lookahead window, keys other ranks touch, and (collective
+aggregation) the global union with its S_now rows. Not thread-safe.
+)doc");
+  BindPlannerState(planner);
+  BindPlannerSteps(planner);
+  BindUniqueKeys(m);
+}
+
+}  // namespace bagpipe::bindings

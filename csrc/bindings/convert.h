@@ -1,7 +1,9 @@
 // Conversions shared by more than one binding file: enum names <-> values, a shard server's
-// counters and a fuzzer's counters as dicts. Errors name the argument (ValueError).
+// counters as a dict. Errors name the argument (ValueError).
 //
 // Thread safety: the dict builders need the GIL; the name conversions are pure functions.
+// Invariants:
+//   1. ParseInitKind(InitKindName(k)) == k for every InitKind.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -9,7 +11,6 @@
 #include <string>
 
 #include "common/errors.h"
-#include "server/frame_fuzzer.h"
 #include "server/server_stats.h"
 #include "store/init.h"
 
@@ -23,6 +24,7 @@ inline store::InitKind ParseInitKind(const std::string& kind) {
   throw ValueError("init must be 'uniform', 'zeros' or 'constant', got '" + kind + "'");
 }
 
+// The name ParseInitKind reads ("unknown" for a value outside the enum).
 inline const char* InitKindName(store::InitKind kind) {
   switch (kind) {
     case store::InitKind::kUniform: return "uniform";
@@ -47,21 +49,6 @@ inline pybind11::dict ServerStatsDict(const server::ServerStats& st) {
   d["bytes_in"] = st.bytes_in;
   d["bytes_out"] = st.bytes_out;
   d["closed_by_server"] = st.closed_by_server;
-  return d;
-}
-
-// REQUIRES: GIL held. The dict behind fuzz_server() and fuzz_ucx_server().
-inline pybind11::dict FuzzStatsDict(const server::FuzzStats& st) {
-  pybind11::dict d;
-  d["bootstraps"] = st.bootstraps;
-  d["bootstraps_refused"] = st.bootstraps_refused;
-  d["frames"] = st.frames;
-  d["connections"] = st.connections;
-  d["error_replies"] = st.error_replies;
-  d["closed_by_server"] = st.closed_by_server;
-  d["accepted"] = st.accepted;
-  d["timeouts"] = st.timeouts;
-  d["first_accepted"] = st.first_accepted;
   return d;
 }
 

@@ -1,8 +1,8 @@
 // Python bindings of the native components' options: torchrec_bagpipe._C.{InitSpec,
-// OptimizerSpec, StoreOptions, LoadOverrides, TableSchema, ShardOptions, ClientOptions, ConnectOptions,
-// TcpServerOptions} (UcxServerOptions: ucx.cc). Each is the component's own C++ struct,
-// bound field by field (def_readwrite), so settings cross the binding boundary as one typed
-// object per component instead of positional argument lists. torchrec_bagpipe.ps.options
+// OptimizerSpec, StoreOptions, LoadOverrides, TableSchema, ShardOptions, ClientOptions,
+// ConnectOptions, TcpServerOptions} (UcxServerOptions: ucx.cc). Each is the component's own
+// C++ struct, bound field by field (def_readwrite), so settings cross the binding boundary as
+// one typed object per component instead of positional argument lists. torchrec_bagpipe.ps.options
 // builds them (from keyword arguments or from a BagPipeConfig) and checks every value first.
 //
 // Thread safety: plain values, touched with the GIL held.
@@ -13,11 +13,11 @@
 
 #include "bindings/convert.h"
 #include "bindings/registry.h"
-#include "commit/client.h"
-#include "commit/ps_shard.h"
-#include "commit/table_backend.h"
+#include "client/ps_client.h"
 #include "protocol/partitioner.h"
 #include "server/tcp_server.h"
+#include "shard/ps_shard.h"
+#include "shard/table_backend.h"
 #include "store/embedding_store.h"
 #include "store/init.h"
 #include "store/optimizer.h"
@@ -27,9 +27,9 @@ namespace py = pybind11;
 
 namespace bagpipe::bindings {
 
-// Registered first among the bindings that take these types (registry.h: name order), so
-// their signatures name the Python types.
-BAGPIPE_BINDING(options) {
+namespace {
+
+void BindInitSpec(py::module_& m) {
   using store::InitSpec;
   py::class_<InitSpec>(m, "InitSpec", "How never-written rows read (csrc/store/init.h).")
       .def(py::init<>())
@@ -42,7 +42,9 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("seed", &InitSpec::seed)
       .def_readwrite("bound_starts", &InitSpec::bound_starts)
       .def_readwrite("bound_values", &InitSpec::bound_values);
+}
 
+void BindOptimizerSpec(py::module_& m) {
   using store::OptimizerSpec;
   py::class_<OptimizerSpec>(m, "OptimizerSpec",
                             "A store's optimizer and its constants (csrc/store/optimizer.h).")
@@ -57,9 +59,12 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("beta2", &OptimizerSpec::beta2)
       .def_readwrite("weight_decay", &OptimizerSpec::weight_decay)
       .def_readwrite("initial_accumulator_value", &OptimizerSpec::initial_accumulator_value);
+}
 
+void BindStoreOptions(py::module_& m) {
   using store::StoreOptions;
-  py::class_<StoreOptions>(m, "StoreOptions", "An EmbeddingStore's options (csrc/store/embedding_store.h).")
+  py::class_<StoreOptions>(m, "StoreOptions",
+                           "An EmbeddingStore's options (csrc/store/embedding_store.h).")
       .def(py::init<>())
       .def_readwrite("dim", &StoreOptions::dim)
       .def_readwrite("num_shards", &StoreOptions::num_shards)
@@ -72,7 +77,9 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("spill_dir", &StoreOptions::spill_dir)
       .def_readwrite("high_watermark", &StoreOptions::high_watermark)
       .def_readwrite("low_watermark", &StoreOptions::low_watermark);
+}
 
+void BindLoadOverrides(py::module_& m) {
   using store::LoadOverrides;
   py::class_<LoadOverrides>(m, "LoadOverrides",
                             "Options of EmbeddingStore.load; None: from the checkpoint.")
@@ -89,8 +96,10 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("init", &LoadOverrides::init)
       .def_readwrite("optimizer", &LoadOverrides::optimizer)
       .def_readwrite("weights_only", &LoadOverrides::weights_only);
+}
 
-  using commit::TableSchema;
+void BindTableSchema(py::module_& m) {
+  using shard::TableSchema;
   py::class_<TableSchema>(m, "TableSchema",
                           "A PS table: row width, init of never-written rows, key bound, "
                           "optimizer.")
@@ -99,9 +108,11 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("init", &TableSchema::init)
       .def_readwrite("key_bound", &TableSchema::key_bound)
       .def_readwrite("optimizer", &TableSchema::optimizer);
+}
 
-  using commit::ShardOptions;
-  py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/commit/ps_shard.h).")
+void BindShardOptions(py::module_& m) {
+  using shard::ShardOptions;
+  py::class_<ShardOptions>(m, "ShardOptions", "A PS shard's options (csrc/shard/ps_shard.h).")
       .def(py::init<>())
       .def_readwrite("shard_id", &ShardOptions::shard_id)
       .def_readwrite("num_shards", &ShardOptions::num_shards)
@@ -109,10 +120,12 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("checkpoint_dir", &ShardOptions::checkpoint_dir)
       .def_readwrite("checkpoint_every", &ShardOptions::checkpoint_every)
       .def_readwrite("max_frame_bytes", &ShardOptions::max_frame_bytes);
+}
 
-  using commit::ClientOptions;
+void BindClientOptions(py::module_& m) {
+  using client::ClientOptions;
   py::class_<ClientOptions>(m, "ClientOptions",
-                            "A PS client's session and protocol options (csrc/commit/client.h).")
+                            "A PS client's session and protocol options (csrc/client/ps_client.h).")
       .def(py::init<>())
       .def_readwrite("table", &ClientOptions::table)
       .def_readwrite("session", &ClientOptions::session)
@@ -136,7 +149,9 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("max_packet_rows", &ClientOptions::max_packet_rows)
       .def_readwrite("inflight_packets", &ClientOptions::inflight_packets)
       .def_readwrite("timeout", &ClientOptions::timeout);
+}
 
+void BindConnectOptions(py::module_& m) {
   using transport::ConnectOptions;
   py::class_<ConnectOptions>(m, "ConnectOptions",
                              "How a client connects to remote shards (csrc/transport/channel.h).")
@@ -144,7 +159,9 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("job_token", &ConnectOptions::job_token)
       .def_readwrite("connect_timeout", &ConnectOptions::connect_timeout)
       .def_readwrite("keepalive_interval", &ConnectOptions::keepalive_interval);
+}
 
+void BindTcpServerOptions(py::module_& m) {
   using server::TcpServerOptions;
   py::class_<TcpServerOptions>(m, "TcpServerOptions",
                                "A TCP shard server's options (csrc/server/tcp_server.h).")
@@ -160,6 +177,22 @@ BAGPIPE_BINDING(options) {
       .def_readwrite("max_unauthenticated_per_host",
                      &TcpServerOptions::max_unauthenticated_per_host)
       .def_readwrite("io_threads", &TcpServerOptions::io_threads);
+}
+
+}  // namespace
+
+// Registered first among the bindings that take these types (registry.h: name order), so
+// their signatures name the Python types.
+BAGPIPE_BINDING(options) {
+  BindInitSpec(m);
+  BindOptimizerSpec(m);
+  BindStoreOptions(m);
+  BindLoadOverrides(m);
+  BindTableSchema(m);
+  BindShardOptions(m);
+  BindClientOptions(m);
+  BindConnectOptions(m);
+  BindTcpServerOptions(m);
 }
 
 }  // namespace bagpipe::bindings

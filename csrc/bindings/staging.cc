@@ -1,7 +1,7 @@
 // Python bindings of gradient staging from device memory: torchrec_bagpipe._C.{
-// cuda_runtime_status, DeviceStagerCore, DeviceSource, commit_async_device}. Built in every configuration;
-// the CUDA runtime is loaded at run time (common/cuda_api.h), so on a machine without CUDA
-// DeviceStagerCore raises a RuntimeError naming libcudart.
+// cuda_runtime_status, DeviceStagerCore, DeviceSource, commit_async_device}. Built in every
+// configuration; the CUDA runtime is loaded at run time (common/cuda_api.h), so on a machine
+// without CUDA DeviceStagerCore raises a RuntimeError naming libcudart.
 //
 // Thread safety: the GIL is released around native calls. Device pointers and CUDA events
 // cross as integers (tensor.data_ptr(), torch.cuda.Event.cuda_event); the Python client keeps
@@ -16,10 +16,10 @@
 
 #include "bindings/buffers.h"
 #include "bindings/registry.h"
-#include "commit/client.h"
+#include "client/device_staging.h"
+#include "client/ps_client.h"
 #include "common/cuda_api.h"
 #include "common/errors.h"
-#include "transport/device_staging.h"
 
 namespace py = pybind11;
 
@@ -32,15 +32,15 @@ BAGPIPE_BINDING(staging) {
     return py::make_tuple(api != nullptr, api ? api->name() : why);
   });
 
-  py::class_<transport::DeviceStager>(m, "DeviceStagerCore")
+  py::class_<client::DeviceStager>(m, "DeviceStagerCore")
       .def(py::init([](double timeout) {
              std::string why;
              auto api = CudaRuntimeApi(&why);
              if (!api) throw std::runtime_error(why);
-             return std::make_unique<transport::DeviceStager>(api, timeout);
+             return std::make_unique<client::DeviceStager>(api, timeout);
            }),
            py::arg("timeout"))
-      .def("stats", [](transport::DeviceStager& s) {
+      .def("stats", [](client::DeviceStager& s) {
         const auto st = s.stats();
         py::dict d;
         d["staged"] = st.staged;
@@ -52,23 +52,23 @@ BAGPIPE_BINDING(staging) {
       });
 
   // Pointers cross as integers: tensor.data_ptr() and torch.cuda.Event.cuda_event.
-  py::class_<transport::DeviceSource>(m, "DeviceSource",
+  py::class_<client::DeviceSource>(m, "DeviceSource",
                                       "Gradient rows in CUDA memory, ready once `event` fired.")
       .def(py::init<>())
       .def_property(
-          "src", [](const transport::DeviceSource& s) { return reinterpret_cast<uintptr_t>(s.src); },
-          [](transport::DeviceSource& s, uintptr_t p) { s.src = reinterpret_cast<const void*>(p); })
-      .def_readwrite("bytes", &transport::DeviceSource::bytes)
-      .def_readwrite("device", &transport::DeviceSource::device)
+          "src", [](const client::DeviceSource& s) { return reinterpret_cast<uintptr_t>(s.src); },
+          [](client::DeviceSource& s, uintptr_t p) { s.src = reinterpret_cast<const void*>(p); })
+      .def_readwrite("bytes", &client::DeviceSource::bytes)
+      .def_readwrite("device", &client::DeviceSource::device)
       .def_property(
           "event",
-          [](const transport::DeviceSource& s) { return reinterpret_cast<uintptr_t>(s.event); },
-          [](transport::DeviceSource& s, uintptr_t p) { s.event = reinterpret_cast<void*>(p); });
+          [](const client::DeviceSource& s) { return reinterpret_cast<uintptr_t>(s.event); },
+          [](client::DeviceSource& s, uintptr_t p) { s.event = reinterpret_cast<void*>(p); });
 
   m.def(
       "commit_async_device",
-      [](commit::PSClient& client, int64_t step, const py::array& keys,
-         transport::DeviceStager& stager, const transport::DeviceSource& source, float lr) {
+      [](client::PSClient& client, int64_t step, const py::array& keys,
+         client::DeviceStager& stager, const client::DeviceSource& source, float lr) {
         auto k = Vec<int64_t>(keys, "keys");
         const size_t want = k.size * client.options().dim * sizeof(float);
         if (source.bytes != want) {

@@ -1,4 +1,5 @@
-// Python binding of the storage engine: torchrec_bagpipe._C.StoreCore, wrapped by
+// Python binding of the storage engine: torchrec_bagpipe._C.{StoreCore, SpillWarning,
+// store_load, store_checkpoint_info, store_initial_rows, store_initial_state}, wrapped by
 // torchrec_bagpipe.ps.store.EmbeddingStore (which owns argument conversion from tensors).
 //
 // Thread safety: the GIL is released around every native batch op; the store serializes
@@ -24,7 +25,6 @@ namespace bagpipe::bindings {
 namespace {
 
 using store::EmbeddingStore;
-using store::InitKind;
 using store::InitSpec;
 using store::OptimizerSpec;
 using store::StoreOptions;
@@ -55,21 +55,9 @@ py::object& SpillWarningType() {
   return type;
 }
 
-const char* KindName(InitKind k) {
-  switch (k) {
-    case InitKind::kUniform:
-      return "uniform";
-    case InitKind::kZeros:
-      return "zeros";
-    case InitKind::kConstant:
-      return "constant";
-  }
-  return "unknown";
-}
-
 py::dict InitDict(const InitSpec& init) {
   py::dict d;
-  d["init"] = KindName(init.kind);
+  d["init"] = InitKindName(init.kind);
   d["init_bound"] = init.bound;
   d["init_value"] = init.value;
   d["seed"] = init.seed;
@@ -107,6 +95,8 @@ class StoreHandle {
   std::optional<std::string> pending_warning_;
 };
 
+using StoreClass = py::class_<StoreHandle>;
+
 py::dict OptionsDict(const StoreOptions& o) {
   py::dict d = InitDict(o.init);
   d["dim"] = o.dim;
@@ -122,150 +112,154 @@ py::dict OptionsDict(const StoreOptions& o) {
   return d;
 }
 
-}  // namespace
-}  // namespace bagpipe::bindings
+// Construction and row reads and writes (weights, with optional optimizer state).
+void BindStoreRows(StoreClass& cls) {
+  cls.def(py::init([](const StoreOptions& options) {
+            return std::make_unique<StoreHandle>(std::make_unique<store::EmbeddingStore>(options));
+          }),
+          py::arg("options"));
+  cls.def("options", [](StoreHandle& h) { return OptionsDict(h.store().options()); });
+  cls.def("state_dim", [](StoreHandle& h) { return h.store().state_dim(); });
+  cls.def(
+      "lookup",
+      [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing,
+         const py::object& state_out) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size), h.store().dim());
+        float* st = OptionalMutMat(state_out, "state_out", k.size, h.store().state_dim());
+        {
+          py::gil_scoped_release nogil;
+          h.store().Lookup(k.data, k.size, o.data, st, insert_missing);
+        }
+        h.FlushWarning();
+      },
+      py::arg("keys"), py::arg("out"), py::arg("insert_missing"),
+      py::arg("state_out") = py::none());
+  cls.def(
+      "assign",
+      [](StoreHandle& h, const py::array& keys, const py::array& rows, const py::object& state) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), h.store().dim());
+        const float* st = OptionalMat(state, "state", k.size, h.store().state_dim());
+        {
+          py::gil_scoped_release nogil;
+          h.store().Assign(k.data, k.size, r.data, st);
+        }
+        h.FlushWarning();
+      },
+      py::arg("keys"), py::arg("rows"), py::arg("state") = py::none());
+}
 
-BAGPIPE_BINDING(store) {
-  using namespace bagpipe;
-  using namespace bagpipe::bindings;
-  namespace py = pybind11;
+// Optimizer steps and membership.
+void BindStoreUpdates(StoreClass& cls) {
+  cls.def(
+      "apply_gradients",
+      [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
+         int grad_divisor) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
+        {
+          py::gil_scoped_release nogil;
+          h.store().ApplyGradients(k.data, k.size, g.data, lr, grad_divisor);
+        }
+        h.FlushWarning();
+      },
+      py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"));
+  cls.def(
+      "apply_sgd",
+      [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
+         int grad_divisor) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
+        {
+          py::gil_scoped_release nogil;
+          h.store().ApplySgd(k.data, k.size, g.data, lr, grad_divisor);
+        }
+        h.FlushWarning();
+      },
+      py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"));
+  cls.def(
+      "contains",
+      [](StoreHandle& h, const py::array& keys, const py::array& out) {
+        auto k = Vec<int64_t>(keys, "keys");
+        auto info = CheckedBuffer<uint8_t>(out, "out", 1, true);
+        if (static_cast<size_t>(info.shape[0]) != k.size) {
+          throw ValueError("out must have " + std::to_string(k.size) + " elements");
+        }
+        py::gil_scoped_release nogil;
+        h.store().Contains(k.data, k.size, static_cast<uint8_t*>(info.ptr));
+      },
+      py::arg("keys"), py::arg("out"));
+  cls.def(
+      "erase",
+      [](StoreHandle& h, const py::array& keys) {
+        auto k = Vec<int64_t>(keys, "keys");
+        py::gil_scoped_release nogil;
+        return h.store().Erase(k.data, k.size);
+      },
+      py::arg("keys"));
+}
 
-  SpillWarningType() = py::reinterpret_steal<py::object>(
-      PyErr_NewExceptionWithDoc("torchrec_bagpipe._C.SpillWarning",
-                                "Rows of an EmbeddingStore started to spill to disk.",
-                                PyExc_UserWarning, nullptr));
-  m.attr("SpillWarning") = SpillWarningType();
+// Capacity, export, checkpoint and counters.
+void BindStoreMaintenance(StoreClass& cls) {
+  cls.def(
+      "reserve",
+      [](StoreHandle& h, int64_t n) {
+        if (n < 0) throw ValueError("n must be >= 0, got " + std::to_string(n));
+        py::gil_scoped_release nogil;
+        h.store().Reserve(static_cast<size_t>(n));
+      },
+      py::arg("n"));
+  cls.def("size", [](StoreHandle& h) { return h.store().Size(); });
+  cls.def(
+      "export_chunk",
+      [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows,
+         const py::object& state) {
+        auto k = CheckedBuffer<int64_t>(keys, "keys", 1, true);
+        auto r = MutMat<float>(rows, "rows", k.shape[0], h.store().dim());
+        float* st =
+            OptionalMutMat(state, "state", static_cast<size_t>(k.shape[0]), h.store().state_dim());
+        size_t n;
+        {
+          py::gil_scoped_release nogil;
+          n = h.store().Export(&cursor, static_cast<size_t>(k.shape[0]),
+                               static_cast<int64_t*>(k.ptr), r.data, st);
+        }
+        return py::make_tuple(n, cursor);
+      },
+      py::arg("cursor"), py::arg("keys"), py::arg("rows"), py::arg("state") = py::none());
+  cls.def(
+      "save",
+      [](StoreHandle& h, const std::string& path, const std::map<std::string, std::string>& meta,
+         bool weights_only) {
+        py::gil_scoped_release nogil;
+        h.store().Save(path, meta, weights_only);
+      },
+      py::arg("path"), py::arg("meta"), py::arg("weights_only"));
+  cls.def("stats", [](StoreHandle& h) {
+    store::StoreStats s = h.store().Stats();
+    py::dict d;
+    d["rows"] = s.rows;
+    d["bytes_resident"] = s.bytes_resident;
+    d["bytes_maps"] = s.bytes_maps;
+    d["bytes_spilled"] = s.bytes_spilled;
+    d["pages"] = s.pages;
+    d["pages_spilled"] = s.pages_spilled;
+    d["page_bytes"] = s.page_bytes;
+    d["spill_count"] = s.spill_count;
+    d["swap_outs"] = s.swap_outs;
+    d["swap_ins"] = s.swap_ins;
+    d["lookups"] = s.lookups;
+    d["updates"] = s.updates;
+    d["memory_budget"] = s.memory_budget;
+    d["state_dim"] = s.state_dim;
+    d["slot_bytes"] = s.slot_bytes;
+    return d;
+  });
+}
 
-  py::class_<StoreHandle>(m, "StoreCore")
-      .def(py::init([](const StoreOptions& options) {
-             return std::make_unique<StoreHandle>(std::make_unique<store::EmbeddingStore>(options));
-           }),
-           py::arg("options"))
-      .def("options", [](StoreHandle& h) { return OptionsDict(h.store().options()); })
-      .def("state_dim", [](StoreHandle& h) { return h.store().state_dim(); })
-      .def("lookup",
-           [](StoreHandle& h, const py::array& keys, const py::array& out, bool insert_missing,
-              const py::object& state_out) {
-             auto k = Vec<int64_t>(keys, "keys");
-             auto o = MutMat<float>(out, "out", static_cast<py::ssize_t>(k.size),
-                                    h.store().dim());
-             float* st = OptionalMutMat(state_out, "state_out", k.size, h.store().state_dim());
-             {
-               py::gil_scoped_release nogil;
-               h.store().Lookup(k.data, k.size, o.data, st, insert_missing);
-             }
-             h.FlushWarning();
-           },
-           py::arg("keys"), py::arg("out"), py::arg("insert_missing"),
-           py::arg("state_out") = py::none())
-      .def("assign",
-           [](StoreHandle& h, const py::array& keys, const py::array& rows,
-              const py::object& state) {
-             auto k = Vec<int64_t>(keys, "keys");
-             auto r = Mat<float>(rows, "rows", static_cast<py::ssize_t>(k.size), h.store().dim());
-             const float* st = OptionalMat(state, "state", k.size, h.store().state_dim());
-             {
-               py::gil_scoped_release nogil;
-               h.store().Assign(k.data, k.size, r.data, st);
-             }
-             h.FlushWarning();
-           },
-           py::arg("keys"), py::arg("rows"), py::arg("state") = py::none())
-      .def("apply_gradients",
-           [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
-              int grad_divisor) {
-             auto k = Vec<int64_t>(keys, "keys");
-             auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
-             {
-               py::gil_scoped_release nogil;
-               h.store().ApplyGradients(k.data, k.size, g.data, lr, grad_divisor);
-             }
-             h.FlushWarning();
-           },
-           py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"))
-      .def("apply_sgd",
-           [](StoreHandle& h, const py::array& keys, const py::array& grads, float lr,
-              int grad_divisor) {
-             auto k = Vec<int64_t>(keys, "keys");
-             auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), h.store().dim());
-             {
-               py::gil_scoped_release nogil;
-               h.store().ApplySgd(k.data, k.size, g.data, lr, grad_divisor);
-             }
-             h.FlushWarning();
-           },
-           py::arg("keys"), py::arg("grads"), py::arg("lr"), py::arg("grad_divisor"))
-      .def("contains",
-           [](StoreHandle& h, const py::array& keys, const py::array& out) {
-             auto k = Vec<int64_t>(keys, "keys");
-             auto info = CheckedBuffer<uint8_t>(out, "out", 1, true);
-             if (static_cast<size_t>(info.shape[0]) != k.size) {
-               throw ValueError("out must have " + std::to_string(k.size) + " elements");
-             }
-             py::gil_scoped_release nogil;
-             h.store().Contains(k.data, k.size, static_cast<uint8_t*>(info.ptr));
-           },
-           py::arg("keys"), py::arg("out"))
-      .def("erase",
-           [](StoreHandle& h, const py::array& keys) {
-             auto k = Vec<int64_t>(keys, "keys");
-             py::gil_scoped_release nogil;
-             return h.store().Erase(k.data, k.size);
-           },
-           py::arg("keys"))
-      .def("reserve",
-           [](StoreHandle& h, int64_t n) {
-             if (n < 0) throw ValueError("n must be >= 0, got " + std::to_string(n));
-             py::gil_scoped_release nogil;
-             h.store().Reserve(static_cast<size_t>(n));
-           },
-           py::arg("n"))
-      .def("size", [](StoreHandle& h) { return h.store().Size(); })
-      .def("export_chunk",
-           [](StoreHandle& h, int64_t cursor, const py::array& keys, const py::array& rows,
-              const py::object& state) {
-             auto k = CheckedBuffer<int64_t>(keys, "keys", 1, true);
-             auto r = MutMat<float>(rows, "rows", k.shape[0], h.store().dim());
-             float* st = OptionalMutMat(state, "state", static_cast<size_t>(k.shape[0]),
-                                        h.store().state_dim());
-             size_t n;
-             {
-               py::gil_scoped_release nogil;
-               n = h.store().Export(&cursor, static_cast<size_t>(k.shape[0]),
-                                    static_cast<int64_t*>(k.ptr), r.data, st);
-             }
-             return py::make_tuple(n, cursor);
-           },
-           py::arg("cursor"), py::arg("keys"), py::arg("rows"), py::arg("state") = py::none())
-      .def("save",
-           [](StoreHandle& h, const std::string& path, const std::map<std::string, std::string>& meta,
-              bool weights_only) {
-             py::gil_scoped_release nogil;
-             h.store().Save(path, meta, weights_only);
-           },
-           py::arg("path"), py::arg("meta"), py::arg("weights_only"))
-      .def("stats",
-           [](StoreHandle& h) {
-             store::StoreStats s = h.store().Stats();
-             py::dict d;
-             d["rows"] = s.rows;
-             d["bytes_resident"] = s.bytes_resident;
-             d["bytes_maps"] = s.bytes_maps;
-             d["bytes_spilled"] = s.bytes_spilled;
-             d["pages"] = s.pages;
-             d["pages_spilled"] = s.pages_spilled;
-             d["page_bytes"] = s.page_bytes;
-             d["spill_count"] = s.spill_count;
-             d["swap_outs"] = s.swap_outs;
-             d["swap_ins"] = s.swap_ins;
-             d["lookups"] = s.lookups;
-             d["updates"] = s.updates;
-             d["memory_budget"] = s.memory_budget;
-             d["state_dim"] = s.state_dim;
-             d["slot_bytes"] = s.slot_bytes;
-             return d;
-           });
-
+// store_load and store_checkpoint_info: a checkpoint opened as a store, or only read.
+void BindStoreCheckpoints(py::module_& m) {
   m.def(
       "store_load",
       [](const std::string& path, const store::LoadOverrides& overrides) {
@@ -304,7 +298,10 @@ BAGPIPE_BINDING(store) {
         return d;
       },
       py::arg("path"));
+}
 
+// store_initial_rows and store_initial_state: what never-written rows read, without a store.
+void BindInitialValues(py::module_& m) {
   m.def(
       "store_initial_rows",
       [](const py::array& keys, const py::array& out, const InitSpec& init) {
@@ -315,7 +312,8 @@ BAGPIPE_BINDING(store) {
         }
         const int dim = static_cast<int>(info.shape[1]);
         py::gil_scoped_release nogil;
-        store::EmbeddingStore::InitialRows(init, dim, k.data, k.size, static_cast<float*>(info.ptr));
+        store::EmbeddingStore::InitialRows(init, dim, k.data, k.size,
+                                           static_cast<float*>(info.ptr));
       },
       py::arg("keys"), py::arg("out"), py::arg("init"));
 
@@ -337,3 +335,20 @@ BAGPIPE_BINDING(store) {
       },
       py::arg("out"), py::arg("dim"), py::arg("optimizer"));
 }
+
+}  // namespace
+
+BAGPIPE_BINDING(store) {
+  SpillWarningType() = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
+      "torchrec_bagpipe._C.SpillWarning", "Rows of an EmbeddingStore started to spill to disk.",
+      PyExc_UserWarning, nullptr));
+  m.attr("SpillWarning") = SpillWarningType();
+  StoreClass core(m, "StoreCore");
+  BindStoreRows(core);
+  BindStoreUpdates(core);
+  BindStoreMaintenance(core);
+  BindStoreCheckpoints(m);
+  BindInitialValues(m);
+}
+
+}  // namespace bagpipe::bindings

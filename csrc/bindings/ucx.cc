@@ -1,8 +1,8 @@
 // Python bindings of the rdma (UCX) transport: torchrec_bagpipe._C.{HAVE_UCX, UCX_VERSION,
-// RDMA_UNAVAILABLE, UcxServerOptions, UcxShardServerCore, serve_ucx, fuzz_ucx_server}. Built
-// in every configuration; without UCX only the flags exist (torchrec_bagpipe.ps.rdma turns
-// them into a clear error). Clients reach UCX shards through PSClientCore endpoints
-// ("ucx", host, port) (ps.cc).
+// RDMA_UNAVAILABLE, UcxServerOptions, UcxShardServerCore, serve_ucx}. Built in every
+// configuration; without UCX only the flags exist (torchrec_bagpipe.ps.rdma turns them into a
+// clear error). Clients reach UCX shards through PSClientCore endpoints
+// ("ucx", host, port) (client.cc).
 //
 // Thread safety: the GIL is released around every call that may wait; the server runs on
 // native threads that never touch Python objects.
@@ -14,11 +14,10 @@
 
 #include "bindings/convert.h"
 #include "bindings/registry.h"
-#include "commit/ps_shard.h"
+#include "shard/ps_shard.h"
 #include "transport/rdma.h"
 
 #ifdef BAGPIPE_HAVE_UCX
-#include "server/ucx_fuzzer.h"
 #include "server/ucx_server.h"
 #endif
 
@@ -64,24 +63,11 @@ BAGPIPE_BINDING(ucx) {
       .def("stats", [](UcxShardServer& s) { return ServerStatsDict(s.stats()); });
   m.def(
       "serve_ucx",
-      [](std::shared_ptr<commit::PSShard> shard, const UcxServerOptions& options) {
+      [](std::shared_ptr<shard::PSShard> shard, const UcxServerOptions& options) {
         py::gil_scoped_release release;
         return std::make_unique<UcxShardServer>(std::move(shard), options);
       },
       py::arg("shard"), py::arg("options"));
-  m.def(
-      "fuzz_ucx_server",
-      [](const std::string& host, uint16_t port, const std::string& token, uint64_t bootstraps,
-         uint64_t frames, uint64_t seed) {
-        server::FuzzStats st;
-        {
-          py::gil_scoped_release release;
-          st = server::FuzzUcxServer(host, port, token, bootstraps, frames, seed);
-        }
-        return FuzzStatsDict(st);
-      },
-      py::arg("host"), py::arg("port"), py::arg("job_token"), py::arg("bootstraps"),
-      py::arg("frames"), py::arg("seed"));
 #endif
 }
 

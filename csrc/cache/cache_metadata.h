@@ -114,8 +114,10 @@ class CacheMetadata {
   // REQUIRES: 1 <= capacity_units, capacity_rows <= 2^31 - 1 (ValueError otherwise).
   CacheMetadata(int64_t capacity_units, EvictionPolicy policy);
 
+  // Fixed at construction: capacity_units x 64 rows, and the eviction order.
   int64_t capacity_rows() const { return capacity_rows_; }
   EvictionPolicy policy() const { return policy_; }
+  // The step of the last Advance (its initial value before any), and the resident keys.
   int64_t current_step() const { return step_; }
   int64_t size() const { return static_cast<int64_t>(map_.size()); }
   // Entries of the pin list: an upper bound on the slots Advance unpins (its cost).
@@ -171,6 +173,8 @@ class CacheMetadata {
   // Frees every slot.
   void Clear();
 
+  // Counters since construction (Clear keeps them); capacity, resident, pinned and memory
+  // as of now.
   MetadataStats Stats() const;
 
   struct SlotView {
@@ -180,6 +184,8 @@ class CacheMetadata {
     int64_t next_use;
     int64_t pin_step;
   };
+  // What slot `slot` holds now (next_use kNever: none).
+  // REQUIRES: 0 <= slot < capacity_rows() (ValueError otherwise).
   SlotView Slot(int64_t slot) const;
 
   // Unpinned resident slots in victim order (first = next victim).  For tests and debugging.

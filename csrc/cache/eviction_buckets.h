@@ -26,6 +26,7 @@ namespace bagpipe::cache {
 
 class EvictionBuckets {
  public:
+  // Starts with no bucket.
   EvictionBuckets() { ForgetCache(); }
 
   // The bucket of `key`, created empty when absent.
@@ -45,6 +46,7 @@ class EvictionBuckets {
     return it->second;
   }
 
+  // No bucket exists (empty buckets count as buckets until erased).
   bool empty() const { return map_.empty(); }
 
   // The highest- / lowest-keyed bucket (live entries or not), or nullptr when none.
@@ -68,12 +70,14 @@ class EvictionBuckets {
       Erase(std::prev(map_.end())->first);
     }
   }
+  // The lowest-keyed bucket (live entries or not), or nullptr when none.
   LazyQueue* Lowest(int32_t* key) {
     if (map_.empty()) return nullptr;
     *key = map_.begin()->first;
     return &map_.begin()->second;
   }
 
+  // Drops the bucket of `key` (its storage kept for reuse); no-op when absent.
   void Erase(int32_t key) {
     auto it = map_.find(key);
     if (it == map_.end()) return;
@@ -92,11 +96,13 @@ class EvictionBuckets {
       for (const auto& [k, q] : map_) fn(k, q);
     }
   }
+  // fn(key, queue) for every bucket, ascending keys; fn may change the queues, not the set.
   template <typename Fn>
   void ForEachMutable(Fn&& fn) {
     for (auto& [k, q] : map_) fn(k, q);
   }
 
+  // Bytes held by the buckets and their spare storage (an estimate of the map's nodes).
   size_t memory_bytes() const {
     size_t b = 0;
     for (const auto& [k, q] : map_) b += q.memory_bytes() + sizeof(q) + 4 * sizeof(void*);
@@ -104,6 +110,7 @@ class EvictionBuckets {
     return b;
   }
 
+  // Drops every bucket and the spare storage.
   void Clear() {
     map_.clear();
     spare_.clear();

@@ -29,6 +29,7 @@ inline uint64_t MixKey(int64_t key) {
   return z ^ (z >> 31);
 }
 
+// The smallest power of two >= max(n, 16).
 inline size_t RoundUpPow2(size_t n) {
   size_t c = 16;
   while (c < n) c <<= 1;
@@ -43,8 +44,10 @@ class FlatMap {
     V value;
   };
 
+  // Empty, with room for `expected` keys before the first rehash.
   explicit FlatMap(size_t expected = 0) { Rehash(RoundUpPow2(expected * 2 + 2)); }
 
+  // Keys stored, cells allocated (a power of two), and the cells' bytes.
   size_t size() const { return size_; }
   size_t capacity() const { return cells_.size(); }
   size_t memory_bytes() const { return cells_.size() * sizeof(Cell); }
@@ -64,6 +67,7 @@ class FlatMap {
       i = (i + 1) & mask_;
     }
   }
+  // As Find, read-only.
   const V* Find(int64_t key) const { return const_cast<FlatMap*>(this)->Find(key); }
 
   // Returns (value pointer, inserted).  A new cell's value is `init`.
@@ -111,6 +115,7 @@ class FlatMap {
     return true;
   }
 
+  // Removes every key; the capacity stays.
   void Clear() {
     for (auto& c : cells_) c.key = kEmptyKey;
     size_ = 0;
@@ -162,9 +167,11 @@ class StampedMap {
     size_ = 0;
   }
 
+  // Keys inserted since the last Reset, and the cells' bytes.
   size_t size() const { return size_; }
   size_t memory_bytes() const { return cells_.size() * sizeof(Cell); }
 
+  // Hints the cache that `key` will be probed soon.
   void Prefetch(int64_t key) const { __builtin_prefetch(&cells_[MixKey(key) & mask_]); }
 
   // REQUIRES: Reset(n) was called with n >= the number of distinct keys inserted since.
@@ -184,6 +191,7 @@ class StampedMap {
     }
   }
 
+  // The value of `key` inserted since the last Reset, or nullptr.
   V* Find(int64_t key) {
     size_t i = MixKey(key) & mask_;
     while (true) {

@@ -30,6 +30,7 @@ class KeySet {
     std::memset(cells_.data(), 0xff, cells * sizeof(int64_t));  // every cell -1
   }
 
+  // Hints the cache that a key of hash h will be inserted soon.
   void Prefetch(uint64_t h) const { __builtin_prefetch(&cells_[h & mask_]); }
 
   // Adds key (hash h); returns false when it was already present.
@@ -56,6 +57,7 @@ class KeySet {
     }
   }
 
+  // Bytes of the cells allocated (the largest Reset so far).
   size_t memory_bytes() const { return cells_.capacity() * sizeof(int64_t); }
 
  private:

@@ -32,11 +32,15 @@ class LazyQueue {
   // Adopts `storage` (cleared) so that a recycled buffer keeps its capacity.
   explicit LazyQueue(std::vector<QueueEntry>&& storage) : e_(std::move(storage)) { e_.clear(); }
 
+  // Positions [head(), end()) hold the entries not dropped yet (live or stale).
   size_t head() const { return head_; }
   size_t end() const { return e_.size(); }
+  // REQUIRES: head() <= pos < end().
   QueueEntry at(size_t pos) const { return e_[pos]; }
+  // Bytes of the entry storage allocated.
   size_t memory_bytes() const { return e_.capacity() * sizeof(QueueEntry); }
 
+  // Appends e at end() (entries keep their push order).
   void Push(QueueEntry e) { e_.push_back(e); }
 
   // Drops the entries before `pos` (the owner knows they are stale). REQUIRES: pos <= end().

@@ -50,11 +50,14 @@ class SlotMap {
     shift_ = 32 - bits;
   }
 
+  // The hash every other call takes as `h` for `key`.
   static uint64_t HashOf(int64_t key) { return MixKey(key); }
 
+  // Keys stored, and the cells' bytes.
   size_t size() const { return size_; }
   size_t memory_bytes() const { return cells_.memory_bytes(); }
 
+  // Hints the cache that the key of hash h will be looked up soon.
   void Prefetch(uint64_t h) const { __builtin_prefetch(&cells_[Home(Tag(h))]); }
 
   // The slot of the first cell of the key's run whose tag matches h, or -1: the key's slot
@@ -134,6 +137,7 @@ class SlotMap {
     --size_;
   }
 
+  // Removes every key; the capacity stays.
   void Clear() {
     std::memset(cells_.data(), 0, cells_.size() * sizeof(uint64_t));
     size_ = 0;

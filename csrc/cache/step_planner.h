@@ -64,13 +64,17 @@ struct RankPlan {
   int64_t global_ids = 0;          // ids of every rank at this step (duplicates included)
   int64_t union_size = 0;
 
+  // Bytes held by the plan's arrays.
   int64_t MemoryBytes() const;
 };
 
 class StepPlanner {
  public:
+  // REQUIRES: 1 <= world_size, 0 <= rank < world_size, lookahead >= 0, num_keys >= 1
+  // (ValueError naming the field otherwise).
   explicit StepPlanner(const PlannerOptions& options);
 
+  // The options as given.
   const PlannerOptions& options() const { return opt_; }
   int64_t num_steps() const { return next_step_; }        // steps added so far
   int64_t first_retained() const { return first_step_; }  // oldest step still held
@@ -90,6 +94,7 @@ class StepPlanner {
   void Release(int64_t upto);
 
   int64_t MemoryBytes() const;  // retained plans + per-key state + scratch
+  // Keys seen in any step so far (the size of the per-key table).
   int64_t distinct_keys() const { return static_cast<int64_t>(state_.size()); }
 
  private:

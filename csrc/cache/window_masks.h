@@ -26,6 +26,7 @@ inline constexpr size_t kWindowCells = 8;
 #if defined(__AVX2__)
 
 namespace window_detail {
+// Bit k: the sign bit of 64-bit lane k of lo (cells 0-3) and of hi (cells 4-7).
 inline uint32_t Mask(__m256i lo, __m256i hi) {
   return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(lo))) |
          (static_cast<uint32_t>(_mm256_movemask_pd(_mm256_castsi256_pd(hi))) << 4);
@@ -33,6 +34,7 @@ inline uint32_t Mask(__m256i lo, __m256i hi) {
 }  // namespace window_detail
 
 // Cells whose high 32 bits equal `tag` (match) and cells equal to 0 (empty).
+// REQUIRES (every mask function): c points at kWindowCells readable cells.
 inline void TagAndZeroMasks(const uint64_t* c, uint32_t tag, uint32_t* match, uint32_t* empty) {
   const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
   const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 4));
@@ -63,6 +65,7 @@ inline void EqualAndNegativeMasks(const int64_t* c, int64_t v, uint32_t* eq, uin
 
 #else  // scalar
 
+// As the AVX2 TagAndZeroMasks above, one cell at a time.
 inline void TagAndZeroMasks(const uint64_t* c, uint32_t tag, uint32_t* match, uint32_t* empty) {
   uint32_t m = 0, e = 0;
   for (size_t k = 0; k < kWindowCells; ++k) {
@@ -73,12 +76,14 @@ inline void TagAndZeroMasks(const uint64_t* c, uint32_t tag, uint32_t* match, ui
   *empty = e;
 }
 
+// As the AVX2 EqualMask above.
 inline uint32_t EqualMask(const uint64_t* c, uint64_t v) {
   uint32_t m = 0;
   for (size_t k = 0; k < kWindowCells; ++k) m |= static_cast<uint32_t>(c[k] == v) << k;
   return m;
 }
 
+// As the AVX2 EqualAndNegativeMasks above.
 inline void EqualAndNegativeMasks(const int64_t* c, int64_t v, uint32_t* eq, uint32_t* neg) {
   uint32_t e = 0, n = 0;
   for (size_t k = 0; k < kWindowCells; ++k) {

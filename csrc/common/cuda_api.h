@@ -20,6 +20,7 @@ namespace bagpipe {
 class DeviceApi {
  public:
   virtual ~DeviceApi() = default;
+  // What the API is, for messages ("libcudart.so.12", "fake").
   virtual std::string name() const = 0;
   // REQUIRES: before any call about device `device` on this thread.
   virtual void SetDevice(int device) = 0;

@@ -2,6 +2,10 @@
 // exception class, so callers see TypeError / ValueError / TimeoutError / SessionError.
 //
 // Thread safety: plain value types.
+// Invariants:
+//   1. Each type maps to exactly one Python class (bindings/errors.h), in every extension
+//      module; ShuttingDownError is a TransportError, so a caller catching TransportError
+//      sees a draining shard too.
 #pragma once
 
 #include <stdexcept>

@@ -31,7 +31,7 @@ inline constexpr uint64_t Fmix64(uint64_t k) {
   return k;
 }
 
-// 64-bit FNV-1a of n bytes.
+// 64-bit FNV-1a of n bytes. REQUIRES: data holds n readable bytes (any alignment).
 inline uint64_t Fnv1a64(const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint64_t h = 0xcbf29ce484222325ULL;

@@ -4,6 +4,9 @@
 // miss per key where the kernel grants transparent huge pages.
 //
 // Thread safety: stateless functions.
+// Invariants:
+//   1. A mapping MapAnonymous returns is zero-filled and 4 KiB aligned; it stays at its
+//      address until UnmapMemory releases exactly it.
 #pragma once
 
 #include <cstddef>

@@ -39,6 +39,7 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  // As constructed: the caller's thread plus num_threads - 1 workers run each Run.
   int num_threads() const { return num_threads_; }
 
   // Largest n accepted by Run (the claim word keeps the count in 32 bits).

@@ -37,11 +37,14 @@ class Partitioner {
 
   // REQUIRES: name is "modulo", "hash" or "fast_range" (ValueError naming it otherwise).
   static PartitionKind ParseKind(std::string_view name);
+  // The name ParseKind reads ("unknown" for a value outside the enum).
   static const char* KindName(PartitionKind kind);
 
+  // As constructed.
   PartitionKind kind() const { return kind_; }
   uint32_t num_shards() const { return num_shards_; }
 
+  // The shard of `key`, in [0, num_shards()): a pure function of (kind, num_shards, key).
   uint32_t ShardOf(int64_t key) const {
     const uint64_t k = static_cast<uint64_t>(key);
     switch (kind_) {

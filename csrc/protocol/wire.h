@@ -83,6 +83,8 @@ enum class Status : int32_t {
   kUnavailable = 8,      // SessionError: too many pending requests
 };
 
+// Names for messages: "Hello", ... ("Unknown" for a type outside MsgType); "ok", ...
+// ("unknown status" outside Status).
 const char* MsgTypeName(uint16_t type);
 const char* StatusName(Status status);
 
@@ -248,11 +250,13 @@ size_t FixedBodyBytes(MsgType type);
 bool IsKnownType(uint16_t type);
 bool IsRequestType(MsgType type);
 
-// 64-bit digest of a job token (common/hash.h Digest64: FNV-1a then fmix64). Not a MAC: the token itself
-// is compared in the Hello; the digest tags every later frame so frames of another job that
-// reach a connection (a bug, a crossed wire) are refused.
+// 64-bit digest of a job token (common/hash.h Digest64: FNV-1a then fmix64). Not a MAC: the
+// token itself is compared in the Hello; the digest tags every later frame so frames of
+// another job that reach a connection (a bug, a crossed wire) are refused.
 uint64_t TokenDigest(std::string_view token);
 
+// Bytes of whole frames (header included) of nrows rows: a Commit of dim floats per row, a
+// Get, an Assign.
 inline size_t CommitFrameBytes(size_t nrows, size_t dim) {
   return kHeaderBytes + sizeof(CommitBody) + nrows * 8 + nrows * dim * 4;
 }
@@ -264,6 +268,7 @@ inline size_t AssignFrameBytes(size_t nrows, size_t width) {
 
 // ---- header -----------------------------------------------------------------------------
 
+// A header of this build's magic and version with the given fields.
 inline FrameHeader MakeHeader(MsgType type, uint64_t job, uint64_t body_len,
                               Status status = Status::kOk, uint64_t tag = 0,
                               uint32_t slot = kNoSlot) {
@@ -279,6 +284,7 @@ inline FrameHeader MakeHeader(MsgType type, uint64_t job, uint64_t body_len,
   return h;
 }
 
+// Header <-> bytes (no check: CheckHeader). REQUIRES: p holds kHeaderBytes bytes.
 inline FrameHeader LoadHeader(const uint8_t* p) {
   FrameHeader h;
   std::memcpy(&h, p, sizeof(h));
@@ -317,6 +323,10 @@ struct AssignView {
   const float* rows;
 };
 
+// Parse<Type>: checks a request body of len bytes field by field (sizes, ranges, exact payload
+// length) and fills *out, whose pointers point into `body`; false with *why (naming the type
+// and the field) for a malformed body, *out then unspecified. REQUIRES: body holds len bytes
+// and outlives *out.
 bool ParseHello(const uint8_t* body, size_t len, HelloView* out, std::string* why);
 bool ParseOpen(const uint8_t* body, size_t len, OpenView* out, std::string* why);
 bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* why);
@@ -330,6 +340,7 @@ struct CheckpointView {
   SessionBody body;
   std::string_view label;
 };
+// As the Parse functions above.
 bool ParseCheckpoint(const uint8_t* body, size_t len, CheckpointView* out, std::string* why);
 
 // Valid table names: 1..kMaxTableName characters from [A-Za-z0-9_.:-] (they become

@@ -66,6 +66,7 @@ class Admission {
   // Unauthenticated connections accepted before `cutoff` (invariant 3).
   std::vector<uint64_t> Expired(Clock::time_point cutoff);
 
+  // Connections admitted and not closed, of them not yet authenticated, and the bounds.
   size_t total() const { return total_; }
   size_t unauthenticated() const { return fifo_.size(); }
   const AdmissionLimits& limits() const { return limits_; }

@@ -89,6 +89,7 @@ class EventLoop {
   // loop thread.
   void Remove(const std::shared_ptr<Registration>& reg);
 
+  // Registrations in the loop now (thread-safe), and the loop threads started.
   size_t registrations() const;
   size_t threads() const { return threads_.size(); }
   // Stops every loop thread and removes what is still registered. Idempotent.

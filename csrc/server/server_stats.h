@@ -2,6 +2,10 @@
 // UcxShardServer over UCX); the bindings expose them as one dict shape.
 //
 // Thread safety: a plain value, copied out of the server under its own synchronization.
+// Invariants:
+//   1. accepted .. idle_timeouts, frames, bytes_* and closed_by_server count since the
+//      server started; active, unauthenticated and threads are the values at the copy, with
+//      unauthenticated <= active.
 #pragma once
 
 #include <cstdint>

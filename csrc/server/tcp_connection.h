@@ -45,12 +45,18 @@ namespace bagpipe::server {
 class TcpConnectionOwner {
  public:
   virtual ~TcpConnectionOwner() = default;
+  // The handler every request frame goes to.
   virtual transport::FrameHandler& shard() = 0;
+  // Reply bytes a connection may queue unsent; beyond it the client is stuck and dropped.
   virtual size_t max_queued_reply_bytes() const = 0;
+  // Counters: request frames and bytes read, reply bytes written (any loop thread).
   virtual void CountIn(size_t frames, size_t bytes) = 0;
   virtual void CountOut(size_t bytes) = 0;
+  // Connection `id` completed its Hello (once per connection).
   virtual void ConnectionAuthenticated(uint64_t id) = 0;
+  // A connection from `peer` was closed for a protocol violation.
   virtual void ConnectionViolated(const std::string& peer) = 0;
+  // Connection `id` left the loop (once per connection, after its last event).
   virtual void ConnectionRemoved(uint64_t id) = 0;
 };
 
@@ -69,6 +75,7 @@ class TcpConnection : public transport::ServerLink,
   bool Send(protocol::wire::MsgType type, protocol::wire::Status status, uint64_t tag,
             uint32_t slot, const void* fixed, size_t fixed_len, size_t payload_len,
             const transport::PayloadFill& fill) override;
+  // "tcp <peer>", for log lines.
   std::string Describe() const override { return "tcp " + peer_; }
 
   // ---- EventLoop::Handler -----------------------------------------------------------------
@@ -78,6 +85,8 @@ class TcpConnection : public transport::ServerLink,
   // Closes the connection from any thread, without flushing (shed, deadline, stop).
   void Kill();
 
+  // As accepted: the server's id for it and the client's address; authed() once its Hello
+  // succeeded (any thread).
   uint64_t id() const { return id_; }
   const std::string& peer() const { return peer_; }
   bool authed() const { return authed_.load(std::memory_order_acquire); }

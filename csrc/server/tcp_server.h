@@ -66,13 +66,15 @@ struct TcpServerOptions {
 
 class TcpShardServer {
  public:
-  // Binds, listens and starts serving. Throws IOError / ValueError (a bad option, naming it;
-  // no token on a routable address without allow_no_token).
+  // Binds, listens and starts serving. REQUIRES: shard != nullptr; a job token, a loopback
+  // host or allow_no_token (ValueError otherwise). Throws IOError / ValueError (a bad option,
+  // naming it).
   TcpShardServer(std::shared_ptr<transport::FrameHandler> shard, TcpServerOptions options);
   ~TcpShardServer();  // Stop(0)
   TcpShardServer(const TcpShardServer&) = delete;
   TcpShardServer& operator=(const TcpShardServer&) = delete;
 
+  // Where it listens (port: the bound one, also when options.port was 0).
   const std::string& host() const { return options_.host; }
   uint16_t port() const { return port_; }
 

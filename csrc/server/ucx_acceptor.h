@@ -59,15 +59,20 @@ class UcxAcceptor {
   // cannot be bound (transport/socket.h ListenTcp), TransportError if UCX cannot initialise
   // with options.config.
   UcxAcceptor(UcxAcceptorOptions options, Authorize authorize, OnConnection on_connection);
+  // Stop(), then the control port closes.
   ~UcxAcceptor();
   UcxAcceptor(const UcxAcceptor&) = delete;
   UcxAcceptor& operator=(const UcxAcceptor&) = delete;
 
+  // Where the control port listens (port: the bound one, also when asked for 0).
   uint16_t port() const { return port_; }
   const std::string& host() const { return options_.host; }
   // Stops accepting and ends every handshake in progress. Idempotent.
   void Stop();
 
+  // Counters since construction (any thread): handshakes that became endpoints, connections
+  // refused (by admission or by the bootstrap), handshakes shed for the admission bounds and
+  // past their timeout; then handshakes in progress now, and the loop threads.
   uint64_t accepted() const { return accepted_.load(); }
   uint64_t refused() const { return refused_.load(); }
   uint64_t shed() const { return shed_.load(); }

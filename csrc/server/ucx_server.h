@@ -53,12 +53,15 @@ struct UcxServerOptions {
 
 class UcxShardServer {
  public:
-  // Binds the control port and starts accepting. Throws TransportError.
+  // Binds the control port and starts accepting. REQUIRES: shard != nullptr; a job token, a
+  // loopback host or allow_no_token (ValueError otherwise). Throws ValueError / IOError
+  // (the address does not resolve / cannot be bound), TransportError (UCX cannot initialise).
   UcxShardServer(std::shared_ptr<transport::FrameHandler> shard, UcxServerOptions options);
   ~UcxShardServer();  // Stop(0)
   UcxShardServer(const UcxShardServer&) = delete;
   UcxShardServer& operator=(const UcxShardServer&) = delete;
 
+  // Where the control port listens (port: the bound one), and the handler it serves.
   const std::string& host() const { return options_.host; }
   uint16_t port() const { return acceptor_->port(); }
   const std::shared_ptr<transport::FrameHandler>& shard() const { return shard_; }

@@ -47,8 +47,11 @@ class CheckpointWriter {
 
   class File {
    public:
+    // Move-only; the destructor closes the file (Finish not called: it stays incomplete and
+    // the temp directory is removed with the writer).
     File(File&&) noexcept;
     ~File();
+    // Appends n bytes (buffered; counted in the checksum). Throws IOError.
     void Write(const void* data, size_t n);
     // Flushes, fsyncs and closes; returns the file's entry for the manifest.
     FileEntry Finish();
@@ -84,11 +87,13 @@ class CheckpointReader {
   // unknown-version manifest (naming the path).
   explicit CheckpointReader(const std::string& dir);
 
+  // The verified manifest, and the checkpoint directory as given.
   const Manifest& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
 
   class File {
    public:
+    // Move-only; the destructor closes the file.
     File(File&&) noexcept;
     ~File();
     // Reads up to n bytes (fewer only at the end).

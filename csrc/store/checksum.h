@@ -14,8 +14,11 @@ namespace bagpipe::store {
 
 class Checksum {
  public:
+  // XXH64 with `seed`, over no bytes yet.
   explicit Checksum(uint64_t seed = 0);
+  // Adds n bytes (any split of a byte string gives the same digest).
   void Update(const void* data, size_t n);
+  // XXH64 of every byte added so far; Update may continue afterwards.
   uint64_t Digest() const;
 
   // 16 lowercase hex digits.

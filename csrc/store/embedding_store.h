@@ -190,6 +190,7 @@ class EmbeddingStore {
   // Prepares key-map capacity for `total_rows` rows outside the hot path.
   void Reserve(size_t total_rows);
 
+  // Rows stored (rows read as initial values without being stored do not count).
   size_t Size();
 
   // Chunked export in a deterministic order (by shard, then key-map position). Returns the
@@ -200,12 +201,16 @@ class EmbeddingStore {
   size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows,
                 float* state = nullptr);
 
+  // Counters since construction; sizes as of now.
   StoreStats Stats();
 
+  // cb gets one message, the first time a page spills to disk (at once if that happened
+  // already; spill.h). It runs with the store's lock held (inside a batch op or this call):
+  // it must not call the store.
   void SetSpillCallback(SpillCallback cb);
 
   // Crash-safe checkpoint into `dir` (format and guarantees: checkpoint.h, manifest.h).
-  // `meta` is stored verbatim in the manifest (the commit layer records its committed step
+  // `meta` is stored verbatim in the manifest (the shard layer records its committed step
   // there). The manifest records the optimizer spec; the state files are written unless
   // weights_only (an inference export: loading it gives every row the initial state).
   // REQUIRES: dir absent, empty or a previous checkpoint (ValueError otherwise).

@@ -13,6 +13,10 @@
 // start): a fused table gives each member table its own TorchRec default bound.
 //
 // Thread safety: pure functions.
+// Invariants:
+//   1. The formula above is part of the checkpoint format: a build that changed it would
+//      read every never-written row of an old checkpoint differently.
+//   2. kZeros rows read 0 and kConstant rows `value` in every column.
 #pragma once
 
 #include <cstddef>

@@ -53,6 +53,7 @@ class KeyMap {
     unsigned hit;
     unsigned empty;
   };
+  // The entry index of a Match bit index.
   static unsigned EntryOf(unsigned bit) { return bit >> 1; }
   // REQUIRES: bucket points at kBucketEntries entries, 64-byte aligned.
   static Match MatchBucket(const Entry* bucket, int64_t key) {
@@ -67,6 +68,7 @@ class KeyMap {
     return MatchBucketScalar(bucket, key);
 #endif
   }
+  // MatchBucket without AVX-512 (equal results). REQUIRES: as MatchBucket.
   static Match MatchBucketScalar(const Entry* bucket, int64_t key) {
     unsigned hit = 0, empty = 0;
     for (unsigned i = 0; i < kBucketEntries; ++i) {
@@ -79,11 +81,14 @@ class KeyMap {
 
   // shard_bits: how many top bits of the key hash chose this shard (they are constant
   // within the shard, so the bucket is taken from the remaining bits).
+  // Empty; no table is mapped until the first Insert or Reserve.
   explicit KeyMap(int shard_bits);
+  // Releases the table.
   ~KeyMap();
   KeyMap(const KeyMap&) = delete;
   KeyMap& operator=(const KeyMap&) = delete;
 
+  // Keys stored; entries and buckets of the table (0 before it is mapped); its mapped bytes.
   size_t size() const { return size_; }
   size_t capacity() const { return num_buckets_ * kBucketEntries; }  // entries
   size_t num_buckets() const { return num_buckets_; }
@@ -94,7 +99,8 @@ class KeyMap {
 
   // Home bucket of a key hash (REQUIRES: capacity() > 0).
   size_t Home(uint64_t hash) const {
-    return static_cast<size_t>((static_cast<unsigned __int128>(hash << shard_bits_) * num_buckets_) >> 64);
+    return static_cast<size_t>(
+        (static_cast<unsigned __int128>(hash << shard_bits_) * num_buckets_) >> 64);
   }
   // First entry of bucket b (REQUIRES: b < num_buckets()).
   const Entry* bucket(size_t b) const { return table_ + b * kBucketEntries; }
@@ -128,8 +134,11 @@ class KeyMap {
     const Entry* table;
     uint64_t num_buckets;
     int shard_bits;
+    // As KeyMap::Home, bucket and Find, on the snapshot; BucketOf is bucket's inverse, Next
+    // the bucket probed after b (wrapping around). REQUIRES: b < num_buckets.
     size_t Home(uint64_t hash) const {
-      return static_cast<size_t>((static_cast<unsigned __int128>(hash << shard_bits) * num_buckets) >> 64);
+      return static_cast<size_t>(
+          (static_cast<unsigned __int128>(hash << shard_bits) * num_buckets) >> 64);
     }
     const Entry* bucket(size_t b) const { return table + b * kBucketEntries; }
     size_t BucketOf(const Entry* bucket_start) const {
@@ -149,9 +158,11 @@ class KeyMap {
       }
     }
   };
+  // The snapshot (see View).
   View view() const {
     alignas(64) static const Entry kEmpty[kBucketEntries] = {};
-    return num_buckets_ == 0 ? View{kEmpty, 1, shard_bits_} : View{table_, num_buckets_, shard_bits_};
+    return num_buckets_ == 0 ? View{kEmpty, 1, shard_bits_}
+                             : View{table_, num_buckets_, shard_bits_};
   }
 
   // Raw table for ordered iteration: capacity() entries; those with tag != 0 are stored.

@@ -7,171 +7,15 @@
 
 #include "common/errors.h"
 #include "store/checksum.h"
+#include "store/manifest_json.h"
 
 namespace bagpipe::store {
 
+using manifest_json::Json;
+using manifest_json::Quote;
+using manifest_json::Reader;
+
 namespace {
-
-// ---- a minimal JSON value (objects, arrays, strings, numbers kept as text, booleans) ----
-struct Json {
-  enum Kind { kNull, kBool, kNumber, kString, kArray, kObject } kind = kNull;
-  std::string text;  // number literal or string contents
-  bool boolean = false;
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> fields;
-};
-
-class Parser {
- public:
-  Parser(const std::string& s, const std::string& what) : s_(s), what_(what) {}
-
-  Json ParseDocument() {
-    Json v = ParseValue(0);
-    SkipSpace();
-    if (pos_ != s_.size()) Fail("trailing characters");
-    return v;
-  }
-
- private:
-  [[noreturn]] void Fail(const std::string& why) {
-    throw ValueError(what_ + ": malformed manifest (" + why + " at byte " + std::to_string(pos_) +
-                     ")");
-  }
-  void SkipSpace() {
-    while (pos_ < s_.size() && std::strchr(" \t\r\n", s_[pos_]) != nullptr) ++pos_;
-  }
-  char Peek() {
-    SkipSpace();
-    if (pos_ >= s_.size()) Fail("unexpected end");
-    return s_[pos_];
-  }
-  void Expect(char c) {
-    if (Peek() != c) Fail(std::string("expected '") + c + "'");
-    ++pos_;
-  }
-  Json ParseValue(int depth) {
-    if (depth > 32) Fail("nesting too deep");
-    const char c = Peek();
-    Json v;
-    if (c == '{') {
-      v.kind = Json::kObject;
-      ++pos_;
-      if (Peek() == '}') {
-        ++pos_;
-        return v;
-      }
-      for (;;) {
-        if (Peek() != '"') Fail("expected a key");
-        std::string key = ParseString();
-        Expect(':');
-        v.fields.emplace_back(std::move(key), ParseValue(depth + 1));
-        if (Peek() == ',') {
-          ++pos_;
-          continue;
-        }
-        Expect('}');
-        return v;
-      }
-    }
-    if (c == '[') {
-      v.kind = Json::kArray;
-      ++pos_;
-      if (Peek() == ']') {
-        ++pos_;
-        return v;
-      }
-      for (;;) {
-        v.items.push_back(ParseValue(depth + 1));
-        if (Peek() == ',') {
-          ++pos_;
-          continue;
-        }
-        Expect(']');
-        return v;
-      }
-    }
-    if (c == '"') {
-      v.kind = Json::kString;
-      v.text = ParseString();
-      return v;
-    }
-    if (s_.compare(pos_, 4, "true") == 0 || s_.compare(pos_, 5, "false") == 0) {
-      v.kind = Json::kBool;
-      v.boolean = s_[pos_] == 't';
-      pos_ += v.boolean ? 4 : 5;
-      return v;
-    }
-    if (s_.compare(pos_, 4, "null") == 0) {
-      pos_ += 4;
-      return v;
-    }
-    const size_t start = pos_;
-    while (pos_ < s_.size() && std::strchr("+-0123456789.eE", s_[pos_]) != nullptr) ++pos_;
-    if (pos_ == start) Fail("unexpected character");
-    v.kind = Json::kNumber;
-    v.text = s_.substr(start, pos_ - start);
-    return v;
-  }
-  std::string ParseString() {
-    Expect('"');
-    std::string out;
-    for (;;) {
-      if (pos_ >= s_.size()) Fail("unterminated string");
-      const char c = s_[pos_++];
-      if (c == '"') return out;
-      if (c != '\\') {
-        out.push_back(c);
-        continue;
-      }
-      if (pos_ >= s_.size()) Fail("unterminated escape");
-      const char e = s_[pos_++];
-      switch (e) {
-        case '"': out.push_back('"'); break;
-        case '\\': out.push_back('\\'); break;
-        case '/': out.push_back('/'); break;
-        case 'b': out.push_back('\b'); break;
-        case 'f': out.push_back('\f'); break;
-        case 'n': out.push_back('\n'); break;
-        case 'r': out.push_back('\r'); break;
-        case 't': out.push_back('\t'); break;
-        case 'u': {
-          if (pos_ + 4 > s_.size()) Fail("short \\u escape");
-          const unsigned long cp = std::stoul(s_.substr(pos_, 4), nullptr, 16);
-          pos_ += 4;
-          if (cp > 0xFF) Fail("\\u escape above 0xFF (the writer escapes bytes only)");
-          out.push_back(static_cast<char>(cp));
-          break;
-        }
-        default:
-          Fail("bad escape");
-      }
-    }
-  }
-
-  const std::string& s_;
-  const std::string& what_;
-  size_t pos_ = 0;
-};
-
-// Strings are byte strings: control bytes and '"' '\\' are escaped, other bytes (UTF-8
-// included) pass through unchanged.
-void Quote(std::ostringstream& os, const std::string& s) {
-  os << '"';
-  for (unsigned char c : s) {
-    if (c == '"') {
-      os << "\\\"";
-    } else if (c == '\\') {
-      os << "\\\\";
-    } else if (c < 0x20 || c == 0x7F) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      os << buf;
-    } else {
-      os << c;
-    }
-  }
-  os << '"';
-}
 
 uint32_t FloatBits(float f) {
   uint32_t b;
@@ -231,72 +75,6 @@ void EncodeFile(std::ostringstream& os, const FileEntry& f) {
   Quote(os, f.file);
   os << ", \"bytes\": " << f.bytes << ", \"xxh64\": \"" << Checksum::Hex(f.xxh64) << "\"}";
 }
-
-// Field access with errors that name the field.
-class Reader {
- public:
-  Reader(const Json& obj, std::string path, const std::string& what)
-      : obj_(obj), path_(std::move(path)), what_(what) {
-    if (obj_.kind != Json::kObject) Fail(path_, "is not an object");
-  }
-  [[noreturn]] void Fail(const std::string& field, const std::string& why) const {
-    throw ValueError(what_ + ": manifest field '" + field + "' " + why);
-  }
-  const Json* Find(const std::string& key) const {
-    for (const auto& [k, v] : obj_.fields) {
-      if (k == key) return &v;
-    }
-    return nullptr;
-  }
-  const Json& Get(const std::string& key, Json::Kind kind) const {
-    const Json* v = Find(key);
-    if (v == nullptr) Fail(Name(key), "is missing");
-    if (v->kind != kind) Fail(Name(key), "has the wrong type");
-    return *v;
-  }
-  std::string Name(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
-  int64_t Int(const std::string& key) const { return ToInt(Get(key, Json::kNumber), Name(key)); }
-  uint64_t UInt(const std::string& key) const { return ToUInt(Get(key, Json::kNumber), Name(key)); }
-  std::string Str(const std::string& key) const { return Get(key, Json::kString).text; }
-  uint64_t Hex(const std::string& key) const {
-    const std::string t = Str(key);
-    if (t.size() != 16 || t.find_first_not_of("0123456789abcdef") != std::string::npos) {
-      Fail(Name(key), "is not 16 hex digits");
-    }
-    return std::stoull(t, nullptr, 16);
-  }
-  Reader Obj(const std::string& key) const { return Reader(Get(key, Json::kObject), Name(key), what_); }
-  const std::vector<Json>& Arr(const std::string& key) const { return Get(key, Json::kArray).items; }
-  const std::string& what() const { return what_; }
-
-  int64_t ToInt(const Json& v, const std::string& name) const {
-    if (v.kind != Json::kNumber) Fail(name, "is not a number");
-    try {
-      size_t used = 0;
-      const long long x = std::stoll(v.text, &used);
-      if (used != v.text.size()) Fail(name, "is not an integer");
-      return x;
-    } catch (const std::logic_error&) {
-      Fail(name, "is not a 64-bit integer");
-    }
-  }
-  uint64_t ToUInt(const Json& v, const std::string& name) const {
-    if (v.kind != Json::kNumber || v.text.empty() || v.text[0] == '-') Fail(name, "is not unsigned");
-    try {
-      size_t used = 0;
-      const unsigned long long x = std::stoull(v.text, &used);
-      if (used != v.text.size()) Fail(name, "is not an integer");
-      return x;
-    } catch (const std::logic_error&) {
-      Fail(name, "is not a 64-bit unsigned integer");
-    }
-  }
-
- private:
-  const Json& obj_;
-  std::string path_;
-  const std::string& what_;
-};
 
 FileEntry DecodeFile(const Reader& r) {
   FileEntry f;
@@ -365,104 +143,115 @@ std::string EncodeManifest(const Manifest& m) {
   return body + "#xxh64 " + Checksum::Hex(c.Digest()) + "\n";
 }
 
-Manifest DecodeManifest(const std::string& text, const std::string& what) {
+namespace {
+
+// The manifest's body, once its checksum trailer ("#xxh64 <16 hex>\n") matches it.
+std::string VerifiedBody(const std::string& text, const std::string& what) {
   // Trailer first: a manifest cut short anywhere fails here.
   const std::string tag = "#xxh64 ";
   const size_t at = text.rfind(tag);
   if (at == std::string::npos || text.size() != at + tag.size() + 17 || text.back() != '\n') {
     throw ValueError(what + ": torn or corrupt checkpoint (the manifest has no checksum trailer)");
   }
-  const std::string body = text.substr(0, at);
+  std::string body = text.substr(0, at);
   Checksum c;
   c.Update(body.data(), body.size());
   if (Checksum::Hex(c.Digest()) != text.substr(at + tag.size(), 16)) {
     throw ValueError(what + ": torn or corrupt checkpoint (manifest checksum mismatch)");
   }
-  const Json doc = Parser(body, what).ParseDocument();
-  Reader r(doc, "", what);
+  return body;
+}
+
+// format, version, contents and dim.
+void DecodeHead(const Reader& r, Manifest* m) {
+  const std::string& what = r.what();
   if (r.Str("format") != kCheckpointFormat) {
     throw ValueError(what + ": not an EmbeddingStore checkpoint (format '" + r.Str("format") + "')");
   }
-  Manifest m;
   const int64_t version = r.Int("version");
   if (version < kOldestCheckpointVersion || version > kCheckpointVersion) {
     throw ValueError(what + ": unknown checkpoint version " + std::to_string(version) +
                      " (this build reads versions " + std::to_string(kOldestCheckpointVersion) +
                      " to " + std::to_string(kCheckpointVersion) + ")");
   }
-  m.version = static_cast<int>(version);
+  m->version = static_cast<int>(version);
   const std::string contents = r.Str("contents");
   if (contents != "full" && contents != "weights") r.Fail("contents", "is not 'full' or 'weights'");
-  m.weights_only = contents == "weights";
+  m->weights_only = contents == "weights";
   const int64_t dim = r.Int("dim");
   if (dim <= 0 || dim > (1 << 20)) r.Fail("dim", "is out of range");
-  m.dim = static_cast<int>(dim);
+  m->dim = static_cast<int>(dim);
+}
 
-  const Reader init = r.Obj("init");
+// The "init" object: kind, seed, bound and value (as float bits), bound ranges.
+InitSpec DecodeInit(const Reader& init) {
+  InitSpec spec;
   const std::string kind = init.Str("kind");
   if (kind == "uniform") {
-    m.init.kind = InitKind::kUniform;
+    spec.kind = InitKind::kUniform;
   } else if (kind == "zeros") {
-    m.init.kind = InitKind::kZeros;
+    spec.kind = InitKind::kZeros;
   } else if (kind == "constant") {
-    m.init.kind = InitKind::kConstant;
+    spec.kind = InitKind::kConstant;
   } else {
     init.Fail("init.kind", "is unknown ('" + kind + "')");
   }
-  m.init.seed = init.UInt("seed");
+  spec.seed = init.UInt("seed");
   const uint64_t bound_bits = init.UInt("bound_bits");
   const uint64_t value_bits = init.UInt("value_bits");
   if (bound_bits > 0xFFFFFFFFu || value_bits > 0xFFFFFFFFu) init.Fail("init", "has bad float bits");
-  m.init.bound = BitsFloat(static_cast<uint32_t>(bound_bits));
-  m.init.value = BitsFloat(static_cast<uint32_t>(value_bits));
-  for (const Json& v : init.Arr("bound_starts")) m.init.bound_starts.push_back(init.ToInt(v, "init.bound_starts"));
+  spec.bound = BitsFloat(static_cast<uint32_t>(bound_bits));
+  spec.value = BitsFloat(static_cast<uint32_t>(value_bits));
+  for (const Json& v : init.Arr("bound_starts")) {
+    spec.bound_starts.push_back(init.ToInt(v, "init.bound_starts"));
+  }
   for (const Json& v : init.Arr("bound_value_bits")) {
     const uint64_t b = init.ToUInt(v, "init.bound_value_bits");
     if (b > 0xFFFFFFFFu) init.Fail("init.bound_value_bits", "has bad float bits");
-    m.init.bound_values.push_back(BitsFloat(static_cast<uint32_t>(b)));
+    spec.bound_values.push_back(BitsFloat(static_cast<uint32_t>(b)));
   }
   try {
-    ValidateInitSpec(m.init);
+    ValidateInitSpec(spec);
   } catch (const ValueError& e) {
-    throw ValueError(what + ": manifest field 'init' is invalid: " + e.what());
+    throw ValueError(init.what() + ": manifest field 'init' is invalid: " + e.what());
   }
+  return spec;
+}
 
-  m.key_bound = r.Int("key_bound");
-  const int64_t shards = r.Int("num_shards");
-  if (shards < 1 || shards > 4096) r.Fail("num_shards", "is out of range");
-  m.num_shards = static_cast<int>(shards);
-  const uint64_t page_rows = r.UInt("page_rows");
-  if (page_rows > (1u << 24)) r.Fail("page_rows", "is out of range");
-  m.page_rows = static_cast<uint32_t>(page_rows);
-  const Reader opt = r.Obj("optimizer");
+// The "optimizer" object: name, constants (version >= 2, as double bits) and state_dim.
+// REQUIRES: m->version and m->dim decoded.
+void DecodeOptimizer(const Reader& opt, Manifest* m) {
   try {
-    m.optimizer.kind = ParseOptimizerKind(opt.Str("name"));
+    m->optimizer.kind = ParseOptimizerKind(opt.Str("name"));
   } catch (const ValueError& e) {
     opt.Fail("optimizer.name", std::string("is invalid: ") + e.what());
   }
-  if (version >= 2) {
+  if (m->version >= 2) {
     for (const DoubleField& f : kOptimizerFields) {
-      m.optimizer.*f.member = BitsDouble(opt.UInt(std::string(f.name) + "_bits"));
+      m->optimizer.*f.member = BitsDouble(opt.UInt(std::string(f.name) + "_bits"));
     }
-  } else if (m.optimizer.kind != OptimizerKind::kSgd) {
+  } else if (m->optimizer.kind != OptimizerKind::kSgd) {
     opt.Fail("optimizer.name", "is not 'sgd' in a version 1 checkpoint");
   }
   try {
-    ValidateOptimizerSpec(m.optimizer);
+    ValidateOptimizerSpec(m->optimizer);
   } catch (const ValueError& e) {
-    throw ValueError(what + ": manifest field 'optimizer' is invalid: " + e.what());
+    throw ValueError(opt.what() + ": manifest field 'optimizer' is invalid: " + e.what());
   }
   const int64_t state_dim = opt.Int("state_dim");
-  if (state_dim != StateDim(m.optimizer.kind, m.dim)) {
+  if (state_dim != StateDim(m->optimizer.kind, m->dim)) {
     opt.Fail("optimizer.state_dim", "does not fit the optimizer and dim");
   }
-  m.state_dim = static_cast<int>(state_dim);
-  m.rows = r.UInt("rows");
+  m->state_dim = static_cast<int>(state_dim);
+}
 
+// The "segments" array; their counts must add up to m->rows.
+// REQUIRES: m->dim, m->state_dim, m->weights_only and m->rows decoded.
+void DecodeSegments(const Reader& r, Manifest* m) {
   uint64_t total = 0;
   const auto& segs = r.Arr("segments");
   for (size_t i = 0; i < segs.size(); ++i) {
-    const Reader s(segs[i], "segments[" + std::to_string(i) + "]", what);
+    const Reader s(segs[i], "segments[" + std::to_string(i) + "]", r.what());
     SegmentEntry e;
     e.count = s.UInt("count");
     e.keys = DecodeFile(s.Obj("keys"));
@@ -471,27 +260,53 @@ Manifest DecodeManifest(const std::string& text, const std::string& what) {
       e.has_state = true;
       e.state = DecodeFile(s.Obj("state"));
     }
-    if (e.keys.bytes != e.count * 8 || e.rows.bytes != e.count * static_cast<uint64_t>(m.dim) * 4) {
+    if (e.keys.bytes != e.count * 8 || e.rows.bytes != e.count * static_cast<uint64_t>(m->dim) * 4) {
       s.Fail(s.Name("count"), "disagrees with the file sizes");
     }
-    if (e.has_state != (m.state_dim > 0 && !m.weights_only)) {
+    if (e.has_state != (m->state_dim > 0 && !m->weights_only)) {
       s.Fail(s.Name("state"), "does not match optimizer.state_dim and contents");
     }
-    if (e.has_state && e.state.bytes != e.count * static_cast<uint64_t>(m.state_dim) * 4) {
+    if (e.has_state && e.state.bytes != e.count * static_cast<uint64_t>(m->state_dim) * 4) {
       s.Fail(s.Name("state.bytes"), "disagrees with count and state_dim");
     }
     total += e.count;
-    m.segments.push_back(std::move(e));
+    m->segments.push_back(std::move(e));
   }
-  if (total != m.rows) r.Fail("rows", "is not the sum of the segment counts");
+  if (total != m->rows) r.Fail("rows", "is not the sum of the segment counts");
+}
+
+// The "meta" object: strings only.
+void DecodeMeta(const Json& doc, const Reader& r, Manifest* m) {
   const Reader meta = r.Obj("meta");
   for (const auto& [k, v] : doc.fields) {
     if (k != "meta") continue;
     for (const auto& [mk, mv] : v.fields) {
       if (mv.kind != Json::kString) meta.Fail("meta." + mk, "is not a string");
-      m.meta[mk] = mv.text;
+      m->meta[mk] = mv.text;
     }
   }
+}
+
+}  // namespace
+
+Manifest DecodeManifest(const std::string& text, const std::string& what) {
+  const std::string body = VerifiedBody(text, what);
+  const Json doc = manifest_json::Parse(body, what);
+  Reader r(doc, "", what);
+  Manifest m;
+  DecodeHead(r, &m);
+  m.init = DecodeInit(r.Obj("init"));
+  m.key_bound = r.Int("key_bound");
+  const int64_t shards = r.Int("num_shards");
+  if (shards < 1 || shards > 4096) r.Fail("num_shards", "is out of range");
+  m.num_shards = static_cast<int>(shards);
+  const uint64_t page_rows = r.UInt("page_rows");
+  if (page_rows > (1u << 24)) r.Fail("page_rows", "is out of range");
+  m.page_rows = static_cast<uint32_t>(page_rows);
+  DecodeOptimizer(r.Obj("optimizer"), &m);
+  m.rows = r.UInt("rows");
+  DecodeSegments(r, &m);
+  DecodeMeta(doc, r, &m);
   return m;
 }
 

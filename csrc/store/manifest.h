@@ -63,6 +63,8 @@ struct Manifest {
   std::map<std::string, std::string> meta;
 };
 
+// The MANIFEST text of m, which DecodeManifest reads back field for field (floats as their
+// bits): the JSON body, then its checksum trailer. REQUIRES: m satisfies the invariants above.
 std::string EncodeManifest(const Manifest& m);
 
 // Throws ValueError (naming `what`, e.g. the path) for a torn, corrupt or unknown-version

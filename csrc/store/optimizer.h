@@ -60,6 +60,7 @@ struct OptimizerConstants {
   float c2 = 0.0f;             // float(1.0 - beta2)
   float initial_state = 0.0f;  // Adagrad kinds: float(initial_accumulator_value); Adam: 0
 };
+// REQUIRES: ValidateOptimizerSpec(spec) passes.
 OptimizerConstants ConstantsOf(const OptimizerSpec& spec);
 
 // Writes the initial state of one row (StateDim(spec.kind, dim) floats).

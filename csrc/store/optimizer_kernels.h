@@ -37,6 +37,7 @@ struct StepArgs {
 // A kernel's scratch: the scaled gradient (dim floats, rounded up to 16), then the row-sum
 // tree (padded floats). REQUIRES of the caller: 64-byte aligned.
 inline constexpr size_t kScratchAlign = 64;
+// Floats of a kernel's scratch for dim and padded (the row-sum tree's width).
 inline size_t KernelScratchFloats(int dim, int padded) {
   return (static_cast<size_t>(dim) + 15) / 16 * 16 + static_cast<size_t>(padded);
 }
@@ -57,6 +58,7 @@ using Vec16 = float __attribute__((vector_size(64)));
 using Vec8 = float __attribute__((vector_size(32)));
 using Vec4 = float __attribute__((vector_size(16)));
 
+// 16 floats from p, unaligned. REQUIRES: p holds 16 readable floats.
 inline Vec16 Load16(const float* p) {
   Vec16 v;
   std::memcpy(&v, p, sizeof(v));

@@ -30,7 +30,9 @@ namespace bagpipe::store {
 class PageIndex {
  public:
   explicit PageIndex(uint32_t rows);  // REQUIRES: rows >= 1
+  // Rows per page, as constructed.
   uint32_t rows() const { return rows_; }
+  // slot / rows(), exactly.
   uint32_t Page(uint32_t slot) const {
     if (pow2_) return slot >> shift_;
     return static_cast<uint32_t>((static_cast<unsigned __int128>(magic_) * slot) >> 64);
@@ -73,6 +75,7 @@ class PageArena {
   PageArena(const PageArena&) = delete;
   PageArena& operator=(const PageArena&) = delete;
 
+  // As constructed.
   size_t slot_bytes() const { return slot_bytes_; }
   uint32_t page_rows() const { return page_rows_; }
   size_t page_bytes() const { return page_bytes_; }  // mapping size, a multiple of 4 KiB
@@ -87,6 +90,8 @@ class PageArena {
   // std::bad_alloc / IOError; the page is unchanged then.
   void MoveToMemory(Page* page);
 
+  // Pages allocated, of them in memory and in spill files; page i in allocation order
+  // (REQUIRES: i < num_pages()).
   size_t num_pages() const { return pages_.size(); }
   size_t resident_pages() const { return pages_.size() - spilled_pages_; }
   size_t spilled_pages() const { return spilled_pages_; }

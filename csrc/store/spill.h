@@ -56,6 +56,7 @@ class SpillTier {
   SpillTier(const SpillTier&) = delete;
   SpillTier& operator=(const SpillTier&) = delete;
 
+  // A budget is set; pages above it go to disk (a spill directory is set too).
   bool limited() const { return budget_ > 0; }
   bool spilling() const { return budget_ > 0 && !dir_.empty(); }
   // Whether ops must Touch() the pages they access.
@@ -75,6 +76,7 @@ class SpillTier {
   // A callback set after the first spill runs at once (the spill happened unobserved).
   void set_callback(SpillCallback cb);
 
+  // Counters since construction: spill passes, pages written out, pages read back.
   int64_t spill_count() const { return spill_count_; }
   int64_t swap_outs() const { return swap_outs_; }
   int64_t swap_ins() const { return swap_ins_; }

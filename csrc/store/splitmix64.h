@@ -3,6 +3,9 @@
 // of a row is defined in terms of SplitMix64 (see init.h), and tests re-implement it.
 //
 // Thread safety: pure functions.
+// Invariants:
+//   1. Fixed by the storage format: changing either changes the initial value of every
+//      never-written row (init.h) and the hash shard of every key.
 #pragma once
 
 #include <cstdint>

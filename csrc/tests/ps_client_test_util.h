@@ -10,8 +10,8 @@
 #include <random>
 #include <vector>
 
-#include "commit/client.h"
-#include "commit/ps_shard.h"
+#include "client/ps_client.h"
+#include "shard/ps_shard.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
 #include "transport/channel.h"
@@ -22,17 +22,17 @@ inline constexpr uint32_t kClientDim = 4;
 inline constexpr float kClientLr = 0.125f;
 
 // A shard `id` of `n` whose tables are MapTables.
-inline std::shared_ptr<commit::PSShard> MakeShard(uint32_t id, uint32_t n) {
-  commit::ShardOptions o;
+inline std::shared_ptr<shard::PSShard> MakeShard(uint32_t id, uint32_t n) {
+  shard::ShardOptions o;
   o.shard_id = id;
   o.num_shards = n;
-  return std::make_shared<commit::PSShard>(o, MapTableFactory(), NoLoader());
+  return std::make_shared<shard::PSShard>(o, MapTableFactory(), NoLoader());
 }
 
 // Table "emb" of width kClientDim, constant init 0.5, hash partitioning, a 20 s timeout.
-inline commit::ClientOptions ClientOpts(uint64_t session, uint32_t rank, uint32_t world,
+inline client::ClientOptions ClientOpts(uint64_t session, uint32_t rank, uint32_t world,
                                         uint32_t max_rows, uint32_t inflight) {
-  commit::ClientOptions o;
+  client::ClientOptions o;
   o.table = "emb";
   o.session = session;
   o.rank = rank;
@@ -49,10 +49,10 @@ inline commit::ClientOptions ClientOpts(uint64_t session, uint32_t rank, uint32_
 }
 
 // A channel with one slot per in-flight packet, each large enough for the client's packets.
-inline transport::ChannelOptions ChannelOpts(const commit::ClientOptions& o) {
+inline transport::ChannelOptions ChannelOpts(const client::ClientOptions& o) {
   transport::ChannelOptions c;
   c.num_slots = o.inflight_packets;
-  c.slot_bytes = commit::SlotBytesFor(o);
+  c.slot_bytes = client::SlotBytesFor(o);
   return c;
 }
 
@@ -80,7 +80,7 @@ inline Batch SeededBatch(uint64_t seed, int max_rows, int64_t num_keys) {
 // the world size.
 inline std::unique_ptr<MapTable> ReferenceModel(
     int steps, uint32_t world, const std::function<Batch(int step, uint32_t rank)>& batch) {
-  commit::TableSchema spec;
+  shard::TableSchema spec;
   spec.dim = kClientDim;
   spec.init.kind = store::InitKind::kConstant;
   spec.init.value = 0.5f;

@@ -1,4 +1,4 @@
-// Helpers for the commit/transport tests: a map-based reference TableBackend with the
+// Helpers for the commit protocol tests (shard and transport): a map-based reference TableBackend with the
 // store's SGD arithmetic (an SGD table: no optimizer state), a ServerLink that records
 // frames, and a reference SGD model.
 #pragma once
@@ -11,22 +11,22 @@
 #include <string>
 #include <vector>
 
-#include "commit/table_backend.h"
 #include "protocol/wire.h"
+#include "shard/table_backend.h"
 #include "transport/frame_handler.h"
 
 namespace bagpipe::testing {
 
 // Reference table: rows never written read as init.value + key * 1e-3 (a cheap
 // deterministic initialiser that still differs per key).
-class MapTable : public commit::TableBackend {
+class MapTable : public shard::TableBackend {
  public:
-  explicit MapTable(const commit::TableSchema& spec) : schema_(spec) {
+  explicit MapTable(const shard::TableSchema& spec) : schema_(spec) {
     if (spec.optimizer.kind != store::OptimizerKind::kSgd) {
       throw std::invalid_argument("MapTable models SGD tables only");
     }
   }
-  const commit::TableSchema& schema() const override { return schema_; }
+  const shard::TableSchema& schema() const override { return schema_; }
 
   std::vector<float> Row(int64_t key) const {
     auto it = rows_.find(key);
@@ -92,20 +92,20 @@ class MapTable : public commit::TableBackend {
   std::map<int64_t, std::vector<float>> saved_rows;
 
  private:
-  commit::TableSchema schema_;
+  shard::TableSchema schema_;
   std::map<int64_t, std::vector<float>> rows_;
 };
 
-inline commit::TableBackendFactory MapTableFactory(std::vector<MapTable*>* created = nullptr) {
-  return [created](const std::string&, const commit::TableSchema& spec) {
+inline shard::TableBackendFactory MapTableFactory(std::vector<MapTable*>* created = nullptr) {
+  return [created](const std::string&, const shard::TableSchema& spec) {
     auto t = std::make_unique<MapTable>(spec);
     if (created) created->push_back(t.get());
-    return std::unique_ptr<commit::TableBackend>(std::move(t));
+    return std::unique_ptr<shard::TableBackend>(std::move(t));
   };
 }
 
-inline commit::TableBackendLoader NoLoader() {
-  return [](const std::string& dir, std::map<std::string, std::string>*) -> std::unique_ptr<commit::TableBackend> {
+inline shard::TableBackendLoader NoLoader() {
+  return [](const std::string& dir, std::map<std::string, std::string>*) -> std::unique_ptr<shard::TableBackend> {
     throw std::runtime_error("no loader in this test: " + dir);
   };
 }

@@ -2,13 +2,13 @@
 #include <memory>
 #include <vector>
 
-#include "commit/coordinator.h"
 #include "common/errors.h"
+#include "shard/coordinator.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
 
 using namespace bagpipe;
-using namespace bagpipe::commit;
+using namespace bagpipe::shard;
 using bagpipe::testing::MapTable;
 using bagpipe::testing::RecordingLink;
 using wire::Disposition;

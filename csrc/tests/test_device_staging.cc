@@ -8,16 +8,17 @@
 #include <thread>
 #include <vector>
 
-#include "commit/client.h"
-#include "commit/ps_shard.h"
+#include "client/device_staging.h"
+#include "client/ps_client.h"
 #include "common/cuda_api.h"
 #include "common/errors.h"
+#include "shard/ps_shard.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
-#include "transport/device_staging.h"
 #include "transport/local_channel.h"
 
 using namespace bagpipe;
+using namespace bagpipe::client;
 using namespace bagpipe::transport;
 
 namespace {
@@ -144,13 +145,13 @@ TEST_CASE(staged_commit_equals_host_commit) {
   auto dev = std::make_shared<FakeDevice>();
   DeviceStager stager(dev, 5.0);
   auto make_shard = [] {
-    commit::ShardOptions o;
-    return std::make_shared<commit::PSShard>(o, bagpipe::testing::MapTableFactory(),
+    shard::ShardOptions o;
+    return std::make_shared<shard::PSShard>(o, bagpipe::testing::MapTableFactory(),
                                              bagpipe::testing::NoLoader());
   };
   auto shard_a = make_shard();
   auto shard_b = make_shard();
-  commit::ClientOptions o;
+  client::ClientOptions o;
   o.table = "emb";
   o.session = 3;
   o.dim = 4;
@@ -162,11 +163,11 @@ TEST_CASE(staged_commit_equals_host_commit) {
   o.timeout = 10;
   ChannelOptions co;
   co.num_slots = o.inflight_packets;
-  co.slot_bytes = commit::SlotBytesFor(o);
-  auto client = [&](std::shared_ptr<commit::PSShard> s) {
+  co.slot_bytes = client::SlotBytesFor(o);
+  auto client = [&](std::shared_ptr<shard::PSShard> s) {
     std::vector<std::unique_ptr<Channel>> c;
     c.push_back(std::make_unique<LocalChannel>(s, co));
-    return std::make_unique<commit::PSClient>(o, std::move(c));
+    return std::make_unique<client::PSClient>(o, std::move(c));
   };
   auto ca = client(shard_a);
   auto cb = client(shard_b);

@@ -7,10 +7,10 @@
 #include <thread>
 #include <vector>
 
-#include "commit/client.h"
-#include "commit/ps_shard.h"
+#include "client/ps_client.h"
 #include "common/errors.h"
 #include "server/tcp_server.h"
+#include "shard/ps_shard.h"
 #include "tests/ps_client_test_util.h"
 #include "tests/ps_test_util.h"
 #include "tests/test_harness.h"
@@ -19,7 +19,8 @@
 #include "transport/tcp_channel.h"
 
 using namespace bagpipe;
-using namespace bagpipe::commit;
+using namespace bagpipe::client;
+using namespace bagpipe::shard;
 using bagpipe::testing::MapTable;
 
 namespace {

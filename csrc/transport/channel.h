@@ -63,6 +63,8 @@ struct Error {
   std::string message;
 };
 
+// The error kind a client raises for a reply status (ValueError for kInvalidArgument,
+// SessionError for a failed, unopened or overloaded session, ...).
 ErrorKind KindOfStatus(protocol::wire::Status status);
 // Throws the bagpipe exception (common/errors.h) matching error.kind.
 [[noreturn]] void ThrowError(const Error& error);
@@ -77,8 +79,13 @@ struct Reply {
   const uint8_t* payload = nullptr;
   size_t payload_len = 0;
 
-  protocol::wire::MsgType type() const { return static_cast<protocol::wire::MsgType>(header.type); }
-  protocol::wire::Status status() const { return static_cast<protocol::wire::Status>(header.status); }
+  // The header's type and status as enums (unchecked: compare, do not switch exhaustively).
+  protocol::wire::MsgType type() const {
+    return static_cast<protocol::wire::MsgType>(header.type);
+  }
+  protocol::wire::Status status() const {
+    return static_cast<protocol::wire::Status>(header.status);
+  }
   // The error text of an kError / kNotifyFailed reply.
   std::string Text() const;
 };
@@ -111,6 +118,8 @@ class PendingRequest {
 // final once done is true.
 class ReplyCapture : public PendingRequest {
  public:
+  // Record the reply (type, status, a copy of the fixed body, a kError's text) or the
+  // failure, then wake WaitUntil.
   void OnReply(const Reply& reply) override;
   void OnFailure(const Error& error) override;
   // Waits until the reply or failure arrived; false if the deadline passed first.
@@ -165,12 +174,15 @@ struct ChannelStats {
 
 class Channel {
  public:
+  // REQUIRES: options.num_slots >= 1, options.slot_bytes > wire::kHeaderBytes (ValueError
+  // otherwise).
   Channel(std::string peer, const ChannelOptions& options);
   // REQUIRES: the derived destructor called Close().
   virtual ~Channel();
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
 
+  // As constructed: who the shard is (for messages), the in-flight window, the slot size.
   const std::string& peer() const { return peer_; }
   uint32_t num_slots() const { return static_cast<uint32_t>(slots_.size()); }
   size_t slot_bytes() const { return slot_bytes_; }
@@ -211,12 +223,15 @@ class Channel {
   void Flush();
   // Waits until no request is in flight. Throws TimeoutError at the deadline.
   void WaitIdle(Deadline deadline);
+  // Requests posted and not yet answered.
   uint32_t in_flight() const;
 
+  // Whether the channel failed (or was closed), and the first error.
   bool failed() const;
   Error error() const;
   // Closes the backend; requests still in flight fail with "channel closed". Idempotent.
   void Close();
+  // Counters since construction (the backend's own ones included).
   ChannelStats stats() const;
 
  protected:

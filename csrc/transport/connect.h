@@ -29,6 +29,7 @@ struct ShardEndpoint {
   std::string host;                     // kTcp, kRdma
   uint16_t port = 0;                    // kTcp, kRdma
 
+  // An endpoint of that kind (checked only by ConnectChannel).
   static ShardEndpoint Local(std::shared_ptr<FrameHandler> handler);
   static ShardEndpoint Tcp(std::string host, uint16_t port);
   static ShardEndpoint Rdma(std::string host, uint16_t port);

@@ -1,7 +1,7 @@
 // The shard side of the transport interface: a backend (local channel, TCP server, UCX
 // server) delivers each request frame it receives to a FrameHandler, together with the
 // ServerLink the replies go back through. The transport layer knows no more of the shard
-// than this interface (commit::PSShard implements it), so no backend depends on the commit
+// than this interface (shard::PSShard implements it), so no backend depends on the shard
 // layer.
 //
 //   ServerLink    shard side of one connection: how the handler sends a reply frame back.
@@ -85,12 +85,14 @@ class FrameHandler {
 
   virtual ~FrameHandler() = default;
 
+  // What HelloOk announces; fixed for the handler's life.
   virtual Identity identity() const = 0;
   // Where a backend logs connection events (violations); may be empty.
   virtual const LogFn& log() const = 0;
 
   // Handles one request frame from `link` and replies through it. Returns false when the
-  // connection must be closed (invariant 1). Never throws. `owner`, if not null, is the
+  // connection must be closed (invariant 1). Never throws. REQUIRES: body holds
+  // header.body_len bytes; one call at a time per link. `owner`, if not null, is the
   // buffer that holds body: the handler may take it over (swapping in another buffer)
   // instead of copying the body.
   virtual bool HandleFrame(const std::shared_ptr<ServerLink>& link,

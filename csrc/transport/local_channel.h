@@ -28,6 +28,7 @@ class LocalChannel : public Channel {
  public:
   // REQUIRES: shard != nullptr (ValueError).
   LocalChannel(std::shared_ptr<FrameHandler> shard, const ChannelOptions& options);
+  // Close(): in-flight requests fail, the shard sees LinkClosed.
   ~LocalChannel() override;
 
   const char* kind() const override { return "local"; }

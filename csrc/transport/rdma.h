@@ -2,6 +2,8 @@
 // they reach ucx_channel.h; without it they explain which library is missing.
 //
 // Thread safety: free functions, thread-safe.
+// Invariants:
+//   1. RdmaAvailable() == RdmaUnavailableReason().empty(), fixed for the build.
 #pragma once
 
 #include <cstdint>

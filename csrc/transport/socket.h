@@ -33,14 +33,17 @@ namespace bagpipe::transport {
 // An owned socket descriptor, closed by the destructor.
 class Socket {
  public:
+  // Owns nothing / owns fd (any descriptor, -1: nothing).
   Socket() = default;
   explicit Socket(int fd) : fd_(fd) {}
   ~Socket() { Close(); }
+  // Take o's descriptor (this one's, if any, is closed first); o is left owning nothing.
   Socket(Socket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
   Socket& operator=(Socket&& o) noexcept;
   Socket(const Socket&) = delete;
   Socket& operator=(const Socket&) = delete;
 
+  // The descriptor (-1 when none), and whether there is one.
   int fd() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
   // Gives up ownership: the caller closes the returned descriptor.
@@ -71,6 +74,7 @@ class Listener {
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
 
+  // Where it listens (port: the bound one, also when asked for 0).
   uint16_t port() const { return port_; }
   const std::string& host() const { return host_; }
   // Waits up to timeout_ms for a connection; an invalid Socket when none came or the

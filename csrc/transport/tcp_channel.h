@@ -1,5 +1,5 @@
 // The tcp backend, client side: one TCP connection per (client, shard) carrying
-// length-prefixed frames (commit/wire.h). Connect() authenticates with a Hello carrying the
+// length-prefixed frames (protocol/wire.h). Connect() authenticates with a Hello carrying the
 // job token before anything else; every later frame carries the token's digest. A receive
 // thread reads replies through a FrameReader (small frames batched per recv); a GET reply's
 // rows go straight from the socket into the request's sink (the caller's output tensor when
@@ -40,9 +40,11 @@ class TcpChannel : public Channel {
                                              const std::string& job_token,
                                              const ChannelOptions& options,
                                              double connect_timeout);
+  // Close(), then the socket is closed.
   ~TcpChannel() override;
 
   const char* kind() const override { return "tcp"; }
+  // The shard's instance id from its HelloOk (PSShard::instance_id).
   uint64_t remote_instance() const { return remote_instance_; }
 
  protected:

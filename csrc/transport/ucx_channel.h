@@ -43,10 +43,13 @@ class UcxChannel : public Channel {
                                              const ChannelOptions& options,
                                              double connect_timeout,
                                              const ucx::UcxConfig& config = {});
+  // Close(); the endpoint closes with it.
   ~UcxChannel() override;
 
   const char* kind() const override { return "ucx"; }
+  // The shard's instance id from its HelloOk (PSShard::instance_id).
   uint64_t remote_instance() const { return remote_instance_; }
+  // How frames travel to this shard (ucx_endpoint.h "Frame modes"), fixed at Connect.
   ucx::FrameMode frame_mode() const { return endpoint_->frame_mode(); }
   // Writes, flushes and doorbells of the underlying endpoint.
   ucx::EndpointStats endpoint_stats() const { return endpoint_->stats(); }

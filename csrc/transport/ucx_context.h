@@ -40,10 +40,13 @@ class Context {
   // (e.g. an unknown transport name in config.tls).
   static std::shared_ptr<Context> Get(const UcxConfig& config);
 
+  // ucp_cleanup. REQUIRES: every worker and registration of the context is gone (each holds
+  // the context by shared_ptr).
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
+  // The UCP context, and the configuration it was made with (every field resolved).
   ucp_context_h handle() const { return context_; }
   const UcxConfig& config() const { return config_; }
 

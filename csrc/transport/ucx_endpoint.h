@@ -55,6 +55,8 @@
 //   6. An endpoint's progress thread is its own, or (shards: AcceptLimits::progress) the
 //      thread of a ProgressGroup shared with other endpoints (ucx_progress.h); either way
 //      every UCP call on its worker happens on that one thread.
+//
+// The implementation is one file per phase (ucx_endpoint_internal.h lists them).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -190,10 +192,12 @@ class Endpoint {
       const std::function<EndpointHandlers(const std::shared_ptr<Endpoint>&)>& on_connection,
       Deadline deadline);
 
+  // Close(graceful unless failed). REQUIRES: as Close.
   ~Endpoint();
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
 
+  // Fixed by the bootstrap: which side this is, who the peer is, the ring's geometry.
   Role role() const { return role_; }
   const std::string& peer() const { return peer_; }
   uint32_t num_slots() const { return num_slots_; }
@@ -220,11 +224,13 @@ class Endpoint {
   // thread. Idempotent. REQUIRES: not called from a handler.
   void Close(bool graceful = true);
 
+  // Whether the endpoint failed, and the first failure (message "" if none).
   bool failed() const;
   Failure failure() const;
   // Waits (bounded) until a failed endpoint finished its failure handling (invariant 4):
   // after it, UCX writes nothing more into Landing buffers. Returns at once if not failed.
   void WaitFailureHandled(Deadline deadline);
+  // Counters since construction; whether the caller is the endpoint's progress thread.
   EndpointStats stats() const;
   bool OnProgressThread() const { return std::this_thread::get_id() == thread_id_; }
 
@@ -255,8 +261,20 @@ class Endpoint {
   const EndpointHandlers& Handlers();
   std::vector<uint8_t> WorkerAddress();        // progress thread
   void CreateEndpoint(const std::vector<uint8_t>& remote_address);  // progress thread
+  // Client: reads the shard's BootReply, its packed key and worker address off the control
+  // connection and checks them against this endpoint's ring (slots, stride, key digest).
+  // Throws TransportError (a refusal names the shard's reason) or TimeoutError.
+  void ReceiveBootReply(int fd, Deadline deadline, wire::BootReply* reply,
+                        std::vector<uint8_t>* key, std::vector<uint8_t>* address);
   // Client: reads the RingHeader back through the remote key and compares it.
   void VerifyRing(const wire::BootReply& reply, Deadline deadline);
+  // Shard: picks a random ring id and writes the RingHeader at the start of ring_.
+  void WriteRingHeader();
+  // Shard: the BootReply announcing ring_ and *key, its packed remote key, with `fault`
+  // injected (a kWrongKey decoy ring of ring_bytes is allocated into *decoy).
+  wire::BootReply MakeBootReply(BootFault fault, uint64_t ring_bytes,
+                                const std::vector<uint8_t>& my_address, std::vector<uint8_t>* key,
+                                std::unique_ptr<Region>* decoy);
 
   // ---- progress thread ---------------------------------------------------------------------
   void Loop();  // an endpoint's own thread: Step, arm, poll, until stopped; then Teardown

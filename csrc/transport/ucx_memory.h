@@ -32,10 +32,12 @@ class Region {
   // Registers caller-owned memory [data, data + bytes). REQUIRES: bytes > 0.
   static std::unique_ptr<Region> Attach(std::shared_ptr<Context> context, void* data,
                                         size_t bytes);
+  // Deregisters (and frees what Allocate allocated). REQUIRES: no UCX operation uses it.
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
 
+  // The registered bytes [data(), data() + size()) and their UCP memory handle.
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   ucp_mem_h memh() const { return memh_; }
@@ -57,10 +59,12 @@ class RemoteKey {
   // REQUIRES: KeyDigest(packed) equals the digest the key's owner announced (invariant 2).
   static std::unique_ptr<RemoteKey> Unpack(ucp_ep_h ep, const std::vector<uint8_t>& packed,
                                            uint64_t base, uint64_t bytes);
+  // ucp_rkey_destroy. REQUIRES: on the thread of the endpoint's worker; its endpoint open.
   ~RemoteKey();
   RemoteKey(const RemoteKey&) = delete;
   RemoteKey& operator=(const RemoteKey&) = delete;
 
+  // The UCP remote key, and the remote range it covers.
   ucp_rkey_h handle() const { return rkey_; }
   uint64_t base() const { return base_; }
   uint64_t size() const { return size_; }

@@ -1,6 +1,6 @@
 // Wire layouts private to the UCX transport: the bootstrap exchange on the TCP control
 // connection, the registered slot ring's header, doorbell entries and the prefix of every
-// active message. The frames themselves (commit/wire.h) travel unchanged inside slots and
+// active message. The frames themselves (protocol/wire.h) travel unchanged inside slots and
 // messages.
 //
 // Connection life cycle (client C, PS shard S):
@@ -106,6 +106,7 @@ struct MessagePrefix {
 };
 static_assert(sizeof(MessagePrefix) == 8);
 
+// Bytes between ring slots: slot_bytes rounded up to kSlotAlign.
 inline size_t SlotStride(size_t slot_bytes) {
   return (slot_bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
 }
