@@ -180,10 +180,11 @@ def _specs(args: argparse.Namespace, config: BagPipeConfig, token: str
     }
     if args.io_threads is not None:
         limits["io_threads"] = args.io_threads
-    if args.transport == "rdma":
-        return shard, UcxServerSpec(ucx_tls=args.ucx_tls, ucx_devices=args.ucx_devices,
-                                    progress_threads=args.progress_threads, **limits)
-    return shard, TcpServerSpec(idle_timeout=args.idle_timeout, **limits)
+    # Both are built, so a bad value of either transport's flags is refused.
+    ucx = UcxServerSpec(ucx_tls=args.ucx_tls, ucx_devices=args.ucx_devices,
+                        progress_threads=args.progress_threads, **limits)
+    tcp = TcpServerSpec(idle_timeout=args.idle_timeout, **limits)
+    return shard, ucx if args.transport == "rdma" else tcp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
