@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
-from torchrec_bagpipe.runtime.simulate import simulate
+from torchrec_bagpipe.testing.simulate import simulate
 
 SCATTER = 2654435761  # a prime: id = rank * SCATTER mod N scatters the hot ranks
 

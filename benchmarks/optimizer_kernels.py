@@ -55,7 +55,7 @@ class Store:
         from torchrec_bagpipe.ps import EmbeddingStore
 
         self.lr = lr
-        self.store = EmbeddingStore(w.shape[1], init="zeros",
+        self.store = EmbeddingStore(dim=w.shape[1], init="zeros",
                                     optimizer={"kind": kind, "eps": eps})
         self.store.assign(torch.arange(w.shape[0]), torch.from_numpy(w.copy()))
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ps_transport import raw_gbps  # the same raw loopback baseline
 
-from torchrec_bagpipe.ps import PSClient, PSShard, rdma
+from torchrec_bagpipe.ps import PSClient, rdma, start_local_shards
 
 BENCH = "ps_rdma_fabric"
 GB = 1e9
@@ -82,7 +82,7 @@ class Job:
 
     def __init__(self, transport: str, shards: int, dim: int, keys: int, window: int,
                  packet_rows: int, remote: list[str]) -> None:
-        self.shards = [] if remote else [PSShard(i, shards) for i in range(shards)]
+        self.shards = [] if remote else start_local_shards(shards)
         if remote:
             endpoints: list[Any] = [rdma.rdma_endpoint(a) for a in remote]
         elif transport == "tcp":

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
 from torchrec_bagpipe.ps import EmbeddingStore, OptimizerSpec
-from torchrec_bagpipe.ps.optimizers import adam_step_size
+from torchrec_bagpipe.ps.optimizer_spec import adam_step_size
 
 BATCH = 4096
 ZIPF_S = 1.05
@@ -131,7 +131,7 @@ def emit(**fields: object) -> None:
 def filled_store(num_keys: int, dim: int, threads: int, optimizer: str) -> EmbeddingStore:
     """A store holding every key of [0, num_keys) (rows at their initial value)."""
     store = EmbeddingStore(
-        dim, num_threads=threads, init="uniform", init_bound=0.01, optimizer=optimizer
+        dim=dim, num_threads=threads, init="uniform", init_bound=0.01, optimizer=optimizer
     )
     store.reserve(num_keys)
     all_keys = torch.arange(num_keys, dtype=torch.int64)

@@ -68,7 +68,7 @@ def raw_gbps(nbytes: int, repeats: int) -> float:
 def store_gbps(keys: torch.Tensor, dim: int, repeats: int) -> tuple[float, float]:
     """(read, sgd) GB/s of an in-process EmbeddingStore on the same rows."""
     rows = keys.shape[0]
-    store = EmbeddingStore(dim, init="zeros")
+    store = EmbeddingStore(dim=dim, init="zeros")
     store.assign(keys, torch.zeros(rows, dim))
     out = torch.empty(rows, dim)
     grads = torch.randn(rows, dim)
@@ -90,16 +90,16 @@ def bound(transport: str, raw: float, store: float) -> float:
 
 def make_job(transport: str, shards: int, dim: int, max_rows: int, window: int
              ) -> tuple[PSClient, list[PSShard], list[Any]]:
-    shard_objs = [PSShard(i, shards) for i in range(shards)]
+    shard_objs = [PSShard(shard_id=i, num_shards=shards) for i in range(shards)]
     servers: list[Any] = []
     if transport == "local":
         endpoints: list[Any] = shard_objs
     elif transport.startswith("rdma-"):  # rdma-sm / rdma-tcp: UCX over that UCX_TLS
         os.environ["UCX_TLS"] = transport.split("-", 1)[1]
-        servers = [s.serve_ucx("127.0.0.1", 0, job_token="bench") for s in shard_objs]
+        servers = [s.serve_ucx(host="127.0.0.1", port=0, job_token="bench") for s in shard_objs]
         endpoints = [srv.address for srv in servers]
     else:
-        servers = [s.serve("127.0.0.1", 0, job_token="bench") for s in shard_objs]
+        servers = [s.serve(host="127.0.0.1", port=0, job_token="bench") for s in shard_objs]
         endpoints = [srv.address for srv in servers]
     client = PSClient(endpoints, table="bench", dim=dim, lr=0.01, init="zeros",
                       partitioner="modulo", max_packet_rows=max_rows, inflight_packets=window,

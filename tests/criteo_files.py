@@ -65,7 +65,8 @@ def expected(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def example(name: str) -> Any:
-    """A module of the DLRM example (`dlrm_main`, `dlrm_dataloader`, `lr_scheduler`)."""
+    """A module of the DLRM example (`dlrm_main`, `dlrm_flags`, `dlrm_dataloader`,
+    `lr_scheduler`)."""
     sys.path.insert(0, os.path.join(REPO, "examples", "dlrm"))
     try:
         return importlib.import_module(name)
@@ -75,7 +76,7 @@ def example(name: str) -> Any:
 
 def example_args(argv: list[str]) -> argparse.Namespace:
     """The DLRM example's parsed flags."""
-    return example("dlrm_main").parse_args(argv)
+    return example("dlrm_flags").parse_args(argv)
 
 
 def loader(argv: list[str], stage: str, rank: int, world: int):

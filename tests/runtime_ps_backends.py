@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from torchrec_bagpipe.ps import Partitioner, PSClient, start_local_shards
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
 TABLE = "bagpipe_test"
 

@@ -1,7 +1,7 @@
-"""dlrm_main's flags, one process: TorchRec's defaults, every refusal of a flag that cannot
-act, the learning-rate policy, the model flags, the CUDA-only flags and the synthetic-data
-flags. `FLAG_TESTS` names, for every flag of the example, the test that shows it changes
-behaviour (the multi-process ones are in test_dlrm_example.py)."""
+"""The DLRM example's flags (dlrm_flags.py), one process: TorchRec's defaults, every
+refusal of a flag that cannot act, the learning-rate policy, the model flags, the CUDA-only
+flags and the synthetic-data flags. `FLAG_TESTS` names, for every flag of the example, the
+test that shows it changes behaviour (the multi-process ones are in test_dlrm_example.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from criteo_files import example, example_args, loader
 from torchrec_bagpipe.config import BagPipeConfig
 
 dlrm_main = example("dlrm_main")
+dlrm_flags = example("dlrm_flags")
 lr_scheduler = example("lr_scheduler")
 
 # flag -> "module::test" that shows the flag changes what the example does.
@@ -79,7 +80,7 @@ FLAG_TESTS = {
 
 def test_every_flag_has_a_test_that_it_changes_behaviour():
     bagpipe = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(BagPipeConfig)}
-    flags = {a.option_strings[0] for a in dlrm_main.build_parser()._actions
+    flags = {a.option_strings[0] for a in dlrm_flags.build_parser()._actions
              if a.option_strings and a.option_strings[0] != "-h"} - bagpipe
     assert flags == set(FLAG_TESTS)
     for target in set(FLAG_TESTS.values()):
@@ -88,7 +89,7 @@ def test_every_flag_has_a_test_that_it_changes_behaviour():
 
 
 def test_torchrec_defaults():
-    args = dlrm_main.parse_args([])
+    args = dlrm_flags.parse_args([])
     assert (args.epochs, args.batch_size, args.learning_rate, args.embedding_dim,
             args.num_embeddings, args.eps, args.dataset_name) == (
                 1, 32, 15.0, 64, 100_000, 1e-8, "criteo_1t")
@@ -101,7 +102,7 @@ def test_torchrec_defaults():
 
 
 def test_bagpipe_flags_map_onto_the_config():
-    args = dlrm_main.parse_args([
+    args = dlrm_flags.parse_args([
         "--batch_size", "64", "--read-mode", "bagpipe", "--optimization-prescan",
         "--optimization-cache-capacity", "128", "--bagpipe-aggregation", "collective",
         "--ps-type", "tcp", "--lookahead", "4", "--num_embeddings_per_feature",
@@ -155,7 +156,7 @@ REFUSED = [
 @pytest.mark.parametrize(("argv", "message"), REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
 def test_flags_that_cannot_act_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        dlrm_main.parse_args(argv)
+        dlrm_flags.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -199,7 +200,7 @@ def _shapes(model: torch.nn.Module, part: str) -> list[tuple[int, ...]]:
 
 def test_model_flags_shape_the_model():
     def build(*argv: str) -> torch.nn.Module:
-        args = dlrm_main.parse_args(list(argv))
+        args = dlrm_flags.parse_args(list(argv))
         return dlrm_main.build_model(args, torch.device("cpu"), torch.device("meta")).model
 
     base = build("--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
@@ -232,12 +233,12 @@ def test_cuda_flags(monkeypatch):
     if not torch.cuda.is_available():
         for flag in ("--pin_memory", "--allow_tf32"):
             with pytest.raises(SystemExit):
-                dlrm_main.parse_args([flag])
+                dlrm_flags.parse_args([flag])
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = dlrm_main.parse_args(["--pin_memory", "--allow_tf32", "--num_embeddings", "50"])
+    args = dlrm_flags.parse_args(["--pin_memory", "--allow_tf32", "--num_embeddings", "50"])
     data = example("dlrm_dataloader")
     assert data.get_dataloader(args, "train", 0, 1).pin_memory is True
-    plain = dlrm_main.parse_args(["--num_embeddings", "50"])
+    plain = dlrm_flags.parse_args(["--num_embeddings", "50"])
     assert data.get_dataloader(plain, "train", 0, 1).pin_memory is False
     before = torch.backends.cuda.matmul.allow_tf32
     try:

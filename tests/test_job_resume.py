@@ -33,7 +33,7 @@ from torchrec_bagpipe.distributed.checkpoint_manifest import (
     read_manifest,
     trainer_file,
 )
-from torchrec_bagpipe.ps import PSClient, PSShard, StartStepError
+from torchrec_bagpipe.ps import PSClient, PSShard, ShardSpec, StartStepError
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -50,7 +50,7 @@ def _train(client: PSClient, steps: range) -> None:
 
 
 def test_a_fresh_job_meeting_an_advanced_table_is_refused_naming_table_and_steps():
-    shards = [PSShard(0, 2), PSShard(1, 2)]
+    shards = [PSShard(shard_id=0, num_shards=2), PSShard(shard_id=1, num_shards=2)]
     with _client(shards) as c:
         assert c.opened_steps == [-1, -1] and c.start_step(-1) == -1
         _train(c, range(3))
@@ -65,20 +65,20 @@ def test_a_fresh_job_meeting_an_advanced_table_is_refused_naming_table_and_steps
 
 
 def test_shards_at_different_steps_are_refused(tmp_path):
-    a = PSShard(0, 2, checkpoint_dir=tmp_path / "a")
-    b = PSShard(1, 2, checkpoint_dir=tmp_path / "b")
+    a = PSShard(shard_id=0, num_shards=2, checkpoint_dir=tmp_path / "a")
+    b = PSShard(shard_id=1, num_shards=2, checkpoint_dir=tmp_path / "b")
     with _client([a, b]) as c:
         _train(c, range(2))
         assert c.checkpoint(label="set-1") == [1, 1]
         _train(c, range(2, 4))
-    a2 = PSShard(0, 2, restore=tmp_path / "a" / "set-1")
+    a2 = PSShard(shard_id=0, num_shards=2, restore=tmp_path / "a" / "set-1")
     with _client([a2, b]) as c, \
             pytest.raises(StartStepError, match=r"different committed steps \[1, 3\]"):
         c.start_step(3)
 
 
 def test_labelled_checkpoint_sets_restore_exactly(tmp_path):
-    s = PSShard(0, 1, checkpoint_dir=tmp_path)
+    s = PSShard(shard_id=0, num_shards=1, checkpoint_dir=tmp_path)
     keys = torch.arange(0, 64, dtype=torch.int64)
     with _client([s], optimizer="adagrad") as c:
         _train(c, range(2))
@@ -88,7 +88,7 @@ def test_labelled_checkpoint_sets_restore_exactly(tmp_path):
         with pytest.raises(ValueError, match="label"):
             c.checkpoint(label="../x")
     assert (tmp_path / "step-2-aa" / "table-t").is_dir()
-    r = PSShard(0, 1, restore=tmp_path / "step-2-aa")
+    r = PSShard(shard_id=0, num_shards=1, restore=tmp_path / "step-2-aa")
     assert r.committed_step("t") == 1
     with _client([r], optimizer="adagrad") as c:
         assert c.start_step(1) == 1
@@ -160,7 +160,7 @@ def _final_state(directory: Path) -> dict[str, torch.Tensor]:
     assert m is not None and m.step == STEPS
     out: dict[str, torch.Tensor] = {}
     for i in range(m.ps_shards):
-        shard = PSShard(i, m.ps_shards, restore=ps_set_dir(directory, i, m.label))
+        shard = PSShard(ShardSpec(i, m.ps_shards), restore=ps_set_dir(directory, i, m.label))
         for table in sorted(shard.tables()):
             assert shard.committed_step(table) == m.tables[table]
             keys = torch.arange(i, 26 * 50, m.ps_shards, dtype=torch.int64)

@@ -207,6 +207,26 @@ def test_option_structs_cross_the_binding_boundary() -> None:
 
 
 # ---- Python imports ---------------------------------------------------------------------------
+# The package's layers, lowest first (docs/ARCHITECTURE.md, DESIGN §3): a layer imports only
+# layers before it, and exactly the ones listed (every listed edge is used, so the table
+# cannot drift from the code). The top-level tools (`demo`, `metrics_table`) are layers too.
+PYTHON_ORDER = ["config", "ps", "runtime", "distributed", "launch", "datasets", "testing",
+                "demo", "metrics_table"]
+PYTHON_LAYERS: dict[str, set[str]] = {
+    "config": set(),
+    "ps": {"config"},
+    "runtime": {"config", "ps"},
+    "distributed": {"config", "ps", "runtime"},
+    "launch": {"distributed"},
+    "datasets": set(),
+    "testing": {"config", "ps", "runtime"},
+    "demo": {"ps"},
+    "metrics_table": set(),
+}
+# Not layers: what every layer may use (the package root, its lazy names, the native module).
+PYTHON_BASE = {"torchrec_bagpipe", "torchrec_bagpipe._lazy", "torchrec_bagpipe._native"}
+
+
 def _python_import_graph() -> dict[str, set[str]]:
     """torchrec_bagpipe module -> the package's modules it imports (anywhere in the file,
     function-level imports included)."""
@@ -229,6 +249,57 @@ def _python_import_graph() -> dict[str, set[str]]:
                     elif node.module in mods:
                         graph[mod].add(node.module)
     return graph
+
+
+def _layer_of(module: str) -> str | None:
+    """The layer of a package module (None: a base module)."""
+    if module in PYTHON_BASE:
+        return None
+    return module.split(".")[1]
+
+
+def _layer_edges(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """(layer, imported layer) -> the imports that make the edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for mod, targets in graph.items():
+        for target in targets:
+            a, b = _layer_of(mod), _layer_of(target)
+            if a is not None and b is not None and a != b:
+                edges.setdefault((a, b), []).append(f"{mod} imports {target}")
+    return edges
+
+
+def test_every_python_module_is_in_a_known_layer() -> None:
+    layers = {_layer_of(m) for m in _python_import_graph()} - {None}
+    assert layers == set(PYTHON_LAYERS), (
+        "a new torchrec_bagpipe subpackage or top-level module must be placed in "
+        "PYTHON_LAYERS (and docs/ARCHITECTURE.md)"
+    )
+    assert set(PYTHON_ORDER) == set(PYTHON_LAYERS)
+
+
+def test_the_layer_table_follows_the_layer_order() -> None:
+    for layer, allowed in PYTHON_LAYERS.items():
+        below = set(PYTHON_ORDER[:PYTHON_ORDER.index(layer)])
+        assert allowed <= below, f"{layer} may import {sorted(allowed - below)}: not below it"
+
+
+def test_python_layers_import_exactly_their_allowed_layers() -> None:
+    edges = _layer_edges(_python_import_graph())
+    allowed = {(a, b) for a, targets in PYTHON_LAYERS.items() for b in targets}
+    upward = [why for edge, whys in sorted(edges.items()) if edge not in allowed
+              for why in whys]
+    assert not upward, "imports against the layer table:\n" + "\n".join(upward)
+    unused = sorted(allowed - set(edges))
+    assert not unused, f"allowed edges no module uses (remove them from PYTHON_LAYERS): {unused}"
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    edges = _layer_edges({"torchrec_bagpipe.ps.x": {"torchrec_bagpipe.runtime.y"},
+                          "torchrec_bagpipe.runtime.y": {"torchrec_bagpipe._native"}})
+    assert edges == {
+        ("ps", "runtime"): ["torchrec_bagpipe.ps.x imports torchrec_bagpipe.runtime.y"]}
+    assert "runtime" not in PYTHON_LAYERS["ps"]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -268,7 +339,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_python_modules_import_without_cycles() -> None:
     graph = _python_import_graph()
-    assert "torchrec_bagpipe.ps.options" in graph["torchrec_bagpipe.ps.client"]
+    assert "torchrec_bagpipe.ps.client_spec" in graph["torchrec_bagpipe.ps.client"]
     assert not _cycles(graph), _cycles(graph)
 
 

@@ -19,7 +19,9 @@ from torchrec_bagpipe.ps import (
     start_local_shards,
     start_tcp_shard,
 )
-from torchrec_bagpipe.ps.options import client_options, default_session_id
+from torchrec_bagpipe.ps.client_spec import ClientSpec, default_session_id
+from torchrec_bagpipe.ps.config_specs import client_spec
+from torchrec_bagpipe.ps.shard_specs import ShardSpec, TcpServerSpec
 
 DIM = 4
 INIT = {"init": "uniform", "init_bound": 0.5, "seed": 11}
@@ -120,14 +122,14 @@ def test_session_open_mismatches_are_refused_naming_the_field() -> None:
 def test_shard_level_errors() -> None:
     shard = PSShard(dim=DIM)
     with pytest.raises(ValueError, match="shard_id"):
-        PSShard(2, 2)
+        PSShard(shard_id=2, num_shards=2)
     with pytest.raises(ValueError, match="--dim"):
-        shard.create_table("t", DIM + 1, init="zeros")
-    shard.create_table("t", DIM, init="zeros")
+        shard.create_table("t", dim=DIM + 1, init="zeros")
+    shard.create_table("t", dim=DIM, init="zeros")
     with pytest.raises(ValueError, match="init"):
-        shard.create_table("t", DIM, init="constant", init_value=1.0)
+        shard.create_table("t", dim=DIM, init="constant", init_value=1.0)
     with pytest.raises(ValueError, match="table name"):
-        shard.create_table("a/b", DIM, init="zeros")
+        shard.create_table("a/b", dim=DIM, init="zeros")
     with pytest.raises(ValueError, match="does not exist"):
         shard.lookup("nope", torch.zeros(1, dtype=torch.int64))
     with pytest.raises(TimeoutError, match="step 0 was not committed"):
@@ -257,7 +259,7 @@ def test_dropped_handles_keep_inputs_alive() -> None:
 
 
 def test_checkpoint_and_restore_in_process(tmp_path) -> None:
-    shards = [PSShard(i, 2, checkpoint_dir=tmp_path / f"s{i}") for i in range(2)]
+    shards = [PSShard(ShardSpec(i, 2, checkpoint_dir=tmp_path / f"s{i}")) for i in range(2)]
     ref = ReferencePS(DIM, 0.25, 1, **INIT)
     with client(shards) as c:
         for t in range(4):
@@ -265,7 +267,8 @@ def test_checkpoint_and_restore_in_process(tmp_path) -> None:
             c.commit(t, k, g)
             ref.apply_step([(k.numpy(), g.numpy())])
         assert c.checkpoint() == [3, 3]
-    restored = [PSShard(i, 2, checkpoint_dir=tmp_path / f"s{i}", restore=True) for i in range(2)]
+    restored = [PSShard(ShardSpec(i, 2, checkpoint_dir=tmp_path / f"s{i}"), restore=True)
+                for i in range(2)]
     assert restored[0].restored == {"emb": 3}
     with client(restored) as c:
         assert c.committed_step() == 3
@@ -278,13 +281,13 @@ def test_checkpoint_and_restore_in_process(tmp_path) -> None:
         ref.apply_step([(k.numpy(), g.numpy())])
         assert same_bits(c.lookup(torch.arange(30)), ref.lookup(list(range(30))))
     with pytest.raises(ValueError, match="belongs to shard 0 of 2"):
-        PSShard(1, 2, restore=tmp_path / "s0")
+        PSShard(shard_id=1, num_shards=2, restore=tmp_path / "s0")
 
 
 def test_trainer_hosted_shards_mixed_transports() -> None:
     """Each rank hosts its shard, reaches it in-process and the other rank's over TCP."""
-    s0, srv0 = start_tcp_shard(0, 2, job_token="job")
-    s1, srv1 = start_tcp_shard(1, 2, job_token="job")
+    s0, srv0 = start_tcp_shard(ShardSpec(0, 2), TcpServerSpec(job_token="job"))
+    s1, srv1 = start_tcp_shard(ShardSpec(1, 2), TcpServerSpec(job_token="job"))
     c0 = client([s0, srv1.address], rank=0, world_size=2, job_token="job", partitioner="hash")
     c1 = client([f"tcp://{srv0.address}", s1], rank=1, world_size=2, job_token="job",
                 partitioner="hash")
@@ -305,8 +308,8 @@ def test_trainer_hosted_shards_mixed_transports() -> None:
 
 
 def test_wrong_job_token_and_shard_order_are_refused() -> None:
-    _, srv0 = start_tcp_shard(0, 2, job_token="right")
-    _, srv1 = start_tcp_shard(1, 2, job_token="right")
+    _, srv0 = start_tcp_shard(ShardSpec(0, 2), TcpServerSpec(job_token="right"))
+    _, srv1 = start_tcp_shard(ShardSpec(1, 2), TcpServerSpec(job_token="right"))
     with pytest.raises(TransportError, match="job token"):
         client([srv0.address, srv1.address], job_token="wrong")
     with pytest.raises(ValueError, match="shard order"):
@@ -318,7 +321,7 @@ def test_wrong_job_token_and_shard_order_are_refused() -> None:
 
 
 def test_dead_shard_fails_every_pending_operation_at_once() -> None:
-    _, srv = start_tcp_shard(0, 1)
+    _, srv = start_tcp_shard()
     c = client([srv.address], world_size=2, timeout=60.0)
     h = c.commit_async(0, torch.tensor([1]), torch.ones(1, DIM))  # waits for rank 1
     g = c.get_async(torch.tensor([1]), 0)
@@ -378,21 +381,24 @@ def test_concurrent_ranks_in_threads() -> None:
     assert same_bits(rows, ref.lookup(list(range(30))))
 
 
-def test_client_options_from_a_config() -> None:
+def test_client_spec_from_a_config() -> None:
     shard = PSShard()
     cfg = BagPipeConfig(partitioner="hash", max_packet_rows=16, inflight_packets=2,
                         ps_timeout=5.0, gradient_division=False, job_token="tok", init_seed=7)
-    options = client_options(cfg, table="t", dim=DIM, lr=1.0, rank=0, world_size=1,
-                             init="zeros")
-    o = options.client
+    spec = client_spec(cfg, table="t", dim=DIM, lr=1.0, rank=0, world_size=1, init="zeros")
+    assert isinstance(spec, ClientSpec)
+    o = spec.native()
     assert (o.partition, o.max_packet_rows, o.inflight_packets, o.timeout) == ("hash", 16, 2, 5.0)
     assert not o.grad_division and o.init.seed == 7 and o.init.kind == "zeros"
-    assert options.connect.job_token == "tok" and options.connect.connect_timeout == 30.0
+    connect = spec.native_connect()
+    assert connect.job_token == "tok" and connect.connect_timeout == 30.0
     assert o.session == default_session_id("tok", "t")
-    # The job's agreed token wins over the config's.
-    assert client_options(cfg, table="t", dim=DIM, lr=1.0, rank=0, world_size=1,
-                          init="zeros", job_token="agreed").connect.job_token == "agreed"
-    with PSClient.from_options([shard], options) as c:
+    # The job's agreed token wins over the config's; the config's own fields stay its.
+    assert client_spec(cfg, table="t", dim=DIM, lr=1.0, init="zeros",
+                       job_token="agreed").native_connect().job_token == "agreed"
+    with pytest.raises(TypeError, match="come from the BagPipeConfig"):
+        client_spec(cfg, table="t", dim=DIM, lr=1.0, init="zeros", timeout=1.0)
+    with PSClient([shard], spec) as c:
         assert c.partitioner.kind == "hash" and c.timeout == 5.0
         c.commit(0, torch.tensor([4, 4]), torch.ones(2, DIM))
         assert torch.equal(c.lookup(torch.tensor([4])), torch.full((1, DIM), -2.0))

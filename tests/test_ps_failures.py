@@ -124,7 +124,7 @@ def test_a_draining_shard_tells_its_clients_at_once(transport: str, tmp_path: Pa
 def test_failed_periodic_checkpoints_are_reported_to_the_clients(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory should be")
-    shard = PSShard(0, 1, checkpoint_dir=str(blocker / "ckpt"), checkpoint_every=2)
+    shard = PSShard(checkpoint_dir=str(blocker / "ckpt"), checkpoint_every=2)
     server = shard.serve(job_token="tok")
     try:
         with PSClient([server.address], table="t", dim=4, lr=0.5, init="zeros",

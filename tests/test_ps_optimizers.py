@@ -10,7 +10,7 @@ from ps_reference import ReferencePS
 
 from torchrec_bagpipe import SessionError
 from torchrec_bagpipe.ps import PSClient, PSShard
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec, adam_step_size
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec, adam_step_size
 
 DIM = 4
 KEYS = 16
@@ -51,7 +51,7 @@ def test_two_ranks_two_shards_follow_the_schedule(name: str) -> None:
     """Each step at its own lr (Adam: the bias-corrected step size of the global step count);
     weights and state equal the reference bitwise, read back with and without state."""
     spec = spec_of(name)
-    shards = [PSShard(i, 2) for i in range(2)]
+    shards = [PSShard(shard_id=i, num_shards=2) for i in range(2)]
     clients = [client(shards, rank=r, world_size=2, optimizer=spec) for r in range(2)]
     ref = ReferencePS(DIM, 0.25, 2, **INIT, **SPECS[name])
     assert clients[0].state_dim == ref.state_dim == spec.state_dim(DIM)

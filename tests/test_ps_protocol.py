@@ -77,7 +77,7 @@ class CommitProtocol(RuleBasedStateMachine):
     def setup(self, world: int, division: bool, lr: float, optimizer: dict) -> None:
         self.world = world
         self.lr = lr
-        self.shard = PSShard(0, 1)
+        self.shard = PSShard(shard_id=0, num_shards=1)
         self.links = [tools.RawLink(self.shard.core, True) for _ in range(world)]
         for r, link in enumerate(self.links):
             link.request(w.open_session("t", session=SESSION, rank=r, world_size=world, dim=DIM,
@@ -344,7 +344,7 @@ def _run_job(num_shards: int, max_rows: int, window: int, partitioner: str, worl
     """Weights and optimizer state of every key after `steps` (step t at lr lrs[t])."""
     optimizer = dict(optimizer or {"optimizer": "sgd"})
     spec = {"kind": optimizer.pop("optimizer"), **optimizer}
-    shards = [PSShard(i, num_shards) for i in range(num_shards)]
+    shards = [PSShard(shard_id=i, num_shards=num_shards) for i in range(num_shards)]
     with transport_env(transport):
         endpoints = [endpoint(s, transport) for s in shards]
         clients = [
@@ -396,7 +396,7 @@ def test_result_independent_of_sharding_and_packing(
 
 
 def test_client_reports_protocol_failures_as_session_errors() -> None:
-    shard = PSShard(0, 1)
+    shard = PSShard(shard_id=0, num_shards=1)
     with PSClient([shard], table="t", dim=DIM, lr=0.5, world_size=1, **INIT) as c:
         c.commit(0, torch.tensor([1]), torch.ones(1, DIM))
         with pytest.raises(SessionError, match="out-of-order step"):
@@ -427,8 +427,8 @@ def test_independent_encoder_speaks_to_a_tcp_shard() -> None:
     Hello with the job's token is accepted and one with another token refused; a session
     opens, commits a step, reads it back and closes, all from hand-built frames."""
     token = "job-token-7"
-    shard = PSShard(0, 1)
-    server = shard.serve("127.0.0.1", 0, job_token=token)
+    shard = PSShard(shard_id=0, num_shards=1)
+    server = shard.serve(host="127.0.0.1", port=0, job_token=token)
     job = w.token_digest(token)
     try:
         with socket.create_connection((server.host, server.port), timeout=10) as s:

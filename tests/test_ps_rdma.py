@@ -79,7 +79,7 @@ def run_job(endpoints_per_rank: list[list], steps: int, **client_kw) -> np.ndarr
 
 
 def local_reference(steps: int, world: int = 2, shards: int = 2, **client_kw) -> np.ndarray:
-    local = [PSShard(i, shards) for i in range(shards)]
+    local = [PSShard(shard_id=i, num_shards=shards) for i in range(shards)]
     return run_job([local] * world, steps, **client_kw)
 
 
@@ -89,7 +89,7 @@ def test_rdma_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
     assert isinstance(C.HAVE_UCX, bool)
     assert (C.RDMA_UNAVAILABLE == "") == C.HAVE_UCX
     monkeypatch.setattr(rdma, "HAVE_UCX", False)
-    shard = PSShard(0, 1)
+    shard = PSShard(shard_id=0, num_shards=1)
     with pytest.raises(rdma.RdmaUnavailableError, match="libucx-dev"):
         PSClient(["ucx://127.0.0.1:1"], table="t", dim=DIM, lr=LR, **INIT)
     with pytest.raises(rdma.RdmaUnavailableError, match="UCX"):
@@ -116,7 +116,7 @@ def test_rdma_endpoint_names() -> None:
 def test_rdma_job_equals_local_backend(tls: str) -> None:
     steps = 15
     want = local_reference(steps)
-    shards = [PSShard(i, 2) for i in range(2)]
+    shards = [PSShard(shard_id=i, num_shards=2) for i in range(2)]
     servers = [s.serve_ucx(job_token="tok") for s in shards]
     ucx = [srv.address for srv in servers]
     # Rank 0 hosts shard 0 in-process (the trainer-hosted shard); rank 1 reaches both over UCX.
@@ -144,9 +144,9 @@ def test_rdma_job_equals_local_backend(tls: str) -> None:
 @pytest.mark.parametrize("tls", TLS, indirect=True)
 def test_rdma_slot_reuse_under_pressure_is_exact(tls: str) -> None:
     steps = 8
-    shard = PSShard(0, 1)
+    shard = PSShard(shard_id=0, num_shards=1)
     srv = shard.serve_ucx(job_token="tok")
-    ref_shard = PSShard(0, 1)
+    ref_shard = PSShard(shard_id=0, num_shards=1)
     keys = torch.arange(KEYS)
     kw = dict(table="emb", dim=DIM, lr=LR, job_token="tok", timeout=30.0, max_packet_rows=1,
               inflight_packets=2, **INIT)
@@ -186,7 +186,7 @@ def test_rdma_unreachable_and_refused(tls: str) -> None:
         with pytest.raises(TimeoutError):
             PSClient([f"ucx://127.0.0.1:{mute.getsockname()[1]}"], connect_timeout=0.5, **kw)
         assert 0.4 < time.monotonic() - t0 < 4
-    shard = PSShard(0, 1)
+    shard = PSShard(shard_id=0, num_shards=1)
     srv = shard.serve_ucx(job_token="right")
     with pytest.raises(TransportError, match="wrong job token"):
         PSClient([srv.address], job_token="wrong", **kw)

@@ -93,7 +93,6 @@ def test_handshake_deadline_is_absolute() -> None:
 
 def test_idle_authenticated_connections_are_closed_but_live_clients_stay() -> None:
     from torchrec_bagpipe.ps.client import PSClient
-    from torchrec_bagpipe.ps.options import ps_client_options
 
     shard = PSShard()
     server = shard.serve(job_token=TOKEN, idle_timeout=1.0)
@@ -109,9 +108,8 @@ def test_idle_authenticated_connections_are_closed_but_live_clients_stay() -> No
             assert 0.8 < time.monotonic() - t0 < 5
         assert server.stats()["idle_timeouts"] == 1
         # A client that keeps the connection alive (keep-alive Pings) survives idle periods.
-        options = ps_client_options(table="t", dim=4, lr=0.5, init="zeros", job_token=TOKEN)
-        options.connect.keepalive_interval = 0.2
-        client = PSClient.from_options([server.address], options)
+        client = PSClient([server.address], table="t", dim=4, lr=0.5, init="zeros",
+                          job_token=TOKEN, keepalive_interval=0.2)
         try:
             time.sleep(2.5)
             assert client.lookup(__import__("torch").tensor([1])).shape == (1, 4)
@@ -125,9 +123,9 @@ def test_idle_authenticated_connections_are_closed_but_live_clients_stay() -> No
 def test_no_token_is_refused_off_loopback_unless_allowed() -> None:
     shard = PSShard()
     with pytest.raises(ValueError, match="without a job token"):
-        shard.serve("0.0.0.0", 0)
-    server = shard.serve("127.0.0.1", 0)  # loopback: fine without a token
+        shard.serve(host="0.0.0.0", port=0)
+    server = shard.serve(host="127.0.0.1", port=0)  # loopback: fine without a token
     server.stop()
-    server = shard.serve("0.0.0.0", 0, allow_no_token=True)
+    server = shard.serve(host="0.0.0.0", port=0, allow_no_token=True)
     server.stop()
     shard.close()

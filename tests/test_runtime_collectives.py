@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrec_bagpipe.ps import EmbeddingStore
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 from torchrec_bagpipe.runtime.collectives import (
     CollectiveAborted,
     Collectives,
@@ -19,7 +19,7 @@ from torchrec_bagpipe.runtime.collectives import (
     ThreadGroup,
 )
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
-from torchrec_bagpipe.runtime.reference_ps import reference_optimizer_step, reference_sgd_step
+from torchrec_bagpipe.testing.reference_ps import reference_optimizer_step, reference_sgd_step
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -152,7 +152,7 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     got = cache.gather(slots).cpu().numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     # ... and what the PS's native store computes.
-    store = EmbeddingStore(dim, init="zeros")
+    store = EmbeddingStore(dim=dim, init="zeros")
     keys = torch.arange(n)
     store.assign(keys, torch.from_numpy(w))
     store.apply_sgd(keys, torch.from_numpy(g), lr, world if divide else 1)
@@ -224,7 +224,7 @@ def test_device_cache_optimizers_are_bitwise_the_store(device, seed, world, divi
     assert np.array_equal(got.view(np.uint32),
                           np.concatenate([ref_w, ref_s], axis=1).view(np.uint32))
     # The PS's native store.
-    store = EmbeddingStore(dim, init="zeros", optimizer=spec)
+    store = EmbeddingStore(dim=dim, init="zeros", optimizer=spec)
     keys = torch.arange(n)
     store.assign(keys, torch.from_numpy(w), torch.from_numpy(state))
     store.apply_gradients(keys, torch.from_numpy(g), lr, world if divide else 1)

@@ -30,14 +30,14 @@ from hypothesis import strategies as st
 from runtime_ps_backends import local_backend
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec, adam_step_size
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec, adam_step_size
 from torchrec_bagpipe.runtime import controller as controller_mod
 from torchrec_bagpipe.runtime.access_plans import PlanMismatchError
 from torchrec_bagpipe.runtime.collectives import ThreadGroup
 from torchrec_bagpipe.runtime.controller import BagPipeController, ControllerError
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
-from torchrec_bagpipe.runtime.reference_ps import ReferencePS
-from torchrec_bagpipe.runtime.simulate import reference_run_with_state, simulate
+from torchrec_bagpipe.testing.reference_ps import ReferencePS
+from torchrec_bagpipe.testing.simulate import reference_run_with_state, simulate
 
 DIM = 3
 LR = 0.05
@@ -375,6 +375,49 @@ def test_constructor_rejects_mismatched_arguments() -> None:
     with pytest.raises(ValueError, match="optimizer"):
         BagPipeController(cfg, rank=0, world_size=2, dim=DIM, num_keys=10, lr=LR,
                           ps=ps.client(0), collectives=group.collectives(0), optimizer="adam")
+
+
+def test_steps_follow_the_start_step_of_the_ps_table() -> None:
+    """A session that opens on a table the PS committed up to step k (a resumed job) numbers
+    its PS steps after k: controller step t is PS step t + k + 1, reads of step t wait for PS
+    step t + k, and the controller reports its own steps (the same run as from step -1)."""
+    from torchrec_bagpipe.ps import PSClient, PSShard
+
+    trace = [torch.tensor([1, 2, 1]), torch.tensor([2, 3]), torch.tensor([1, 3])]
+    cfg = BagPipeConfig(optimization_cache_capacity=1, lookahead=1, ps_timeout=5.0)
+    finals = []
+    for start in (-1, 2):
+        shard = PSShard()
+        spec = {"table": "t", "dim": DIM, "lr": LR, "init": "zeros", "key_bound": 10}
+        with PSClient([shard], **spec) as warm:  # the PS already committed steps 0..start
+            for t in range(start + 1):
+                warm.commit(t, torch.zeros(0, dtype=torch.int64), torch.zeros(0, DIM))
+        client = PSClient([shard], **spec)
+        assert client.start_step(start) == start
+        group = ThreadGroup(1, timeout=2.0)
+        ctl = BagPipeController(cfg, rank=0, world_size=1, dim=DIM, num_keys=10, lr=LR,
+                                ps=client, collectives=group.collectives(0), start_step=start)
+        seen: list[int] = []
+        ctl.fetch_observer = lambda *get, seen=seen: seen.append(get[-1])  # at_step
+        for keys in trace[:2]:
+            ctl.submit(keys)
+        for t in range(len(trace)):
+            if t + 1 < len(trace):
+                ctl.submit(trace[t + 1])
+            step = ctl.next_step()
+            ctl.finish_step(step, step.rows.detach() + 1.0)
+        ctl.flush()
+        assert ctl.metrics()["committed_step"] == len(trace) - 1
+        assert shard.committed_step("t") == start + len(trace)
+        assert min(seen) == -1  # the observer sees the controller's own steps
+        ctl.close()
+        finals.append(shard.lookup("t", torch.arange(10)))
+        shard.close()
+    assert torch.equal(finals[0], finals[1])
+    with pytest.raises(ValueError, match="start_step"):
+        BagPipeController(cfg, rank=0, world_size=1, dim=DIM, num_keys=10, lr=LR,
+                          ps=ReferencePS(10, DIM, 1, LR).client(0),
+                          collectives=ThreadGroup(1).collectives(0), start_step=-2)
 
 
 def test_prescan_mismatch_names_step_and_rank() -> None:

@@ -65,21 +65,21 @@ def test_initial_rows_match_numpy_reference() -> None:
         {"init": "zeros"},
         {"init": "constant", "init_value": -1.5},
     ):
-        got = EmbeddingStore.initial_rows(keys, 33, **spec)
+        got = EmbeddingStore.initial_rows(keys, dim=33, **spec)
         want = reference_initial_rows(keys.numpy(), 33, **spec)
         assert np.array_equal(_bits(got), _bits(want)), spec
 
 
 def test_uniform_values_are_in_range_and_spread() -> None:
     keys = torch.arange(2000)
-    rows = EmbeddingStore.initial_rows(keys, 16, init_bound=0.5, seed=11)
+    rows = EmbeddingStore.initial_rows(keys, dim=16, init_bound=0.5, seed=11)
     assert float(rows.min()) >= -0.5 and float(rows.max()) < 0.5
     assert abs(float(rows.mean())) < 0.01
     assert rows.std().item() == pytest.approx(0.5 / 3**0.5, rel=0.02)
 
 
 def test_default_bound_is_torchrec_sqrt_one_over_n() -> None:
-    s = EmbeddingStore(4, key_bound=400)
+    s = EmbeddingStore(dim=4, key_bound=400)
     got = s.lookup(torch.arange(10), insert_missing=False)
     want = reference_initial_rows(np.arange(10), 4, init_bound=float(np.sqrt(1 / 400)))
     assert np.array_equal(_bits(got), _bits(want))
@@ -89,7 +89,7 @@ def test_default_bound_is_torchrec_sqrt_one_over_n() -> None:
 def test_random_ops_match_dict_model(threads: int, shards: int) -> None:
     dim = 8
     rng = np.random.default_rng(threads * 100 + shards)
-    store = EmbeddingStore(dim, num_threads=threads, num_shards=shards, page_rows=16, **INIT)
+    store = EmbeddingStore(dim=dim, num_threads=threads, num_shards=shards, page_rows=16, **INIT)
     model = DictModel(dim, **INIT)
     for _ in range(60):
         op = rng.integers(0, 5)
@@ -128,7 +128,7 @@ def test_random_ops_match_dict_model(threads: int, shards: int) -> None:
 
 def test_results_identical_across_threads_and_shards() -> None:
     def run(threads: int, shards: int) -> bytes:
-        s = EmbeddingStore(16, num_threads=threads, num_shards=shards, page_rows=64, **INIT)
+        s = EmbeddingStore(dim=16, num_threads=threads, num_shards=shards, page_rows=64, **INIT)
         g = torch.Generator().manual_seed(0)
         for step in range(30):
             k = torch.randint(0, 3000, (2048,), generator=g)
@@ -144,7 +144,7 @@ def test_results_identical_across_threads_and_shards() -> None:
 
 
 def test_lookup_into_out_and_duplicates() -> None:
-    s = EmbeddingStore(4, **INIT)
+    s = EmbeddingStore(dim=4, **INIT)
     keys = torch.tensor([3, 3, 9, 3])
     out = torch.full((4, 4), 7.0)
     r = s.lookup(keys, out=out)
@@ -155,14 +155,14 @@ def test_lookup_into_out_and_duplicates() -> None:
 
 
 def test_lookup_without_insert_is_pure() -> None:
-    s = EmbeddingStore(4, **INIT)
+    s = EmbeddingStore(dim=4, **INIT)
     s.lookup(torch.arange(10), insert_missing=False)
     assert len(s) == 0
     assert not s.contains(torch.arange(10)).any()
 
 
 def test_erase_then_reinsert_gets_initial_value() -> None:
-    s = EmbeddingStore(4, **INIT)
+    s = EmbeddingStore(dim=4, **INIT)
     k = torch.tensor([5])
     first = s.lookup(k).clone()
     s.apply_sgd(k, torch.ones(1, 4), 1.0)
@@ -172,7 +172,7 @@ def test_erase_then_reinsert_gets_initial_value() -> None:
 
 
 def test_reserve_keeps_contents() -> None:
-    s = EmbeddingStore(4, num_shards=4, **INIT)
+    s = EmbeddingStore(dim=4, num_shards=4, **INIT)
     keys = torch.arange(1000)
     rows = torch.randn(1000, 4)
     s.assign(keys, rows)
@@ -188,7 +188,7 @@ def test_reserve_keeps_contents() -> None:
 def test_state_api_lookup_assign_export_and_initial_state(
     spec: OptimizerSpec | str, state_dim: int
 ) -> None:
-    s = EmbeddingStore(6, **INIT, optimizer=spec)
+    s = EmbeddingStore(dim=6, **INIT, optimizer=spec)
     assert s.state_dim == state_dim and s.options()["optimizer"] == OptimizerSpec.of(spec)
     assert s.stats()["state_dim"] == state_dim
     init_state = EmbeddingStore.initial_state(3, 6, spec)
@@ -197,7 +197,7 @@ def test_state_api_lookup_assign_export_and_initial_state(
     # Unwritten rows read as the initial row and state, with or without inserting them.
     keys = torch.tensor([4, 9, 4])
     w, st = s.lookup_with_state(keys, insert_missing=False)
-    assert torch.equal(w, EmbeddingStore.initial_rows(keys, 6, **INIT))
+    assert torch.equal(w, EmbeddingStore.initial_rows(keys, dim=6, **INIT))
     assert torch.equal(st, init_state) and len(s) == 0
     out, state_out = torch.empty(3, 6), torch.empty(3, state_dim)
     w2, st2 = s.lookup_with_state(keys, out=out, state_out=state_out)
@@ -224,7 +224,7 @@ def test_state_api_lookup_assign_export_and_initial_state(
 def test_bytes_per_row_count_the_state() -> None:
     per_row = {}
     for kind in ("sgd", "adagrad", "rowwise_adagrad", "adam"):
-        s = EmbeddingStore(32, **INIT, optimizer=kind, page_rows=1024)
+        s = EmbeddingStore(dim=32, **INIT, optimizer=kind, page_rows=1024)
         s.lookup(torch.arange(4096))
         st = s.stats()
         per_row[kind] = (st["bytes_resident"] - st["bytes_maps"]) / st["rows"]

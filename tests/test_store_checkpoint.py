@@ -22,7 +22,7 @@ INIT = {"init": "uniform", "init_bound": 0.05, "seed": 3}
 
 
 def _filled(n: int = 3000, dim: int = 8, **kw: object) -> EmbeddingStore:
-    s = EmbeddingStore(dim, **INIT, **kw)
+    s = EmbeddingStore(dim=dim, **INIT, **kw)
     g = torch.Generator().manual_seed(1)
     k = torch.randint(-(2**40), 2**40, (n,), generator=g)
     s.apply_sgd(k, torch.randn(n, dim, generator=g), 0.3, 2)
@@ -56,7 +56,7 @@ def test_round_trip_with_meta_and_layout_overrides(tmp_path: Path) -> None:
 
 
 def test_save_replaces_previous_checkpoint_and_empty_store(tmp_path: Path) -> None:
-    s = EmbeddingStore(4, **INIT)
+    s = EmbeddingStore(dim=4, **INIT)
     s.save(tmp_path / "ck")
     assert len(EmbeddingStore.load(tmp_path / "ck")) == 0
     s.assign(torch.tensor([1, 2]), torch.ones(2, 4))
@@ -176,7 +176,7 @@ ADAM = OptimizerSpec("adam", eps=1e-6, beta1=0.8, beta2=0.99, weight_decay=0.01)
 
 
 def _trained(spec: OptimizerSpec | str, n: int = 3000, dim: int = 8) -> EmbeddingStore:
-    s = EmbeddingStore(dim, **INIT, optimizer=spec)
+    s = EmbeddingStore(dim=dim, **INIT, optimizer=spec)
     g = torch.Generator().manual_seed(2)
     for step in range(1, 4):
         k = torch.randint(-(2**40), 2**40, (n,), generator=g)
@@ -279,7 +279,7 @@ def test_damaged_state_files_are_refused(tmp_path: Path) -> None:
 def test_save_refuses_to_replace_foreign_directory(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "precious.txt").write_text("keep me")
-    s = EmbeddingStore(4, **INIT)
+    s = EmbeddingStore(dim=4, **INIT)
     with pytest.raises(ValueError, match="neither empty nor a checkpoint"):
         s.save(tmp_path / "data")
     assert (tmp_path / "data" / "precious.txt").read_text() == "keep me"
@@ -293,7 +293,7 @@ _WRITER = textwrap.dedent(
     import sys, torch
     from torchrec_bagpipe.ps import EmbeddingStore
     path, n = sys.argv[1], int(sys.argv[2])
-    s = EmbeddingStore(32, init="zeros", num_threads=2)
+    s = EmbeddingStore(dim=32, init="zeros", num_threads=2)
     keys = torch.arange(n)
     for v in range(10**6):
         s.assign(keys, torch.full((n, 32), float(v)))
@@ -338,5 +338,5 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path: Path) ->
         rows = t.lookup(torch.arange(n), insert_missing=False)
         assert bool((rows == float(v)).all()), f"attempt {attempt}: rows disagree with meta v={v}"
     # The next save removes temp directories the killed writers left behind.
-    EmbeddingStore(4, init="zeros").save(path)
+    EmbeddingStore(dim=4, init="zeros").save(path)
     assert sorted(os.listdir(tmp_path)) == ["ck"]

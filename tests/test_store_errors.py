@@ -73,17 +73,17 @@ def test_constructor_errors(kwargs: dict[str, Any], exc: type, match: str) -> No
     args.update(kwargs)
     dim = args.pop("dim")
     with pytest.raises(exc, match=match):
-        EmbeddingStore(dim, **args)
+        EmbeddingStore(dim=dim, **args)
 
 
 def test_spill_dir_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="spill_dir"):
-        EmbeddingStore(4, **INIT, memory_budget=4096, spill_dir=tmp_path / "f")
+        EmbeddingStore(dim=4, **INIT, memory_budget=4096, spill_dir=tmp_path / "f")
 
 
 def _store(**kw: Any) -> EmbeddingStore:
-    s = EmbeddingStore(4, **INIT, **kw)
+    s = EmbeddingStore(dim=4, **INIT, **kw)
     s.assign(torch.tensor([1, 2, 3]), torch.arange(12, dtype=torch.float32).view(3, 4))
     return s
 
@@ -116,7 +116,7 @@ def test_bad_keys_everywhere(keys: Any, exc: type, match: str) -> None:
         lambda: s.apply_sgd(keys, GOOD_ROWS, 0.1),
         lambda: s.contains(keys),
         lambda: s.erase(keys),
-        lambda: EmbeddingStore.initial_rows(keys, 4, init_bound=0.1),
+        lambda: EmbeddingStore.initial_rows(keys, dim=4, init_bound=0.1),
     ]
     for call in calls:
         with pytest.raises(exc, match=match):
@@ -212,7 +212,7 @@ def _state_bounded(s: EmbeddingStore) -> tuple[int, bytes]:
 
 
 def test_memory_only_budget_raises_memory_error_before_writing() -> None:
-    s = EmbeddingStore(16, **INIT, memory_budget=2 * 4096, page_rows=64)  # two 4 KiB pages
+    s = EmbeddingStore(dim=16, **INIT, memory_budget=2 * 4096, page_rows=64)  # two 4 KiB pages
     s.assign(torch.arange(128), torch.ones(128, 16))
     before = (len(s), s.lookup(torch.arange(200), insert_missing=False).numpy().tobytes())
     keys = torch.tensor([0, 500, 1])
@@ -253,11 +253,11 @@ def test_misc_argument_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="num_shards"):
         EmbeddingStore.load(tmp_path / "ck", num_shards=6)
     with pytest.raises(ValueError, match="dim"):
-        EmbeddingStore.initial_rows(GOOD_KEYS, 0, init_bound=0.1)
+        EmbeddingStore.initial_rows(GOOD_KEYS, dim=0, init_bound=0.1)
 
 
 def _adagrad_store() -> EmbeddingStore:
-    s = EmbeddingStore(4, **INIT, optimizer="adagrad")
+    s = EmbeddingStore(dim=4, **INIT, optimizer="adagrad")
     s.apply_gradients(torch.tensor([1, 2, 3]), torch.ones(3, 4), 0.1)
     return s
 
@@ -300,7 +300,7 @@ def test_apply_sgd_refuses_a_stateful_store_and_apply_gradients_checks_scalars()
     with pytest.raises(ValueError, match=r"^grads "):
         s.apply_gradients(GOOD_KEYS, torch.ones(2, 5), 0.1)
     with pytest.raises(ValueError, match="key_bound"):
-        EmbeddingStore(4, **INIT, key_bound=2, optimizer="adam").apply_gradients(
+        EmbeddingStore(dim=4, **INIT, key_bound=2, optimizer="adam").apply_gradients(
             GOOD_KEYS, GOOD_ROWS, 0.1
         )
     assert _full_state(s) == before

@@ -4,7 +4,7 @@
   contract one float32 op at a time (duplicates, zero, negative-zero and subnormal gradients,
   weight decay, every kernel width), for any thread and shard count; NaN / inf rows stay in
   their row; the state survives spilling and checkpoints.
-* `optimizer_step` (the torch-ops form a trainer cache runs) equals the store bit for bit.
+* `row_update` (the torch-ops form a trainer cache runs) equals the store bit for bit.
 * Over a few steps, each optimizer agrees within fp32 tolerance with the textbook one
   (torch.optim.SGD / Adagrad / SparseAdam, a float64 row-wise Adagrad).
 """
@@ -25,7 +25,8 @@ from hypothesis.extra import numpy as hnp
 from store_reference import optimizer_reference, reference_initial_rows, same_bits_or_both_nan
 
 from torchrec_bagpipe.ps import EmbeddingStore, OptimizerSpec
-from torchrec_bagpipe.ps.optimizers import adam_step_size, optimizer_step, sqrt32
+from torchrec_bagpipe.ps.optimizer_spec import adam_step_size
+from torchrec_bagpipe.runtime.row_update import row_update, sqrt32
 
 KINDS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
 INIT = {"init": "uniform", "init_bound": 0.5, "seed": 17}
@@ -108,7 +109,7 @@ def test_kernel_matches_numpy_reference_bitwise(kind: str, data: st.DataObject) 
     spec = data.draw(spec_st(kind), label="spec")
     threads = data.draw(st.sampled_from([1, 2]), label="threads")
     shards = data.draw(st.sampled_from([1, 4, 16]), label="shards")
-    store = EmbeddingStore(dim, **INIT, optimizer=spec, num_threads=threads, num_shards=shards)
+    store = EmbeddingStore(dim=dim, **INIT, optimizer=spec, num_threads=threads, num_shards=shards)
     model = Model(dim, spec)
     for step in range(1, data.draw(st.integers(1, 4), label="steps") + 1):
         keys = data.draw(st.lists(st.integers(0, 12), max_size=30), label="keys")
@@ -136,8 +137,8 @@ def test_nan_and_inf_rows_stay_in_their_rows(kind: str, data: st.DataObject) -> 
             grads[i, data.draw(st.integers(0, dim - 1))] = data.draw(
                 st.sampled_from([np.nan, np.inf, -np.inf])
             )
-    store = EmbeddingStore(dim, **INIT, optimizer=spec, num_threads=2)
-    clean = EmbeddingStore(dim, **INIT, optimizer=spec)
+    store = EmbeddingStore(dim=dim, **INIT, optimizer=spec, num_threads=2)
+    clean = EmbeddingStore(dim=dim, **INIT, optimizer=spec)
     model = Model(dim, spec)
     lr = step_lr(spec, 0.1, 1)
     store.apply_gradients(torch.tensor(keys), torch.from_numpy(grads), lr, 2)
@@ -168,7 +169,7 @@ def test_state_round_trips_through_spill_and_checkpoint(kind: str, data: st.Data
         spill = {"memory_budget": 3 * 4096, "spill_dir": f"{tmp}/spill", "page_rows": 16}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            store = EmbeddingStore(dim, **INIT, optimizer=spec, **spill)
+            store = EmbeddingStore(dim=dim, **INIT, optimizer=spec, **spill)
             model = Model(dim, spec)
             rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
             steps = data.draw(st.integers(2, 6))
@@ -200,7 +201,7 @@ def test_bitwise_independent_of_threads_and_shards(kind: str) -> None:
 
     def run(threads: int, shards: int) -> tuple[bytes, bytes]:
         s = EmbeddingStore(
-            16, num_threads=threads, num_shards=shards, page_rows=64, **INIT, optimizer=spec
+            dim=16, num_threads=threads, num_shards=shards, page_rows=64, **INIT, optimizer=spec
         )
         g = torch.Generator().manual_seed(0)
         for step in range(1, 16):
@@ -224,11 +225,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dim", [1, 7, 32, 128])
-def test_optimizer_step_equals_the_store_bitwise(device: str, kind: str, dim: int) -> None:
+def test_row_update_equals_the_store_bitwise(device: str, kind: str, dim: int) -> None:
     spec = OptimizerSpec(
         kind, eps=1e-6, beta1=0.8, beta2=0.99, weight_decay=0.01, initial_accumulator_value=0.05
     )
-    store = EmbeddingStore(dim, **INIT, optimizer=spec, num_threads=2)
+    store = EmbeddingStore(dim=dim, **INIT, optimizer=spec, num_threads=2)
     rng = np.random.default_rng(dim)
     keys = torch.arange(500)
     w, s = store.lookup_with_state(keys, insert_missing=False)
@@ -241,7 +242,7 @@ def test_optimizer_step_equals_the_store_bitwise(device: str, kind: str, dim: in
         lr = step_lr(spec, 0.3, step)
         divisor = [1, 2, 3][step % 3]
         store.apply_gradients(keys, torch.from_numpy(g), lr, divisor)
-        w, s = optimizer_step(w, s, torch.from_numpy(g).to(device), lr, divisor, spec)
+        w, s = row_update(w, s, torch.from_numpy(g).to(device), lr, divisor, spec)
     want_w, want_s = store.lookup_with_state(keys, insert_missing=False)
     assert same_bits_or_both_nan(w.cpu().numpy(), want_w.numpy())
     assert same_bits_or_both_nan(s.cpu().numpy(), want_s.numpy())
@@ -257,18 +258,18 @@ def test_sqrt32_is_the_ieee_square_root(device: str) -> None:
     assert np.array_equal(got.view(np.uint32), np.sqrt(x).view(np.uint32))
 
 
-def test_optimizer_step_leaves_inputs_alone_and_checks_shapes() -> None:
+def test_row_update_leaves_inputs_alone_and_checks_shapes() -> None:
     spec = OptimizerSpec("adam")
     w, s, g = torch.ones(3, 4), torch.zeros(3, 8), torch.ones(3, 4)
-    w2, s2 = optimizer_step(w, s, g, 0.1, 1, spec)
+    w2, s2 = row_update(w, s, g, 0.1, 1, spec)
     assert torch.equal(w, torch.ones(3, 4)) and torch.equal(s, torch.zeros(3, 8))
     assert not torch.equal(w2, w) and s2.shape == (3, 8)
     with pytest.raises(ValueError, match="shapes"):
-        optimizer_step(w, torch.zeros(3, 4), g, 0.1, 1, spec)
+        row_update(w, torch.zeros(3, 4), g, 0.1, 1, spec)
     with pytest.raises(ValueError, match="divisor"):
-        optimizer_step(w, s, g, 0.1, 0, spec)
+        row_update(w, s, g, 0.1, 0, spec)
     with pytest.raises(TypeError, match="float32"):
-        optimizer_step(w.double(), s, g, 0.1, 1, spec)
+        row_update(w.double(), s, g, 0.1, 1, spec)
 
 
 # ---- against the textbook optimizers, within fp32 tolerance ----------------------------------
@@ -276,7 +277,7 @@ def test_optimizer_step_leaves_inputs_alone_and_checks_shapes() -> None:
 
 def _store_and_table(kind: str, dim: int, rows: int, **spec_kw: float):
     spec = OptimizerSpec(kind, **spec_kw)
-    store = EmbeddingStore(dim, **INIT, optimizer=spec)
+    store = EmbeddingStore(dim=dim, **INIT, optimizer=spec)
     w0 = store.lookup(torch.arange(rows))
     return spec, store, w0
 

@@ -19,7 +19,7 @@ PAGE = 4096
 
 def _spilling(tmp_path: Path, pages: int = 8, **kw: object) -> EmbeddingStore:
     return EmbeddingStore(
-        DIM,
+        dim=DIM,
         init_bound=0.1,
         seed=2,
         memory_budget=pages * PAGE,
@@ -31,7 +31,7 @@ def _spilling(tmp_path: Path, pages: int = 8, **kw: object) -> EmbeddingStore:
 
 def test_spill_keeps_residency_and_values(tmp_path: Path) -> None:
     s = _spilling(tmp_path)
-    ref = EmbeddingStore(DIM, init_bound=0.1, seed=2, page_rows=64)
+    ref = EmbeddingStore(dim=DIM, init_bound=0.1, seed=2, page_rows=64)
     g = torch.Generator().manual_seed(0)
     with pytest.warns(SpillWarning, match="spill") as record:
         for _ in range(40):
@@ -73,7 +73,7 @@ def test_results_identical_across_threads_and_shards_while_spilling(tmp_path: Pa
         kw = {"num_threads": threads, "num_shards": shards, "page_rows": 64}
         if budget_pages is not None:
             kw.update(memory_budget=budget_pages * PAGE, spill_dir=tmp_path / f"s{threads}{shards}")
-        s = EmbeddingStore(DIM, init_bound=0.1, seed=2, **kw)
+        s = EmbeddingStore(dim=DIM, init_bound=0.1, seed=2, **kw)
         g = torch.Generator().manual_seed(5)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SpillWarning)
@@ -90,7 +90,7 @@ def test_results_identical_across_threads_and_shards_while_spilling(tmp_path: Pa
 
 
 def test_automatic_budget_is_detected() -> None:
-    s = EmbeddingStore(DIM, init_bound=0.1, memory_budget="auto")
+    s = EmbeddingStore(dim=DIM, init_bound=0.1, memory_budget="auto")
     budget = s.stats()["memory_budget"]
     assert budget > 0 and s.options()["memory_budget"] == budget
     # Half of min(cgroup limit, RAM): at most half the physical memory.
@@ -101,9 +101,9 @@ def test_automatic_budget_is_detected() -> None:
 
 
 def test_string_budgets() -> None:
-    s = EmbeddingStore(DIM, init_bound=0.1, memory_budget="1M")
+    s = EmbeddingStore(dim=DIM, init_bound=0.1, memory_budget="1M")
     assert s.stats()["memory_budget"] == 1 << 20
-    s = EmbeddingStore(DIM, init_bound=0.1, memory_budget="0.5G")
+    s = EmbeddingStore(dim=DIM, init_bound=0.1, memory_budget="0.5G")
     assert s.stats()["memory_budget"] == 1 << 29
 
 

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 from store_reference import optimizer_reference, reference_initial_rows, sgd_reference
 
 from torchrec_bagpipe.ps import EmbeddingStore, OptimizerSpec
-from torchrec_bagpipe.ps.optimizers import adam_step_size
+from torchrec_bagpipe.ps.optimizer_spec import adam_step_size
 
 DIM = 4
 INIT = {"init": "uniform", "init_bound": [(-(2**40), 0.5), (0, 0.05), (40, 0.01)], "seed": 123}
@@ -85,7 +85,7 @@ class StoreMachine(RuleBasedStateMachine):
     def open_store(self, threads: int, shards: int, spec: OptimizerSpec) -> None:
         self.threads, self.shards, self.spec = threads, shards, spec
         self.state_dim = spec.state_dim(DIM)
-        self.store = EmbeddingStore(DIM, **INIT, **self._open_kwargs(), optimizer=spec)
+        self.store = EmbeddingStore(dim=DIM, **INIT, **self._open_kwargs(), optimizer=spec)
 
     def initial_state(self) -> np.ndarray:
         return np.full(self.state_dim, self.spec.initial_state_value, dtype=np.float32)
@@ -268,7 +268,7 @@ def test_spill_really_happens_in_the_machine_setting() -> None:
     d = tempfile.mkdtemp(prefix="bagpipe-sm-")
     try:
         s = EmbeddingStore(
-            DIM, **INIT, memory_budget=BUDGET, spill_dir=f"{d}/spill", page_rows=PAGE_ROWS
+            dim=DIM, **INIT, memory_budget=BUDGET, spill_dir=f"{d}/spill", page_rows=PAGE_ROWS
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -313,9 +313,9 @@ def _interleavings_worker(rank: int, world: int, max_examples: int) -> str:
         table_of = [rt.spec.tables[0].name for rt in part.runtimes]
         commits: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # group, step, U, grad
         for g, rt in enumerate(part.runtimes):
-            def recording(step, grad, lr, _g=g, _finish=rt.finish_step):
+            def recording(step, grad, _g=g, _finish=rt.finish_step):
                 commits.append((_g, step.step, step.unique_keys.clone(), grad.clone()))
-                _finish(step, grad, lr)
+                _finish(step, grad)
             rt.finish_step = recording  # type: ignore[method-assign]
         ref_params = {n.split(".")[-2]: p for n, p in ref.named_parameters()}
         # What each step's commit must carry: its own row gradients (table -> dense grad),

@@ -33,7 +33,7 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
     from torchrec_bagpipe.distributed.table_io import TableIO
     from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
     from torchrec_bagpipe.distributed.table_state import TableState
-    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+    from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
     configs = [
         EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=37, feature_names=["f0"]),
@@ -151,7 +151,7 @@ def _table_io_worker(rank: int, world: int, max_examples: int) -> str:
         assert torch.equal(step.keys, keys)
         want = torch.cat([loaded[[3, 3, 22]], ref["a"][[5], :4]])
         assert torch.equal(step.rows.detach()[step.inverse], want)
-        rt.finish_step(step, torch.zeros_like(step.rows.detach()), 0.1)
+        rt.finish_step(step, torch.zeros_like(step.rows.detach()))  # at the table lr, 0.1
         rt.flush()
         assert torch.equal(io.read_rows("b", 0, 23), loaded)
         rows, inverse = rt.eval_rows(keys)

@@ -150,7 +150,7 @@ def test_optimizer_sources_and_unsupported_optimizers():
     from torchrec.optim import SGD as TrecSGD
     from torchrec.optim import RowWiseAdagrad
 
-    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+    from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
     def of(param, fused=None):
         return table_optimizer(param, fused, "table t0")
@@ -223,7 +223,7 @@ def test_optimizer_sources_and_unsupported_optimizers():
 
 def test_state_entries_tile_the_state_columns():
     from torchrec_bagpipe.distributed.table_optimizer import state_entries
-    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+    from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
     for kind, want in (("adagrad", {"momentum1": (0, 3, False)}),
                        ("rowwise_adagrad", {"momentum1": (0, 1, True)}),
@@ -399,7 +399,7 @@ def test_tables_with_other_optimizers_are_other_fused_tables():
     from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
     from torchrec_bagpipe.distributed.layout import FusedLayout, table_specs
-    from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+    from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
     configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10,
                                   feature_names=[f"f{i}"]) for i in range(5)]

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. Load a table (as a trainer or converter would push initial weights).
     weights = rng.uniform(-0.01, 0.01, size=(n, dim)).astype(np.float32)
     store = EmbeddingStore(
-        dim,
+        dim=dim,
         num_threads=args.threads,
         init="zeros",
         memory_budget=budget,

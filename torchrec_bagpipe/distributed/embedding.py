@@ -2,13 +2,13 @@
 embeddings) whose BagPipe tables' rows live in the PS, next to tables that keep TorchRec's
 stock sharding.
 
-Everything but the output is the EBC's (sharded_module.py, bagpipe_tables.py): the same
-runtime, PS sessions, lookahead window, coherence, fused optimizer and state dict (keys
-`embeddings.<table>.weight`). A batch's rows are gathered once per id instead of pooled
-(`lookup.sequence_embeddings`): the output is TorchRec's `Dict[str, JaggedTensor]`, one
-entry per feature (`feature@table` for a feature several tables read), values [ids, dim],
-the feature's lengths, and its ids as weights when the module was built with
-`need_indices=True`. The stock part's entries come from TorchRec's own sharded
+Everything but the output is the EBC's (sharded_module.py, bagpipe_tables.py,
+step_lifecycle.py): the same runtime, PS sessions, lookahead window, coherence, fused
+optimizer and state dict (keys `embeddings.<table>.weight`). A batch's rows are gathered
+once per id instead of pooled (`lookup.sequence_embeddings`): the output is TorchRec's
+`Dict[str, JaggedTensor]`, one entry per feature (`feature@table` for a feature several
+tables read), values [ids, dim], the feature's lengths, and its ids as weights when the
+module was built with `need_indices=True`. The stock part's entries come from TorchRec's own sharded
 EmbeddingCollection; the dict lists every key in the unsharded module's order.
 
 Thread-safety: one training thread per rank (the autograd thread runs the backward hook

@@ -2,7 +2,7 @@
 rows live in the PS, next to tables that keep TorchRec's stock sharding.
 
 The shared machinery (both parts, input dist, fused optimizer, state dict) is in
-sharded_module.py; the BagPipe part's step lifecycle in bagpipe_tables.py. This file turns
+sharded_module.py; the BagPipe part's step lifecycle in step_lifecycle.py. This file turns
 the rows a batch reads into pooled bags and the two parts' outputs into one `KeyedTensor`.
 
 Data flow of one training batch (ARCHITECTURE §5):
@@ -14,14 +14,14 @@ Data flow of one training batch (ARCHITECTURE §5):
 * `compute_and_output_dist` runs the stock part's lookups and output dist, takes the oldest
   step from each fused table (the batch's unique rows as a |U| x dim leaf tensor and the
   inverse map) and pools it, so autograd yields exactly the |U| x dim row gradient. A hook
-  on the leaf hands that gradient to the fused optimizer (fused_optimizer.py), which calls
-  `finish_step` with the step's learning rate.
+  on the leaf hands that gradient to the fused table's runtime (`finish_step`), which
+  commits it at the learning rate of the fused optimizer's param group (fused_optimizer.py).
 * The output is one `KeyedTensor` in the unsharded EBC's key order: the BagPipe part's
   columns and the stock part's, gathered into place.
 
 Eval forwards (module not training, or training under `torch.no_grad()`) read the BagPipe
 rows straight from the PS after the commits of finished steps; they never enter the
-runtime's step sequence (bagpipe_tables.py: the step lifecycle).
+runtime's step sequence (step_lifecycle.py).
 
 Thread-safety: one training thread per rank (the autograd thread runs the backward hook
 while that thread waits in backward).

@@ -2,20 +2,22 @@
 optimizers.
 
 Like TorchRec's fused TBE optimizers, the update happens during backward: autograd yields
-each fused table's |U| x dim row gradient, and this optimizer hands it to the runtime
-(`FusedTableRuntime.finish_step`) with the step's learning rate; the runtime commits it to
-the PS, which applies the table's optimizer (SGD, Adagrad, row-wise Adagrad, Adam: see
-`table_optimizer.py` for how TorchRec users choose it) once per row per step, and keeps the
-rank's cache coherent. `step()` only finishes steps whose rows received no gradient (their
-loss did not depend on them): they commit a zero gradient so every rank advances the same
-step sequence.
+each fused table's |U| x dim row gradient, which the module hands to its fused table's
+runtime (`FusedTableRuntime.finish_step`); the runtime commits it to the PS at the learning
+rate this optimizer's param group gives (`group_lr`: each fused table's
+`StepLearningRate`), and the PS applies the table's optimizer (SGD, Adagrad, row-wise
+Adagrad, Adam: see `table_optimizer.py` for how TorchRec users choose it) once per row per
+step. The gradient never passes through this class. `step()` only finishes steps whose rows
+received no gradient (their loss did not depend on them): they commit a zero gradient so
+every rank advances the same step sequence.
 
 * ``param_groups``: one group per fused table (``lr``, ``fused_table``), so TorchRec's
   `CombinedOptimizer` and LR schedulers see them. The learning rate a step's commit carries is
   the group's ``lr`` when that step's backward runs (stock TorchRec copies it into its kernels
   in ``zero_grad``/``step``, i.e. before the next backward: the same value in a training
   loop). For Adam it is the bias-corrected step size ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``
-  of the group's step count t (`ps.optimizers.adam_step_size`), so the PS stays step-agnostic.
+  of the group's step count t (`ps.optimizer_spec.adam_step_size`), so the PS stays
+  step-agnostic.
 * ``state`` / ``state_dict()`` / ``load_state_dict()``: the optimizer state in TorchRec's
   key layout, ``state[param]["<table>.momentum1"]`` (and ``"<table>.exp_avg_sq"`` for Adam;
   row-wise Adagrad's momentum1 is 1-D): live row-wise ShardedTensors of PS views (reads
@@ -33,7 +35,8 @@ run concurrently for one rank.
 Invariants:
 1. A group's step count is the number of steps its fused table finished (zero-gradient
    finishes included); the learning rate of step t is computed from it before the step's
-   commit and the count advances only once that finish succeeded.
+   commit (`next_lr`) and the count advances only once that commit was submitted
+   (`step_finished`).
 2. Every rank finishes the same steps with the same param-group learning rates, so every
    rank's commit of a step carries the same lr (the PS refuses otherwise).
 """
@@ -50,9 +53,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.optim.fused import FusedOptimizer
 
 from torchrec_bagpipe.distributed.table_optimizer import UnsupportedOptimizerError
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec, adam_step_size
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec, adam_step_size
 
-__all__ = ["BagPipeFusedOptimizer", "FusedGroup", "OptimizerStateIO",
+__all__ = ["BagPipeFusedOptimizer", "FusedGroup", "GroupLearningRate", "OptimizerStateIO",
            "UnsupportedOptimizerError"]
 
 
@@ -84,15 +87,14 @@ class BagPipeFusedOptimizer(FusedOptimizer):
     """KeyedOptimizer face of the PS's optimizers (one param group per fused table; see the
     module docstring).
 
-    `finish(group, step, grad)` is called from the rows' backward hook; `step()` finishes the
-    steps that got no gradient.
+    `group_lr(g)` is fused table g's learning rate source (its runtime asks it at every
+    finish); `step()` finishes the steps that got no gradient (`pending_fn`).
     """
 
     def __init__(
         self,
         params: Mapping[str, torch.Tensor],
         groups: list[FusedGroup],
-        finish_fn: Callable[[int, Any, torch.Tensor, float], None],
         pending_fn: Callable[[], None],
         state_io: OptimizerStateIO,
     ) -> None:
@@ -104,7 +106,6 @@ class BagPipeFusedOptimizer(FusedOptimizer):
         super().__init__(params, {}, param_groups)  # its __init__)
         self._groups = list(groups)
         self._steps = [0] * len(groups)  # invariant 1
-        self._finish_fn = finish_fn
         self._pending_fn = pending_fn
         self._io = state_io
         # Adam's step tensors handed out by `state` since the last settle: (group, table,
@@ -129,9 +130,12 @@ class BagPipeFusedOptimizer(FusedOptimizer):
             return adam_step_size(value, spec.beta1, spec.beta2, self._steps[group] + 1)
         return value
 
-    def finish(self, group: int, step: Any, grad: torch.Tensor) -> None:
-        self._finish_fn(group, step, grad, self.step_lr(group))
-        self._steps[group] += 1
+    def group_lr(self, group: int) -> GroupLearningRate:
+        """Fused table `group`'s learning rate of each step (a `StepLearningRate`)."""
+        return GroupLearningRate(self, group)
+
+    def _step_finished(self, group: int) -> None:
+        self._steps[group] += 1  # invariant 1
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         self._pending_fn()
@@ -226,3 +230,18 @@ class BagPipeFusedOptimizer(FusedOptimizer):
             loaded[g] = (table, value)
             steps[g] = value
         self._steps = steps
+
+
+class GroupLearningRate:
+    """One param group's learning rate, step by step: what its fused table's runtime commits
+    each step at (`fused_table_runtime.StepLearningRate`)."""
+
+    def __init__(self, optimizer: BagPipeFusedOptimizer, group: int) -> None:
+        self._optimizer = optimizer
+        self._group = group
+
+    def next_lr(self) -> float:
+        return self._optimizer.step_lr(self._group)
+
+    def step_finished(self) -> None:
+        self._optimizer._step_finished(self._group)

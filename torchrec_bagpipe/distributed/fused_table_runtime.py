@@ -22,18 +22,24 @@ Invariants:
    range per call (table_io.py chunks whole tables).
 4. Every failed periodic PS checkpoint the shards report reaches the rank: one warning on
    its log per failure, the counters in `metrics()`, and `PSCheckpointError` from
-   `finish_step` once a shard has failed `ps_checkpoint_max_failures` in a row.
+   `check_checkpoints` (after each finished step) once a shard has failed
+   `ps_checkpoint_max_failures` in a row.
 5. The controller numbers its steps from 0; PS step = controller step + `start_step` + 1,
    where `start_step` is the table's committed step when the session opened, checked to be
    the job's expectation (-1 for a fresh job, the checkpoint's step for a resumed one;
-   `PSClient.start_step`): a fresh job never meets a table the PS already advanced.
+   `PSClient.start_step`) and given to the controller, which numbers the PS steps itself:
+   a fresh job never meets a table the PS already advanced.
+6. Every finished step commits at the learning rate its `StepLearningRate` gives when it
+   finishes (the fused optimizer's param group: an LR schedule's value, Adam's
+   bias-corrected step size), and the source hears of every step whose commit was
+   submitted, once, in step order.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,7 +51,7 @@ if TYPE_CHECKING:
     from torchrec_bagpipe.ps.client import PSClient
     from torchrec_bagpipe.runtime.controller import BagPipeController, Step
 
-__all__ = ["FusedTableRuntime", "PSCheckpointError", "StepOffsetClient", "build_fused_table"]
+__all__ = ["FusedTableRuntime", "PSCheckpointError", "StepLearningRate", "build_fused_table"]
 
 _log = logging.getLogger("torchrec_bagpipe")
 
@@ -54,42 +60,44 @@ class PSCheckpointError(RuntimeError):
     """A PS shard failed too many periodic checkpoints in a row: the recovery point lags."""
 
 
-class StepOffsetClient:
-    """The PS client as the controller sees it (a `runtime.ps_port.PSClientLike`): the
-    controller's step t is PS step ``t + base + 1`` and its "no dependency" -1 is ``base``
-    (invariant 5). With base -1 every step passes through unchanged."""
+class StepLearningRate(Protocol):
+    """Where a fused table's learning rate of each step comes from (the fused optimizer's
+    param group implements it; fused_optimizer.py)."""
 
-    def __init__(self, client: PSClient, base: int) -> None:
-        self._client = client
-        self.base = base
-        self.dim = client.dim
-        self.state_dim = client.state_dim
+    def next_lr(self) -> float:
+        """The learning rate of the next step to finish (finite, >= 0; Adam: the
+        bias-corrected step size). Raises ValueError for an unusable one."""
+        ...
 
-    def get_async(self, keys: torch.Tensor, at_step: int, out: torch.Tensor | None = None, *,
-                  with_state: bool = False) -> Any:
-        return self._client.get_async(keys, at_step + self.base + 1, out,
-                                      with_state=with_state)
+    def step_finished(self) -> None:
+        """The step `next_lr` was asked for committed its gradient: the next is the step
+        after."""
+        ...
 
-    def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
-                     lr: float | None = None) -> Any:
-        return self._client.commit_async(step + self.base + 1, keys, grads, lr)
 
-    def committed_step(self) -> int:
-        return self._client.committed_step() - self.base - 1
+class _ConstantLR:
+    """A fused table's configured learning rate, every step (no fused optimizer)."""
 
-    def close(self) -> None:
-        self._client.close()
+    def __init__(self, lr: float) -> None:
+        self._lr = lr
+
+    def next_lr(self) -> float:
+        return self._lr
+
+    def step_finished(self) -> None:
+        return None
 
 
 class FusedTableRuntime:
     """One fused table's runtime on this rank: training steps and direct PS access."""
 
     def __init__(self, spec: FusedTableSpec, client: PSClient,
-                 controller: BagPipeController, *, max_checkpoint_failures: int = 3,
-                 start_step: int = -1) -> None:
+                 controller: BagPipeController, *, lr: StepLearningRate | None = None,
+                 max_checkpoint_failures: int = 3, start_step: int = -1) -> None:
         self._spec = spec
         self._client = client
         self._controller = controller
+        self._lr = lr if lr is not None else _ConstantLR(spec.lr)  # invariant 6
         self._max_checkpoint_failures = max_checkpoint_failures
         self._checkpoints_seen = 0  # failed periodic checkpoints already reported
         self.start_step = start_step  # the PS step this session started after (invariant 5)
@@ -123,12 +131,13 @@ class FusedTableRuntime:
         inverse map. REQUIRES: the previous step finished."""
         return self._controller.next_step()
 
-    def finish_step(self, step: Step, grad: torch.Tensor, lr: float) -> None:
-        """Commits `step`'s row gradient (|U| x dim fp32) at learning rate `lr` (the step's;
-        Adam: its bias-corrected step size), then reports what the shards said about their
-        periodic checkpoints (invariant 4). REQUIRES: `step` is the running step."""
-        self._controller.finish_step(step, grad, lr=lr)
-        self.check_checkpoints()
+    def finish_step(self, step: Step, grad: torch.Tensor) -> None:
+        """Commits `step`'s row gradient (|U| x dim fp32) at the step's learning rate
+        (invariant 6). An unusable learning rate or gradient raises before anything changed
+        (the step keeps running); any other error fails the runtime. The caller then runs
+        `check_checkpoints` (invariant 4). REQUIRES: `step` is the running step."""
+        self._controller.finish_step(step, grad, lr=self._lr.next_lr())
+        self._lr.step_finished()
 
     def committed_step(self) -> int:
         """The table's committed PS step (the minimum over its shards, as this rank saw it)."""
@@ -253,9 +262,11 @@ class FusedTableRuntime:
 
 
 def build_fused_table(
-    spec: FusedTableSpec, *, job: BagPipeJob, config: BagPipeConfig
+    spec: FusedTableSpec, *, job: BagPipeJob, config: BagPipeConfig,
+    lr: StepLearningRate | None = None,
 ) -> FusedTableRuntime:
-    """Opens the PS session of one fused table and its controller on this rank.
+    """Opens the PS session of one fused table and its controller on this rank; `lr`: where
+    each step's learning rate comes from (None: the fused table's configured lr).
 
     Rows never written read as TorchRec's default init, uniform in ±bound of their own
     table (deterministic, computed on the PS); tables with other initial weights are
@@ -265,10 +276,10 @@ def build_fused_table(
     controller's steps follow it (invariant 5).
     """
     from torchrec_bagpipe.ps.client import PSClient
-    from torchrec_bagpipe.ps.options import client_options
+    from torchrec_bagpipe.ps.config_specs import client_spec
     from torchrec_bagpipe.runtime.controller import BagPipeController
 
-    client = PSClient.from_options(job.endpoints, client_options(
+    client = PSClient(job.endpoints, client_spec(
         config,
         table=spec.name,
         dim=spec.dim,
@@ -290,14 +301,15 @@ def build_fused_table(
             dim=spec.dim,
             num_keys=spec.num_keys,
             lr=spec.lr,
-            ps=StepOffsetClient(client, start),
+            ps=client,
             collectives=job.collectives,
             device=job.device,
             optimizer=spec.optimizer,
+            start_step=start,
         )
     except BaseException:
         client.close()
         raise
-    return FusedTableRuntime(spec, client, controller,
+    return FusedTableRuntime(spec, client, controller, lr=lr,
                              max_checkpoint_failures=config.ps_checkpoint_max_failures,
                              start_step=start)

@@ -145,7 +145,7 @@ class BagPipeJob:
         return str(self.control.broadcast_object(mine, src=0))
 
     def _deploy(self) -> list[Any]:
-        from torchrec_bagpipe.ps.options import shard_options
+        from torchrec_bagpipe.ps.config_specs import shard_spec
         from torchrec_bagpipe.ps.shard import PSShard
 
         config = self.config
@@ -189,12 +189,12 @@ class BagPipeJob:
                     raise FileNotFoundError(
                         f"BagPipe resume: PS shard {self.rank}'s tables of checkpoint set "
                         f"{self.resumed.label} are missing ({restore})")
-            self.shard = PSShard.from_options(
-                shard_options(config, self.rank, shards, checkpoint_dir=ckpt), restore=restore)
+            self.shard = PSShard(shard_spec(config, self.rank, shards, checkpoint_dir=ckpt),
+                                 restore=restore)
             if kind == "rdma":
-                self.server = self.shard.serve_ucx("127.0.0.1", 0, job_token=self.job_token)
+                self.server = self.shard.serve_ucx(job_token=self.job_token)
             else:
-                self.server = self.shard.serve("127.0.0.1", 0, job_token=self.job_token)
+                self.server = self.shard.serve(job_token=self.job_token)
             self._store.set(self._key(f"addr/{self.rank}"),
                             f"{self.server.host}:{self.server.port}")
         keys = [self._key(f"addr/{r}") for r in range(shards)]

@@ -1,15 +1,10 @@
-"""Lookup for a BagPipe-sharded module: the rows a batch reads, then pooled or sequence
-embeddings.
+"""Lookup for a BagPipe-sharded module: a batch's rows, pooled or as sequence embeddings.
 
-Two separate steps per fused table:
+The rows a batch reads from a fused table come from the step lifecycle
+(step_lifecycle.py) as `types.BatchRows` (rows [U, dim] on the device, `inverse`: the
+batch's i-th id reads ``rows[inverse[i]]``); this file turns them into the module's output,
+given the batch's KJT of that fused table (its ids enter here once):
 
-* **Rows for this batch** (`BatchRows`): the batch's unique rows `rows` ([U, dim], on the
-  device) and `inverse` ([n] int64): the batch's i-th id reads `rows[inverse[i]]`.
-  - training (`train_step`): the fused table's next runtime step, checked to be this batch;
-    its rows are a leaf tensor whose gradient is the step's |U| x dim row gradient (the
-    sharded module hands it to `finish_step`);
-  - eval (`eval_rows`): the unique rows read straight from the PS after the commits of
-    finished steps (a pending step stays pending), outside the runtime's step sequence.
 * **Pooling** (`Pooler`): sum, or sum / bag length for mean, per slot, with per-id weights
   for a weighted module, through `torch.nn.functional.embedding_bag` over `inverse`, so
   autograd yields exactly the |U| x dim row gradient (EmbeddingBagCollection).
@@ -23,50 +18,14 @@ Thread-safety: the rank's training thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from torchrec_bagpipe.distributed.fused_table_runtime import FusedTableRuntime
+from torchrec_bagpipe.distributed.types import BatchRows
 
-if TYPE_CHECKING:
-    from torchrec_bagpipe.runtime.controller import Step
-
-__all__ = ["BatchRows", "Pooler", "eval_rows", "sequence_embeddings", "train_step"]
-
-
-@dataclass(frozen=True)
-class BatchRows:
-    """The rows one batch reads from one fused table (see module docstring)."""
-
-    rows: torch.Tensor     # [U, dim] fp32
-    inverse: torch.Tensor  # [n] int64, on the rows' device
-
-    @staticmethod
-    def of_step(step: Step) -> BatchRows:
-        return BatchRows(step.rows, step.inverse)
-
-
-def train_step(runtime: FusedTableRuntime, keys: torch.Tensor) -> Step:
-    """The fused table's next runtime step, which must be the batch of fused `keys`
-    (RuntimeError otherwise: steps are consumed in submission order)."""
-    step = runtime.next_step()
-    if step.inverse.numel() != keys.numel() or not torch.equal(step.keys, keys):
-        raise RuntimeError(
-            f"BagPipe fused table {runtime.name!r}: the runtime's next step is not "
-            "this batch (steps must be consumed in submission order)"
-        )
-    return step
-
-
-def eval_rows(runtime: FusedTableRuntime, keys: torch.Tensor,
-              device: torch.device) -> BatchRows:
-    """The rows of fused `keys` as the PS holds them after every finished step, on `device`."""
-    rows, inverse = runtime.eval_rows(keys)
-    return BatchRows(rows.to(device), inverse.to(device))
+__all__ = ["Pooler", "sequence_embeddings"]
 
 
 class Pooler:

@@ -58,8 +58,9 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.distributed.bagpipe_tables import BagPipeTables, agreed_layout
+from torchrec_bagpipe.distributed.bagpipe_tables import BagPipeTables
 from torchrec_bagpipe.distributed.layout import split_plan
+from torchrec_bagpipe.distributed.layout_agreement import agreed_layout
 from torchrec_bagpipe.distributed.stock_part import StockPart, build_stock_part
 from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer, table_optimizer
 from torchrec_bagpipe.distributed.types import BagPipeContext
@@ -114,7 +115,7 @@ class BagPipeShardedModule(ShardedModule[KJTList, _Computed, Any, BagPipeContext
         self._embedding_dims = [int(cfg.embedding_dim) for cfg in configs
                                 for _ in names[cfg.name]]
         # A rank's own mistakes are collected, not raised: every rank hears of them in the
-        # BagPipe part's agreement (bagpipe_tables.agreed_layout) and raises together.
+        # BagPipe part's agreement (layout_agreement.agreed_layout) and raises together.
         problem: BaseException | None = None
         ours: list[BaseEmbeddingConfig] = []
         stock: list[BaseEmbeddingConfig] = []

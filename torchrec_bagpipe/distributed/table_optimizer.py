@@ -8,7 +8,7 @@ every BagPipe-sharded module kind):
 * ``apply_optimizer_in_backward(cls, params, kwargs)`` on the table's parameter (it wins over
   ``fused_params``): the class's own defaults and keyword arguments.
 
-Supported (`SUPPORTED`), as the PS's optimizers (`ps.optimizers.OptimizerSpec`): SGD
+Supported (`SUPPORTED`), as the PS's optimizers (`ps.optimizer_spec.OptimizerSpec`): SGD
 (``EXACT_SGD`` / ``SGD``, `torch.optim.SGD`, `torchrec.optim.SGD`), Adagrad
 (``EXACT_ADAGRAD`` / ``ADAGRAD``, `torch.optim.Adagrad`, `torchrec.optim.Adagrad`), row-wise
 Adagrad (``EXACT_ROWWISE_ADAGRAD`` / ``ROWWISE_ADAGRAD``, `torchrec.optim.RowWiseAdagrad`),
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
 __all__ = [
     "SUPPORTED",

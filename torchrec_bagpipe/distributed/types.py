@@ -27,11 +27,12 @@ import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import Multistreamable
 
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
 __all__ = [
     "BAGPIPE_KERNEL",
     "BagPipeContext",
+    "BatchRows",
     "FusedTableSpec",
     "SlotSpec",
     "TableSpec",
@@ -77,6 +78,16 @@ class FusedTableSpec:
     num_keys: int
     slots: list[SlotSpec] = field(default_factory=list)
     optimizer: OptimizerSpec = _SGD
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """The rows one batch reads from one fused table: its unique rows and, per id of the
+    batch (in slot order), which of them it reads (``rows[inverse[i]]``)."""
+
+    rows: torch.Tensor     # [U, dim] fp32, on the module's device (training: a leaf whose
+    #                        gradient is the step's |U| x dim row gradient)
+    inverse: torch.Tensor  # [n] int64, on the rows' device
 
 
 @dataclass

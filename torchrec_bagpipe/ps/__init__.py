@@ -1,4 +1,4 @@
-"""The parameter server: storage engine, shards, client, their options and the server program."""
+"""The parameter server: storage engine, shards, client, their specs and the server program."""
 
 from __future__ import annotations
 
@@ -6,24 +6,31 @@ from torchrec_bagpipe._lazy import lazy_names
 
 _LAZY = {
     "EmbeddingStore": "torchrec_bagpipe.ps.store",
-    "OptimizerSpec": "torchrec_bagpipe.ps.optimizers",
+    "SpillWarning": "torchrec_bagpipe.ps.store",
     "PSClient": "torchrec_bagpipe.ps.client",
     "PSHandle": "torchrec_bagpipe.ps.client",
     "StartStepError": "torchrec_bagpipe.ps.client",
-    "PSClientOptions": "torchrec_bagpipe.ps.options",
     "PSShard": "torchrec_bagpipe.ps.shard",
-    "PSShardOptions": "torchrec_bagpipe.ps.options",
-    "Partitioner": "torchrec_bagpipe.ps.partitioner",
-    "SpillWarning": "torchrec_bagpipe.ps.store",
     "ServerProcess": "torchrec_bagpipe.ps.shard",
     "ShardServer": "torchrec_bagpipe.ps.shard",
     "spawn_server": "torchrec_bagpipe.ps.shard",
-    "serve_ucx": "torchrec_bagpipe.ps.rdma",
-    "UcxShardServer": "torchrec_bagpipe.ps.rdma",
-    "client_options": "torchrec_bagpipe.ps.options",
-    "shard_options": "torchrec_bagpipe.ps.options",
     "start_local_shards": "torchrec_bagpipe.ps.shard",
     "start_tcp_shard": "torchrec_bagpipe.ps.shard",
+    "serve_ucx": "torchrec_bagpipe.ps.rdma",
+    "UcxShardServer": "torchrec_bagpipe.ps.rdma",
+    "Partitioner": "torchrec_bagpipe.ps.partitioner",
+    # the specs, and the one place a BagPipeConfig becomes them
+    "OptimizerSpec": "torchrec_bagpipe.ps.optimizer_spec",
+    "TableSchema": "torchrec_bagpipe.ps.table_specs",
+    "StoreLayout": "torchrec_bagpipe.ps.table_specs",
+    "StoreSpec": "torchrec_bagpipe.ps.table_specs",
+    "LoadSpec": "torchrec_bagpipe.ps.table_specs",
+    "ShardSpec": "torchrec_bagpipe.ps.shard_specs",
+    "TcpServerSpec": "torchrec_bagpipe.ps.shard_specs",
+    "UcxServerSpec": "torchrec_bagpipe.ps.shard_specs",
+    "ClientSpec": "torchrec_bagpipe.ps.client_spec",
+    "client_spec": "torchrec_bagpipe.ps.config_specs",
+    "shard_spec": "torchrec_bagpipe.ps.config_specs",
 }
 
 

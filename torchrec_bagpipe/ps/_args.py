@@ -1,18 +1,18 @@
-"""Argument checks shared by the PS's Python faces (store, shard, client, options).
+"""Value checks shared by the PS's specs and Python faces (no torch: the server program
+checks its flags through the specs before it imports torch).
 
-Each check names the argument the caller passed and raises TypeError (type, dtype, layout,
-device) or ValueError (value, shape) before any native work starts. The tensor checks run
-on every batch op: each costs tens of nanoseconds (no device objects).
+Each check names the argument the caller passed and raises TypeError (type) or ValueError
+(value) before any native work starts. `spec_arg` is how every component takes its spec: the
+spec itself, its fields as keywords, or both (the keywords replace the spec's fields).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
-from typing import Any
-
-import torch
+from typing import Any, TypeVar
 
 from torchrec_bagpipe.config import parse_memory_budget
 
@@ -20,14 +20,14 @@ __all__ = [
     "budget_arg",
     "float_arg",
     "int_arg",
-    "keys_arg",
-    "numpy_view",
+    "lr_arg",
     "optional_path",
-    "out_arg",
     "path_arg",
-    "rows_arg",
-    "tensor_arg",
+    "spec_arg",
+    "step_lr_arg",
 ]
+
+S = TypeVar("S")
 
 
 def int_arg(value: Any, name: str, *, minimum: int | None = None) -> int:
@@ -66,51 +66,6 @@ def step_lr_arg(value: Any, name: str = "lr") -> float:
     return value
 
 
-def tensor_arg(t: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype {dtype}, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if not t.is_cpu:
-        raise TypeError(f"{name} must be a CPU tensor, got device {t.device}")
-    if not t.is_contiguous():
-        raise TypeError(f"{name} must be contiguous")
-    return t
-
-
-def numpy_view(t: torch.Tensor) -> Any:
-    """Zero-copy numpy view of a checked tensor."""
-    return t.detach().numpy() if t.requires_grad else t.numpy()
-
-
-def keys_arg(keys: Any, name: str = "keys") -> Any:
-    keys = tensor_arg(keys, name, torch.int64)
-    if keys.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(keys.shape)}")
-    return numpy_view(keys)
-
-
-def rows_arg(rows: Any, name: str, n: int, dim: int) -> Any:
-    rows = tensor_arg(rows, name, torch.float32)
-    if rows.dim() != 2 or rows.shape[0] != n or rows.shape[1] != dim:
-        raise ValueError(f"{name} must have shape ({n}, {dim}), got {tuple(rows.shape)}")
-    return numpy_view(rows)
-
-
-def out_arg(out: Any, name: str, n: int, cols: int) -> torch.Tensor:
-    """A writable (n, cols) float32 CPU output tensor; allocated when None."""
-    if out is None:
-        return torch.empty((n, cols), dtype=torch.float32)
-    o = tensor_arg(out, name, torch.float32)
-    if o.dim() != 2 or o.shape[0] != n or o.shape[1] != cols:
-        raise ValueError(f"{name} must have shape ({n}, {cols}), got {tuple(o.shape)}")
-    if o.requires_grad:
-        raise ValueError(f"{name} must not require grad")
-    return o
-
-
 def budget_arg(value: Any) -> int:
     """None -> 0 (unlimited), 'auto' -> -1, else bytes (int or '512M' / '4G' strings)."""
     return 0 if value is None else parse_memory_budget(value, "memory_budget")
@@ -132,3 +87,16 @@ def optional_path(value: Any, name: str) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path, got {type(value).__name__}")
     return os.fspath(value)
+
+
+def spec_arg(cls: type[S], spec: Any, fields: dict[str, Any], what: str) -> S:
+    """The spec a component was given: `spec` (a `cls`), `cls(**fields)` without one, or
+    `spec` with `fields` replaced (`dataclasses.replace`: the checks run again)."""
+    if spec is None:
+        return cls(**fields)
+    if not isinstance(spec, cls):
+        raise TypeError(
+            f"{what} takes a {cls.__name__} or its fields as keywords, got "
+            f"{type(spec).__name__}"
+        )
+    return dataclasses.replace(spec, **fields) if fields else spec  # type: ignore[type-var]

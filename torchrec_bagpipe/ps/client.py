@@ -23,17 +23,13 @@ import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.ps import rdma
-from torchrec_bagpipe.ps._args import float_arg, int_arg, keys_arg, rows_arg, step_lr_arg
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
-from torchrec_bagpipe.ps.options import (
-    PSClientOptions,
-    default_session_id,
-    ps_client_options,
-)
+from torchrec_bagpipe.ps._args import float_arg, int_arg, spec_arg, step_lr_arg
+from torchrec_bagpipe.ps._tensor_args import keys_arg, rows_arg
+from torchrec_bagpipe.ps.client_spec import ClientSpec, default_session_id
 from torchrec_bagpipe.ps.partitioner import Partitioner
 from torchrec_bagpipe.ps.shard import PSShard
 
-__all__ = ["PSClient", "PSClientOptions", "PSHandle", "StartStepError", "default_session_id"]
+__all__ = ["PSClient", "PSHandle", "StartStepError", "default_session_id"]
 
 
 class StartStepError(ValueError):
@@ -132,107 +128,51 @@ class PSHandle:
 class PSClient:
     """One rank's client of one fused table on the PS (docs/ARCHITECTURE.md §3).
 
-    The session (`table`, `dim`, `world_size`, `gradient_division`, the init of rows never
-    written, `key_bound`, the table's `optimizer`) opens on every shard at construction; a
-    shard that holds the session or the table with other values refuses with a ValueError
-    naming the table and the field. `lr` is the learning rate of a commit that passes none:
-    each commit carries its step's (an LR schedule; for Adam the bias-corrected step size,
-    `ps.optimizers.adam_step_size`), and every rank must commit a step with the same one.
-    Every wait is bounded by `timeout` seconds; a dead shard fails pending work at once
-    (TransportError), a lost rank surfaces as a TimeoutError or SessionError.
+    Built from `endpoints` (one per shard, in shard order) and a `ClientSpec` (or its fields
+    as keywords: ``PSClient(endpoints, table="t", dim=16, lr=0.1, rank=r, world_size=W)``;
+    with a spec they replace its fields; `partitioner` may also be a `Partitioner` of
+    ``len(endpoints)`` shards). The session (`table`, `dim`, `world_size`,
+    `gradient_division`, the init of rows never written, `key_bound`, the table's
+    `optimizer`) opens on every shard at construction; a shard that holds the session or the
+    table with other values refuses with a ValueError naming the table and the field. `lr`
+    is the learning rate of a commit that passes none: each commit carries its step's (an LR
+    schedule; for Adam the bias-corrected step size, `ps.optimizer_spec.adam_step_size`),
+    and every rank must commit a step with the same one. Every wait is bounded by `timeout`
+    seconds; a dead shard fails pending work at once (TransportError), a lost rank surfaces
+    as a TimeoutError or SessionError.
     """
 
-    def __init__(
-        self,
-        endpoints: Sequence[Any],
-        *,
-        table: str,
-        dim: int,
-        lr: float,
-        rank: int = 0,
-        world_size: int = 1,
-        gradient_division: bool = True,
-        partitioner: str | Partitioner = "modulo",
-        job_token: str = "",
-        session_id: int | None = None,
-        max_packet_rows: int = 4096,
-        inflight_packets: int = 8,
-        timeout: float = 120.0,
-        connect_timeout: float = 30.0,
-        init: str = "uniform",
-        init_bound: float | Sequence[tuple[int, float]] | None = None,
-        init_value: float = 0.0,
-        seed: int = 0,
-        key_bound: int | None = None,
-        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
-    ) -> None:
-        if isinstance(partitioner, Partitioner):
-            if partitioner.num_shards != _num_endpoints(endpoints):
-                raise ValueError(
-                    f"partitioner has {partitioner.num_shards} shards but "
-                    f"{_num_endpoints(endpoints)} endpoints"
-                )
-            partitioner = partitioner.kind
-        self._open(
-            endpoints,
-            ps_client_options(
-                table=table,
-                dim=dim,
-                lr=lr,
-                rank=rank,
-                world_size=world_size,
-                gradient_division=gradient_division,
-                partitioner=partitioner,
-                job_token=job_token,
-                session_id=session_id,
-                max_packet_rows=max_packet_rows,
-                inflight_packets=inflight_packets,
-                timeout=timeout,
-                connect_timeout=connect_timeout,
-                init=init,
-                init_bound=init_bound,
-                init_value=init_value,
-                seed=seed,
-                key_bound=key_bound,
-                optimizer=optimizer,
-            ),
-        )
-
-    @classmethod
-    def from_options(cls, endpoints: Sequence[Any], options: PSClientOptions) -> PSClient:
-        """A client built from its options (`torchrec_bagpipe.ps.options.ps_client_options`,
-        or `client_options(config, ...)` for the settings of a `BagPipeConfig`)."""
-        client = cls.__new__(cls)
-        client._open(endpoints, options)
-        return client
-
-    def _open(self, endpoints: Sequence[Any], options: PSClientOptions) -> None:
+    def __init__(self, endpoints: Sequence[Any], spec: ClientSpec | None = None, /,
+                 **fields: Any) -> None:
         self._core: Any = None
         self._closed = False
         self._lock = threading.Lock()
         self._pending: list[PSHandle] = []
         self._stager: Any = None  # DeviceStagerCore, created by the first CUDA commit
-        _num_endpoints(endpoints)
+        n = _num_endpoints(endpoints)
+        partitioner = fields.get("partitioner")
+        if isinstance(partitioner, Partitioner):
+            if partitioner.num_shards != n:
+                raise ValueError(
+                    f"partitioner has {partitioner.num_shards} shards but {n} endpoints"
+                )
+            fields["partitioner"] = partitioner.kind
+        spec = spec_arg(ClientSpec, spec, fields, "PSClient")
         eps = [_endpoint(e, i) for i, e in enumerate(endpoints)]
         if not eps:
             raise ValueError("endpoints must list at least one shard")
-        o = options.client
-        self.table = str(o.table)
-        self.dim = int(o.dim)
-        self.lr = float(o.lr)
-        self.rank = int(o.rank)
-        self.world_size = int(o.world_size)
-        self.session_id = int(o.session)
-        self.timeout = float(o.timeout)
-        self.partitioner = Partitioner(str(o.partition), len(eps))
-        spec = o.optimizer
-        self.optimizer = OptimizerSpec(
-            kind=spec.kind, eps=spec.eps, beta1=spec.beta1, beta2=spec.beta2,
-            weight_decay=spec.weight_decay,
-            initial_accumulator_value=spec.initial_accumulator_value,
-        )
+        self.spec = spec
+        self.table = spec.table
+        self.dim = spec.dim
+        self.lr = spec.lr
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.session_id = spec.session
+        self.timeout = spec.timeout
+        self.partitioner = Partitioner(spec.partitioner, len(eps))
+        self.optimizer = spec.optimizer
         self.state_dim = self.optimizer.state_dim(self.dim)
-        self._core = C.PSClientCore(eps, o, options.connect)
+        self._core = C.PSClientCore(eps, spec.native(), spec.native_connect())
         # Each shard's committed step when the session opened (OpenOk): -1 for a new table.
         self.opened_steps: list[int] = list(self._core.shard_committed_steps())
 

@@ -17,14 +17,16 @@ routing, so the keys of one PS shard still spread over every internal shard of i
 from __future__ import annotations
 
 import numbers
+from typing import get_args
 
 import torch
 
+from torchrec_bagpipe import config
 from torchrec_bagpipe._native import C
 
 __all__ = ["KINDS", "REFERENCE_KEYS", "REFERENCE_VECTORS", "Partitioner", "reference_shard_of"]
 
-KINDS = ("modulo", "hash", "fast_range")
+KINDS: tuple[str, ...] = get_args(config.Partitioner)  # BagPipeConfig.partitioner
 
 _MASK = (1 << 64) - 1
 

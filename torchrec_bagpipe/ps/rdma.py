@@ -6,7 +6,7 @@ into the shard's registered slots where UCX has native RMA (RC verbs on InfiniBa
 shared memory on one host) or carried by active messages where it does not (TCP). UCX
 chooses transports and devices from ``UCX_TLS`` / ``UCX_NET_DEVICES`` (e.g.
 ``UCX_TLS=rc,sm,self UCX_NET_DEVICES=mlx5_0:1``); the arguments below override them for
-one server.
+one server (`UcxServerSpec`).
 
 Clients name a UCX shard ``"ucx://host:port"`` (or ``"rdma://host:port"``) in
 `PSClient` endpoints. A build without UCX raises `RdmaUnavailableError` for either side.
@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from torchrec_bagpipe._native import C
+from torchrec_bagpipe.ps._args import spec_arg
 from torchrec_bagpipe.ps.native_server import NativeServer
-from torchrec_bagpipe.ps.options import ucx_server_options
+from torchrec_bagpipe.ps.shard_specs import UcxServerSpec
 
 __all__ = [
     "HAVE_UCX",
@@ -72,14 +73,12 @@ class UcxShardServer(NativeServer):
     _scheme = "ucx://"
 
 
-def serve_ucx(shard: Any, host: str = "127.0.0.1", port: int = 0,
-              **options: Any) -> UcxShardServer:
-    """Serves `shard` (a `PSShard`) over UCX; port 0 picks a free control port.
-
-    `options` are `torchrec_bagpipe.ps.options.ucx_server_options`' keyword arguments
-    (``job_token``, ``ucx_tls`` / ``ucx_devices`` overriding ``UCX_TLS`` /
-    ``UCX_NET_DEVICES``, ``handshake_timeout``, ``max_connections``, ...).
-    """
+def serve_ucx(shard: Any, spec: UcxServerSpec | None = None, /,
+              **fields: Any) -> UcxShardServer:
+    """Serves `shard` (a `PSShard`) over UCX as `spec` says (a `UcxServerSpec`, or its fields
+    as keywords: host, port (0 picks a free control port), job_token, ``ucx_tls`` /
+    ``ucx_devices`` overriding ``UCX_TLS`` / ``UCX_NET_DEVICES``, handshake_timeout,
+    max_connections, ...)."""
     require_rdma()
-    core = C.serve_ucx(shard.core, ucx_server_options(host, port, **options))
-    return UcxShardServer(core, shard)
+    spec = spec_arg(UcxServerSpec, spec, fields, "serve_ucx")
+    return UcxShardServer(C.serve_ucx(shard.core, spec.native()), shard)

@@ -20,17 +20,23 @@ import threading
 import time
 from collections.abc import Sequence
 
-from torchrec_bagpipe.config import BagPipeConfig, parse_memory_budget
+from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.ps.config_specs import shard_spec
+from torchrec_bagpipe.ps.shard_specs import ShardSpec, TcpServerSpec, UcxServerSpec
+from torchrec_bagpipe.ps.table_specs import StoreLayout
 
 __all__ = ["CONFIG_FLAGS", "build_parser", "main"]
 
-# Kept equal to torchrec_bagpipe.ps.options.DEFAULT_MAX_FRAME_BYTES; this module imports the
-# shard (and torch) only after the arguments are checked, so --help and usage errors are fast.
-DEFAULT_MAX_FRAME_BYTES = 256 << 20
+# The flags' defaults are the specs' (this module imports the shard, and torch, only after
+# the flags became specs, so --help and usage errors are fast).
+_SHARD = ShardSpec()
+_STORE = StoreLayout()
+_TCP = TcpServerSpec()
+_UCX = UcxServerSpec()
 
 # The flags that are BagPipeConfig fields: same names, same help as a trainer's (the values
-# reach the shard through torchrec_bagpipe.ps.options.shard_options, like a trainer-hosted
-# shard's). The other flags are the server's own.
+# reach the shard through torchrec_bagpipe.ps.config_specs.shard_spec, like a trainer-hosted
+# shard's). The other flags are the server's own, each one a spec field of the same name.
 CONFIG_FLAGS = {
     "network": ("job_token",),
     "store": ("memory_budget", "spill_dir", "store_threads"),
@@ -65,13 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("shard")
-    g.add_argument("--shard-id", type=int, default=0, help="this shard's index (default 0)")
-    g.add_argument("--num-shards", type=int, default=1,
-                   help="how many shards the job has (default 1)")
+    g.add_argument("--shard-id", type=int, default=_SHARD.shard_id,
+                   help=f"this shard's index (default {_SHARD.shard_id})")
+    g.add_argument("--num-shards", type=int, default=_SHARD.num_shards,
+                   help=f"how many shards the job has (default {_SHARD.num_shards})")
     g = p.add_argument_group("network")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 for every interface)")
-    g.add_argument("--port", type=int, default=0,
+    g.add_argument("--host", default=_TCP.host,
+                   help=f"address to bind (default {_TCP.host}; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=_TCP.port,
                    help="TCP port; 0 picks a free one and prints it (default 0)")
     g.add_argument("--transport", choices=("tcp", "rdma"), default="tcp",
                    help="tcp: frames over TCP on --port; rdma: UCX (RDMA verbs on a fabric, "
@@ -87,41 +94,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve without a job token on an address other than loopback (refused "
                         "otherwise: anyone who reaches the port could read and write every "
                         "table)")
-    g.add_argument("--handshake-timeout", type=float, default=10.0,
+    g.add_argument("--handshake-timeout", type=float, default=_TCP.handshake_timeout,
                    help="seconds from accept by which a connection must have authenticated "
-                        "(an absolute deadline; default 10)")
-    g.add_argument("--idle-timeout", type=float, default=300.0,
+                        f"(an absolute deadline; default {_TCP.handshake_timeout:g})")
+    g.add_argument("--idle-timeout", type=float, default=_TCP.idle_timeout,
                    help="tcp: seconds an authenticated connection may send nothing before it "
                         "is closed (clients send keep-alives every 30 s; 0: no limit; "
-                        "default 300)")
-    g.add_argument("--max-connections", type=int, default=1024,
+                        f"default {_TCP.idle_timeout:g})")
+    g.add_argument("--max-connections", type=int, default=_TCP.max_connections,
                    help="concurrent connections; when every one is authenticated, more are "
-                        "refused (default 1024)")
-    g.add_argument("--max-unauthenticated", type=int, default=256,
+                        f"refused (default {_TCP.max_connections})")
+    g.add_argument("--max-unauthenticated", type=int, default=_TCP.max_unauthenticated,
                    help="connections that have not authenticated yet; a new one sheds the "
-                        "oldest (default 256)")
-    g.add_argument("--max-unauthenticated-per-host", type=int, default=32,
-                   help="of those, from one address (default 32)")
+                        f"oldest (default {_TCP.max_unauthenticated})")
+    g.add_argument("--max-unauthenticated-per-host", type=int,
+                   default=_TCP.max_unauthenticated_per_host,
+                   help=f"of those, from one address (default "
+                        f"{_TCP.max_unauthenticated_per_host})")
     g.add_argument("--io-threads", type=int, default=None,
-                   help="threads serving the connections (default 4 for tcp, 2 bootstrap "
-                        "threads for rdma)")
-    g.add_argument("--progress-threads", type=int, default=2,
-                   help="rdma: threads driving every established UCX connection (default 2)")
-    g.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
-                   help=f"largest frame accepted (default {DEFAULT_MAX_FRAME_BYTES})")
+                   help=f"threads serving the connections (default {_TCP.io_threads} for tcp, "
+                        f"{_UCX.io_threads} bootstrap threads for rdma)")
+    g.add_argument("--progress-threads", type=int, default=_UCX.progress_threads,
+                   help="rdma: threads driving every established UCX connection (default "
+                        f"{_UCX.progress_threads})")
+    g.add_argument("--max-frame-bytes", type=int, default=_SHARD.max_frame_bytes,
+                   help=f"largest frame accepted (default {_SHARD.max_frame_bytes})")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to wait for trainers to close (default 30)")
     g = p.add_argument_group("store (every table of this shard)")
     g.add_argument("--dim", type=int, default=None,
                    help="accept only tables of this row width (default: any)")
     BagPipeConfig.add_arguments(g, CONFIG_FLAGS["store"], group=None)
-    g.add_argument("--store-shards", type=int, default=16,
-                   help="internal hash shards of each store, a power of two (default 16)")
+    g.add_argument("--store-shards", type=int, default=_STORE.num_shards,
+                   help="internal hash shards of each store, a power of two (default "
+                        f"{_STORE.num_shards})")
     g.add_argument("--page-rows", type=int, default=None,
                    help="rows per arena page, a power of two (default: about 2 MiB pages)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None, help="where table checkpoints go")
-    g.add_argument("--checkpoint-every", type=int, default=0,
+    g.add_argument("--checkpoint-every", type=int, default=_SHARD.checkpoint_every,
                    help="checkpoint each table every N committed steps (default 0: only on "
                         "drain and on a client's request)")
     g.add_argument("--restore", action=argparse.BooleanOptionalAction, default=None,
@@ -147,106 +158,72 @@ def _has_checkpoints(directory: str | None) -> bool:
     return any(e.startswith("table-") for e in os.listdir(directory))
 
 
-def _check_args(args: argparse.Namespace) -> str | None:
-    """A usage error, or None (the checks that need no native code)."""
-    if args.num_shards < 1:
-        return f"--num-shards must be >= 1, got {args.num_shards}"
-    if not 0 <= args.shard_id < args.num_shards:
-        return f"shard_id {args.shard_id} must be below num_shards {args.num_shards}"
-    if not 0 <= args.port <= 65535:
-        return f"--port must be in [0, 65535], got {args.port}"
-    if args.memory_budget is not None:
-        try:
-            parse_memory_budget(args.memory_budget, "--memory-budget (memory_budget)")
-        except (TypeError, ValueError) as e:
-            return str(e)
-    if args.store_threads < 1:
-        return f"--store-threads must be >= 1, got {args.store_threads}"
-    if args.checkpoint_every < 0:
-        return "--checkpoint-every must be >= 0"
-    if args.checkpoint_every and not args.checkpoint_dir:
-        return "--checkpoint-every needs --checkpoint-dir"
-    for flag in ("max_connections", "max_unauthenticated", "max_unauthenticated_per_host"):
-        if getattr(args, flag) < 1:
-            return f"--{flag.replace('_', '-')} must be >= 1"
-    if args.io_threads is not None and not 1 <= args.io_threads <= 64:
-        return f"--io-threads must be in [1, 64], got {args.io_threads}"
-    if not 1 <= args.progress_threads <= 64:
-        return f"--progress-threads must be in [1, 64], got {args.progress_threads}"
-    if not args.handshake_timeout > 0:
-        return "--handshake-timeout must be > 0"
-    if not args.idle_timeout >= 0:
-        return "--idle-timeout must be >= 0 (0: no limit)"
-    return None
+def _specs(args: argparse.Namespace, config: BagPipeConfig, token: str
+           ) -> tuple[ShardSpec, TcpServerSpec | UcxServerSpec]:
+    """The shard's and its server's specs from the flags (each flag is the spec field of the
+    same name; errors name the field)."""
+    shard = shard_spec(
+        config, args.shard_id, args.num_shards,
+        store=StoreLayout(num_shards=args.store_shards, page_rows=args.page_rows),
+        dim=args.dim, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, max_frame_bytes=args.max_frame_bytes,
+    )
+    limits = {
+        "host": args.host,
+        "port": args.port,
+        "job_token": token,
+        "allow_no_token": bool(args.allow_no_token),
+        "handshake_timeout": args.handshake_timeout,
+        "max_connections": args.max_connections,
+        "max_unauthenticated": args.max_unauthenticated,
+        "max_unauthenticated_per_host": args.max_unauthenticated_per_host,
+    }
+    if args.io_threads is not None:
+        limits["io_threads"] = args.io_threads
+    # Both are built, so a bad value of either transport's flags is refused.
+    ucx = UcxServerSpec(ucx_tls=args.ucx_tls, ucx_devices=args.ucx_devices,
+                        progress_threads=args.progress_threads, **limits)
+    tcp = TcpServerSpec(idle_timeout=args.idle_timeout, **limits)
+    return shard, ucx if args.transport == "rdma" else tcp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    problem = _check_args(args)
-    if problem:
+
+    def usage(problem: object) -> int:
         print(f"torchrec-bagpipe-ps: {problem}", file=sys.stderr)
         return 2
-    from torchrec_bagpipe.ps.options import shard_options
-    from torchrec_bagpipe.ps.shard import PSShard
 
     try:
         config = BagPipeConfig.from_args(args)
+        token = config.job_token
+        if token is None:
+            token = os.environ.get("BAGPIPE_JOB_TOKEN", "")
+        shard_settings, server_settings = _specs(args, config, token)
     except (ValueError, TypeError) as e:
-        print(f"torchrec-bagpipe-ps: {e}", file=sys.stderr)
-        return 2
-    token = config.job_token
-    if token is None:
-        token = os.environ.get("BAGPIPE_JOB_TOKEN", "")
+        return usage(e)
     prefix = f"bagpipe-ps shard {args.shard_id}/{args.num_shards}"
     restore: bool | str = (args.restore if args.restore is not None
                            else _has_checkpoints(args.checkpoint_dir))
     if args.restore_from is not None:
         if args.restore:
-            print("torchrec-bagpipe-ps: --restore and --restore-from exclude each other",
-                  file=sys.stderr)
-            return 2
+            return usage("--restore and --restore-from exclude each other")
         if not _has_checkpoints(args.restore_from):
-            print(f"torchrec-bagpipe-ps: --restore-from {args.restore_from}: no table "
-                  "checkpoints there", file=sys.stderr)
-            return 2
+            return usage(f"--restore-from {args.restore_from}: no table checkpoints there")
         restore = args.restore_from
     if restore is True and not args.checkpoint_dir:
-        print("torchrec-bagpipe-ps: --restore needs --checkpoint-dir", file=sys.stderr)
-        return 2
+        return usage("--restore needs --checkpoint-dir")
+    from torchrec_bagpipe.ps.shard import PSShard
+
     try:
-        options = shard_options(
-            config,
-            args.shard_id,
-            args.num_shards,
-            dim=args.dim,
-            store_shards=args.store_shards,
-            page_rows=args.page_rows,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            max_frame_bytes=args.max_frame_bytes,
-        )
-        shard = PSShard.from_options(
-            options, restore=restore if isinstance(restore, str) else bool(restore),
-            verbose=not args.quiet)
-        limits = {
-            "job_token": token,
-            "allow_no_token": bool(args.allow_no_token),
-            "handshake_timeout": args.handshake_timeout,
-            "max_connections": args.max_connections,
-            "max_unauthenticated": args.max_unauthenticated,
-            "max_unauthenticated_per_host": args.max_unauthenticated_per_host,
-        }
-        if args.io_threads is not None:
-            limits["io_threads"] = args.io_threads
-        if args.transport == "rdma":
-            server = shard.serve_ucx(args.host, args.port, ucx_tls=args.ucx_tls,
-                                     ucx_devices=args.ucx_devices,
-                                     progress_threads=args.progress_threads, **limits)
+        shard = PSShard(shard_settings, verbose=not args.quiet,
+                        restore=restore if isinstance(restore, str) else bool(restore))
+        if isinstance(server_settings, UcxServerSpec):
+            server = shard.serve_ucx(server_settings)
         else:
-            server = shard.serve(args.host, args.port, idle_timeout=args.idle_timeout, **limits)
+            server = shard.serve(server_settings)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
-        print(f"torchrec-bagpipe-ps: {e}", file=sys.stderr)
-        return 2
+        return usage(e)
 
     stop = threading.Event()
     received: list[str] = []

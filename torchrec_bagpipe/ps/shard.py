@@ -1,10 +1,10 @@
 """PS shards in this process, their TCP servers, and shard server processes.
 
-A `PSShard` hosts named tables (one native EmbeddingStore plus one commit coordinator each;
-dims may differ). It is reached in-process by a `PSClient` listing the shard object itself
-(the local transport: no sockets), and by other processes once `serve()` runs a TCP server for
-it on background native threads. `spawn_server` starts the standalone `torchrec-bagpipe-ps`
-program instead (one shard per process).
+A `PSShard` (a `ShardSpec`) hosts named tables (one native EmbeddingStore plus one commit
+coordinator each; dims may differ). It is reached in-process by a `PSClient` listing the
+shard object itself (the local transport: no sockets), and by other processes once `serve()`
+runs a TCP server for it (a `TcpServerSpec`) on background native threads. `spawn_server`
+starts the standalone `torchrec-bagpipe-ps` program instead (one shard per process).
 """
 
 from __future__ import annotations
@@ -23,20 +23,15 @@ from typing import IO, Any
 import torch
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps._args import int_arg, keys_arg, optional_path, rows_arg
+from torchrec_bagpipe.ps._args import int_arg, optional_path, spec_arg
+from torchrec_bagpipe.ps._tensor_args import keys_arg, rows_arg
 from torchrec_bagpipe.ps.native_server import NativeServer
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
-from torchrec_bagpipe.ps.options import (
-    DEFAULT_MAX_FRAME_BYTES,
-    PSShardOptions,
-    ps_shard_options,
-    table_schema,
-    tcp_server_options,
-)
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 from torchrec_bagpipe.ps.rdma import UcxShardServer, serve_ucx
+from torchrec_bagpipe.ps.shard_specs import ShardSpec, TcpServerSpec, UcxServerSpec
+from torchrec_bagpipe.ps.table_specs import TableSchema
 
 __all__ = [
-    "DEFAULT_MAX_FRAME_BYTES",
     "PSShard",
     "ServerProcess",
     "ShardServer",
@@ -55,73 +50,29 @@ class ShardServer(NativeServer):
 class PSShard:
     """One parameter-server shard: named tables, each a store plus a commit coordinator.
 
-    Store options (``store_threads``, ``store_shards``, ``memory_budget``, ``spill_dir``,
-    watermarks, ``page_rows``) apply to every table the shard creates. ``dim``, when given,
-    is the only row width this shard accepts. With ``checkpoint_dir`` each table checkpoints
-    itself every ``checkpoint_every`` committed steps (0: only on request), and
-    ``restore=True`` first loads the tables found there (``restore`` may also name another
-    directory).
+    Built from a `ShardSpec` (or its fields as keywords: ``PSShard(shard_id=0,
+    num_shards=2, dim=16)``; with a spec they replace its fields): its store layout applies
+    to every table the shard creates; `dim`, when given, is the only row width it accepts;
+    with a `checkpoint_dir` each table checkpoints itself every `checkpoint_every` committed
+    steps (0: only on request). ``restore=True`` first loads the tables found in the
+    checkpoint directory (`restore` may also name another directory); `verbose` logs one
+    line per session event to stderr.
     """
 
     def __init__(
         self,
-        shard_id: int = 0,
-        num_shards: int = 1,
-        *,
-        dim: int | None = None,
-        store_threads: int = 1,
-        store_shards: int = 16,
-        memory_budget: int | str | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        high_watermark: float = 0.8,
-        low_watermark: float = 0.6,
-        page_rows: int | None = None,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 0,
-        restore: bool | str | os.PathLike[str] = False,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        verbose: bool = False,
-    ) -> None:
-        self._open(
-            ps_shard_options(
-                shard_id,
-                num_shards,
-                dim=dim,
-                store_threads=store_threads,
-                store_shards=store_shards,
-                memory_budget=memory_budget,
-                spill_dir=spill_dir,
-                high_watermark=high_watermark,
-                low_watermark=low_watermark,
-                page_rows=page_rows,
-                checkpoint_dir=checkpoint_dir,
-                checkpoint_every=checkpoint_every,
-                max_frame_bytes=max_frame_bytes,
-            ),
-            restore=restore,
-            verbose=verbose,
-        )
-
-    @classmethod
-    def from_options(
-        cls,
-        options: PSShardOptions,
+        spec: ShardSpec | None = None,
+        /,
         *,
         restore: bool | str | os.PathLike[str] = False,
         verbose: bool = False,
-    ) -> PSShard:
-        """A shard built from its options (`torchrec_bagpipe.ps.options.ps_shard_options`,
-        or `shard_options(config, ...)`); `restore` and `verbose` as the constructor."""
-        shard = cls.__new__(cls)
-        shard._open(options, restore=restore, verbose=verbose)
-        return shard
-
-    def _open(
-        self, options: PSShardOptions, *, restore: bool | str | os.PathLike[str], verbose: bool
+        **fields: Any,
     ) -> None:
-        self._core = C.PSShardCore(options.shard, options.store, bool(verbose))
-        ckpt = str(options.shard.checkpoint_dir)
-        self.checkpoint_dir = ckpt or None
+        spec = spec_arg(ShardSpec, spec, fields, "PSShard")
+        self.spec = spec
+        self._core = C.PSShardCore(spec.native(), spec.store.native(), bool(verbose))
+        ckpt = spec.checkpoint_dir
+        self.checkpoint_dir = ckpt
         self._servers: list[NativeServer] = []
         self.restored: dict[str, int] = {}
         if restore is True:
@@ -150,33 +101,20 @@ class PSShard:
         return f"PSShard({self.shard_id}/{self.num_shards}, tables={self.tables()})"
 
     # ---- tables --------------------------------------------------------------------------
-    def create_table(
-        self,
-        name: str,
-        dim: int,
-        *,
-        init: str = "uniform",
-        init_bound: float | Sequence[tuple[int, float]] | None = None,
-        init_value: float = 0.0,
-        seed: int = 0,
-        key_bound: int | None = None,
-        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
-    ) -> None:
-        """Creates table `name` whose rows `optimizer` updates (a matching existing table is
-        fine; a different one is a ValueError naming the table and the field). A client's
+    def create_table(self, name: str, schema: TableSchema | None = None, /,
+                     **fields: Any) -> None:
+        """Creates table `name` of `schema` (a `TableSchema`, or its fields as keywords: dim,
+        init, init_bound, init_value, seed, key_bound, optimizer). A matching existing table
+        is fine; a different one is a ValueError naming the table and the field. A client's
         session open creates it on demand too."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type(name).__name__}")
-        schema = table_schema(dim, init=init, init_bound=init_bound, init_value=init_value,
-                              seed=seed, key_bound=key_bound, optimizer=optimizer)
-        self._core.create_table(name, schema)
+        schema = spec_arg(TableSchema, schema, fields, "create_table")
+        self._core.create_table(name, schema.native())
 
     def table_optimizer(self, table: str) -> OptimizerSpec:
         """The optimizer whose state the table's rows hold."""
-        o = self._core.table_schema(table).optimizer
-        return OptimizerSpec(kind=o.kind, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
-                             weight_decay=o.weight_decay,
-                             initial_accumulator_value=o.initial_accumulator_value)
+        return OptimizerSpec.from_native(self._core.table_schema(table).optimizer)
 
     def _width(self, table: str, with_state: bool) -> int:
         schema = self._core.table_schema(table)
@@ -229,21 +167,21 @@ class PSShard:
         return dict(self._core.checkpoint(optional_path(directory, "directory")))
 
     # ---- serving -------------------------------------------------------------------------
-    def serve(self, host: str = "127.0.0.1", port: int = 0, **options: Any) -> ShardServer:
-        """Serves this shard over TCP on background native threads (port 0: any free port;
-        see `ShardServer.port`). Only 127.0.0.1 unless told otherwise. `options` are
-        `torchrec_bagpipe.ps.options.tcp_server_options`' keyword arguments (``job_token``,
-        ``allow_no_token``, ``handshake_timeout``, ``idle_timeout``, ``max_connections``,
-        ``max_unauthenticated``, ``max_unauthenticated_per_host``, ``io_threads``)."""
-        core = self._core.serve(tcp_server_options(host, port, **options))
-        server = ShardServer(core, self)
+    def serve(self, spec: TcpServerSpec | None = None, /, **fields: Any) -> ShardServer:
+        """Serves this shard over TCP on background native threads, as `spec` says (a
+        `TcpServerSpec`, or its fields as keywords: host, port (0: any free port; see
+        `ShardServer.port`), job_token, allow_no_token, handshake_timeout, idle_timeout,
+        max_connections, max_unauthenticated, max_unauthenticated_per_host, io_threads).
+        Only 127.0.0.1 unless told otherwise."""
+        spec = spec_arg(TcpServerSpec, spec, fields, "serve")
+        server = ShardServer(self._core.serve(spec.native()), self)
         self._servers.append(server)
         return server
 
-    def serve_ucx(self, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> UcxShardServer:
-        """Serves this shard over the rdma (UCX) transport (`torchrec_bagpipe.ps.rdma.serve_ucx`
-        takes the keyword arguments); clients use the returned server's ``address``."""
-        server = serve_ucx(self, host, port, **kwargs)
+    def serve_ucx(self, spec: UcxServerSpec | None = None, /, **fields: Any) -> UcxShardServer:
+        """Serves this shard over the rdma (UCX) transport (`torchrec_bagpipe.ps.rdma.serve_ucx`:
+        a `UcxServerSpec` or its fields); clients use the returned server's ``address``."""
+        server = serve_ucx(self, spec, **fields)
         self._servers.append(server)
         return server
 
@@ -281,24 +219,18 @@ class PSShard:
         self.close()
 
 
-def start_local_shards(num_shards: int = 1, **shard_kwargs: Any) -> list[PSShard]:
-    """`num_shards` in-process shards (pass them to `PSClient` as endpoints)."""
+def start_local_shards(num_shards: int = 1, **fields: Any) -> list[PSShard]:
+    """`num_shards` in-process shards (pass them to `PSClient` as endpoints); `fields`: the
+    other `ShardSpec` fields, the same for each."""
     num_shards = int_arg(num_shards, "num_shards", minimum=1)
-    return [PSShard(i, num_shards, **shard_kwargs) for i in range(num_shards)]
+    return [PSShard(shard_id=i, num_shards=num_shards, **fields) for i in range(num_shards)]
 
 
-def start_tcp_shard(
-    shard_id: int = 0,
-    num_shards: int = 1,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    job_token: str = "",
-    **shard_kwargs: Any,
-) -> tuple[PSShard, ShardServer]:
+def start_tcp_shard(shard: ShardSpec | None = None,
+                    server: TcpServerSpec | None = None) -> tuple[PSShard, ShardServer]:
     """An in-process shard served over TCP (how a trainer hosts its shard for other ranks)."""
-    shard = PSShard(shard_id, num_shards, **shard_kwargs)
-    return shard, shard.serve(host, port, job_token=job_token)
+    ps_shard = PSShard(shard)
+    return ps_shard, ps_shard.serve(server)
 
 
 class ServerProcess:

@@ -9,29 +9,16 @@ first so that errors name the argument the caller passed.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps._args import (
-    float_arg,
-    int_arg,
-    keys_arg,
-    out_arg,
-    path_arg,
-    rows_arg,
-    step_lr_arg,
-)
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
-from torchrec_bagpipe.ps.options import (
-    init_spec,
-    load_overrides,
-    optimizer_spec,
-    store_options,
-)
+from torchrec_bagpipe.ps._args import int_arg, path_arg, spec_arg, step_lr_arg
+from torchrec_bagpipe.ps._tensor_args import keys_arg, out_arg, rows_arg
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
+from torchrec_bagpipe.ps.table_specs import LoadSpec, StoreSpec, TableSchema
 
 __all__ = [
     "EmbeddingStore",
@@ -45,34 +32,24 @@ __all__ = [
 SpillWarning = C.SpillWarning
 
 
-def _f32(x: float) -> int:
-    """The IEEE bits of x rounded to float32 (how the store keeps init parameters)."""
-    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
-
-
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified manifest of a checkpoint (dim, init, rows, meta, optimizer (its kind),
     optimizer_spec (an OptimizerSpec), state_dim, contents, ...), without its data."""
     info = dict(C.store_checkpoint_info(path_arg(path, "path")))
     info["meta"] = dict(info["meta"])
-    info["optimizer_spec"] = OptimizerSpec(**dict(info["optimizer_spec"]))
+    info["optimizer_spec"] = OptimizerSpec.from_native(dict(info["optimizer_spec"]))
     return info
 
 
-def initial_rows(
-    keys: torch.Tensor,
-    dim: int,
-    init: str = "uniform",
-    init_bound: float | Sequence[tuple[int, float]] | None = None,
-    init_value: float = 0.0,
-    seed: int = 0,
-) -> torch.Tensor:
-    """The deterministic initial rows of `keys` (what a store returns for unwritten keys)."""
+def initial_rows(keys: torch.Tensor, schema: TableSchema | None = None, /,
+                 **fields: Any) -> torch.Tensor:
+    """The deterministic initial rows of `keys` (what a store returns for unwritten keys)
+    under the init of `schema` (a `TableSchema`, or its fields as keywords: dim, init,
+    init_bound, init_value, seed, key_bound)."""
     k = keys_arg(keys)
-    dim = int_arg(dim, "dim", minimum=1)
-    spec = init_spec(init, init_bound, init_value, seed, None)
-    out = torch.empty((k.shape[0], dim), dtype=torch.float32)
-    C.store_initial_rows(k, out.numpy(), spec)
+    spec = spec_arg(TableSchema, schema, fields, "initial_rows")
+    out = torch.empty((k.shape[0], spec.dim), dtype=torch.float32)
+    C.store_initial_rows(k, out.numpy(), spec.native_init())
     return out
 
 
@@ -85,7 +62,7 @@ def initial_state(
     dim = int_arg(dim, "dim", minimum=1)
     spec = OptimizerSpec.of(optimizer)
     out = torch.empty((num_rows, spec.state_dim(dim)), dtype=torch.float32)
-    C.store_initial_state(out.numpy(), dim, optimizer_spec(spec))
+    C.store_initial_state(out.numpy(), dim, spec.native())
     return out
 
 
@@ -108,57 +85,18 @@ class EmbeddingStore:
     independent of ``num_threads`` and ``num_shards``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        *,
-        num_shards: int = 16,
-        num_threads: int = 1,
-        init: str = "uniform",
-        init_bound: float | Sequence[tuple[int, float]] | None = None,
-        init_value: float = 0.0,
-        seed: int = 0,
-        key_bound: int | None = None,
-        memory_budget: int | str | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        high_watermark: float = 0.8,
-        low_watermark: float = 0.6,
-        page_rows: int | None = None,
-        optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
-    ) -> None:
-        options = store_options(
-            dim,
-            num_shards=num_shards,
-            num_threads=num_threads,
-            init=init,
-            init_bound=init_bound,
-            init_value=init_value,
-            seed=seed,
-            key_bound=key_bound,
-            memory_budget=memory_budget,
-            spill_dir=spill_dir,
-            high_watermark=high_watermark,
-            low_watermark=low_watermark,
-            page_rows=page_rows,
-            optimizer=optimizer,
-        )
-        self._open(options)
-
-    @classmethod
-    def from_options(cls, options: Any) -> EmbeddingStore:
-        """A store built from a ``C.StoreOptions`` (`torchrec_bagpipe.ps.options.store_options`)."""
-        store = cls.__new__(cls)
-        store._open(options)
-        return store
-
-    def _open(self, options: Any) -> None:
-        self._adopt(C.StoreCore(options), {})
+    def __init__(self, spec: StoreSpec | None = None, /, **fields: Any) -> None:
+        """A store of `spec` (a `StoreSpec`), or of `StoreSpec`'s fields given as keywords
+        (``EmbeddingStore(dim=16, optimizer="adagrad")``; with `spec` they replace its
+        fields)."""
+        spec = spec_arg(StoreSpec, spec, fields, "EmbeddingStore")
+        self._adopt(C.StoreCore(spec.native()), {})
 
     def _adopt(self, core: Any, meta: dict[str, str]) -> None:
         self._core = core
         resolved = core.options()
         self._dim = int(resolved["dim"])
-        self._optimizer = OptimizerSpec(**dict(resolved["optimizer"]))
+        self._optimizer = OptimizerSpec.from_native(dict(resolved["optimizer"]))
         self._state_dim = int(core.state_dim())
         self.meta: dict[str, str] = dict(meta)
 
@@ -180,7 +118,7 @@ class EmbeddingStore:
         """The resolved construction options (an automatic budget shows as bytes; the
         optimizer as an OptimizerSpec)."""
         options = dict(self._core.options())
-        options["optimizer"] = OptimizerSpec(**dict(options["optimizer"]))
+        options["optimizer"] = OptimizerSpec.from_native(dict(options["optimizer"]))
         return options
 
     def __len__(self) -> int:
@@ -242,7 +180,7 @@ class EmbeddingStore:
         """One update per distinct key with the store's optimizer, applied to the sum of its
         gradient rows in input order divided by `grad_divisor` (the arithmetic contract of
         csrc/store/embedding_store.h). For Adam, `lr` is the bias-corrected step size
-        (`torchrec_bagpipe.ps.optimizers.adam_step_size`)."""
+        (`torchrec_bagpipe.ps.optimizer_spec.adam_step_size`)."""
         k = keys_arg(keys)
         g = rows_arg(grads, "grads", k.shape[0], self._dim)
         lr, grad_divisor = _step_args(lr, grad_divisor)
@@ -332,82 +270,25 @@ class EmbeddingStore:
         self._core.save(path, meta, bool(weights_only))
 
     @classmethod
-    def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        dim: int | None = None,
-        init: str | None = None,
-        init_bound: float | Sequence[tuple[int, float]] | None = None,
-        init_value: float | None = None,
-        seed: int | None = None,
-        num_shards: int | None = None,
-        num_threads: int | None = None,
-        key_bound: int | None = None,
-        memory_budget: int | str | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        high_watermark: float | None = None,
-        low_watermark: float | None = None,
-        page_rows: int | None = None,
-        weights_only: bool = False,
-        optimizer: OptimizerSpec | str | dict[str, Any] | None = None,
-    ) -> EmbeddingStore:
-        """Opens a checkpoint written by `save` (this or an older format version).
+    def load(cls, path: str | os.PathLike[str], spec: LoadSpec | None = None, /,
+             **fields: Any) -> EmbeddingStore:
+        """Opens a checkpoint written by `save` (this or an older format version), as `spec`
+        says (a `LoadSpec`, or its fields as keywords; nothing: as saved).
 
         `dim`, `init`, `init_bound`, `init_value` and `seed`, when given, are expectations: a
         checkpoint that disagrees is refused with a ValueError naming the field. So is
         `optimizer` (naming the first differing field, e.g. ``optimizer.eps``), unless the
         load is weights-only (``weights_only=True`` or a weights-only checkpoint): then it
         may change the optimizer and every row starts from the initial state. Unset, the
-        store runs the checkpoint's optimizer. The other arguments override the checkpoint's
+        store runs the checkpoint's optimizer. The other fields override the checkpoint's
         layout (shards, page rows, key bound) or set the runtime options (threads, budget,
         spill). A torn, corrupt or unknown-version checkpoint raises ValueError.
         """
         path = path_arg(path, "path")
         info = checkpoint_info(path)
-        if dim is not None:
-            int_arg(dim, "dim", minimum=1)
-        if init is not None and init != info["init"]:
-            raise ValueError(
-                f"init: the checkpoint in {path} uses init={info['init']!r}, expected {init!r}"
-            )
-        if seed is not None and int_arg(seed, "seed") != info["seed"]:
-            raise ValueError(f"seed: the checkpoint in {path} uses seed={info['seed']}, got {seed}")
-        if (
-            init_value is not None
-            and info["init"] == "constant"
-            and _f32(float_arg(init_value, "init_value")) != _f32(info["init_value"])
-        ):
-            raise ValueError(
-                f"init_value: the checkpoint in {path} uses {info['init_value']}, got {init_value}"
-            )
-        if init_bound is not None and info["init"] == "uniform":
-            want = init_spec(
-                "uniform", init_bound, 0.0, 0, info["key_bound"] if info["key_bound"] > 0 else None
-            )
-            same = (
-                list(want.bound_starts) == list(info["bound_starts"])
-                and [_f32(b) for b in want.bound_values] == [_f32(b) for b in info["bound_values"]]
-                and (want.bound_starts or _f32(want.bound) == _f32(info["init_bound"]))
-            )
-            if not same:
-                raise ValueError(
-                    f"init_bound: the checkpoint in {path} was written with a different bound"
-                )
-        overrides = load_overrides(
-            dim=dim,
-            num_shards=num_shards,
-            num_threads=num_threads,
-            key_bound=key_bound,
-            memory_budget=memory_budget,
-            spill_dir=spill_dir,
-            high_watermark=high_watermark,
-            low_watermark=low_watermark,
-            page_rows=page_rows,
-            weights_only=weights_only,
-            optimizer=optimizer,
-        )
-        core, meta = C.store_load(path, overrides)
+        load = spec_arg(LoadSpec, spec, fields, "EmbeddingStore.load")
+        load.check(info, path)
+        core, meta = C.store_load(path, load.native())
         store = cls.__new__(cls)
         store._adopt(core, meta)
         return store
@@ -419,16 +300,11 @@ class EmbeddingStore:
 
     # ---- initial values -----------------------------------------------------------------------
     @staticmethod
-    def initial_rows(
-        keys: torch.Tensor,
-        dim: int,
-        init: str = "uniform",
-        init_bound: float | Sequence[tuple[int, float]] | None = None,
-        init_value: float = 0.0,
-        seed: int = 0,
-    ) -> torch.Tensor:
-        """The deterministic initial value of each key's row (see csrc/store/init.h)."""
-        return initial_rows(keys, dim, init, init_bound, init_value, seed)
+    def initial_rows(keys: torch.Tensor, schema: TableSchema | None = None, /,
+                     **fields: Any) -> torch.Tensor:
+        """The deterministic initial value of each key's row (see csrc/store/init.h) under
+        `schema` (a `TableSchema` or its fields: `initial_rows`)."""
+        return initial_rows(keys, schema, **fields)
 
     @staticmethod
     def initial_state(

@@ -1,7 +1,8 @@
 """The framework-agnostic BagPipe runtime: bounded cache, lookahead planners, coherence.
 
 It never imports torch.distributed or a transport: collectives and the PS client are
-injected, so W ranks can be simulated in one process (`ThreadCollectives`, `ReferencePS`).
+injected, so W ranks can be simulated in one process (`ThreadCollectives`, and the test
+tools `torchrec_bagpipe.testing.reference_ps` / `torchrec_bagpipe.testing.simulate`).
 Names are imported lazily.
 """
 
@@ -24,8 +25,6 @@ _LAZY = {
     "PlanMismatchError": "torchrec_bagpipe.runtime.access_plans",
     "StepPlan": "torchrec_bagpipe.runtime.access_plans",
     "RuntimeMetrics": "torchrec_bagpipe.runtime.metrics",
-    "ReferencePS": "torchrec_bagpipe.runtime.reference_ps",
-    "simulate": "torchrec_bagpipe.runtime.simulate",
 }
 
 

@@ -17,11 +17,12 @@ makes the same sequence of calls (the same number of submits before each next_st
 window a step sees, and hence every cache decision, is a function of that sequence, so the
 cache contents are deterministic. Only *when* a fetch is issued depends on commit timing.
 
-Optimizers: the PS applies the table's optimizer (`ps.optimizers.OptimizerSpec`: SGD, Adagrad,
-row-wise Adagrad, Adam) once per row per step at the learning rate the step's commit carries
-(`finish_step(..., lr=)`; for Adam the bias-corrected step size, so the runtime is
-step-agnostic). The cache keeps each resident row's optimizer state next to its weights,
-fetched with the row, so the local updates below are the PS's arithmetic on both.
+Optimizers: the PS applies the table's optimizer (`ps.optimizer_spec.OptimizerSpec`: SGD,
+Adagrad, row-wise Adagrad, Adam) once per row per step at the learning rate the step's
+commit carries (`finish_step(..., lr=)`; for Adam the bias-corrected step size, so the
+runtime is step-agnostic). The cache keeps each resident row's optimizer state next to its
+weights, fetched with the row, so the local updates below are the PS's arithmetic on both
+(`row_update.py`).
 
 Coherence (PS-owned BagPipe; invariants in docs/ARCHITECTURE.md §1). A resident row carries a
 version: the step whose commit its values reflect (-1: initial). Step t reads row k at version
@@ -89,7 +90,7 @@ import torch
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 from torchrec_bagpipe.runtime.access_plans import StepPlan, as_key_array
 from torchrec_bagpipe.runtime.aggregation import Aggregation
 from torchrec_bagpipe.runtime.collective_aggregation import CollectiveAggregation
@@ -134,7 +135,14 @@ class Step:
 
 
 class BagPipeController:
-    """One rank's BagPipe runtime for one fused table (see the module docstring)."""
+    """One rank's BagPipe runtime for one fused table (see the module docstring).
+
+    `ps` is this rank's client of the table (the PS client's dim and optimizer must be the
+    controller's); `lr` the learning rate of a `finish_step` that passes none; `start_step`
+    the table's committed step when the client's session opened (-1: a fresh table; a
+    resumed job's checkpoint step): the controller numbers its steps from 0 and its step t
+    is PS step ``t + start_step + 1`` (`ps_port.py`).
+    """
 
     def __init__(
         self,
@@ -149,6 +157,7 @@ class BagPipeController:
         collectives: Collectives,
         device: torch.device | str | None = None,
         optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
+        start_step: int = -1,
     ) -> None:
         if not isinstance(config, BagPipeConfig):
             raise TypeError(f"config must be a BagPipeConfig, got {type(config).__name__}")
@@ -162,6 +171,8 @@ class BagPipeController:
         if num_keys < 1:
             raise ValueError(f"num_keys must be >= 1, got {num_keys}")
         lr = _check_lr(lr, "lr")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < -1:
+            raise ValueError(f"start_step must be an int >= -1, got {start_step!r}")
         spec = OptimizerSpec.of(optimizer)
         if getattr(collectives, "rank", rank) != rank or getattr(
             collectives, "world_size", world_size
@@ -188,12 +199,24 @@ class BagPipeController:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._coll = collectives
         self._timeout = float(config.ps_timeout)
+        self.metrics_ = RuntimeMetrics()
+        self._wire(ps, start_step)
+        self._finish_plan: object = None  # the active step's Aggregation.plan_finish result
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._submitted = 0
+        self._next = 0
+        self._active: Step | None = None
+        self._local_keys: deque[np.ndarray] = deque()  # submitted, not yet run
+
+    def _wire(self, ps: PSClientLike, start_step: int) -> None:
+        """Builds the pieces (module docstring) and connects them."""
+        config, rank, world_size, dim = self.config, self.rank, self.world_size, self.dim
+        num_keys, spec, collectives = self.num_keys, self.optimizer, self._coll
         collective = config.bagpipe_aggregation == "collective"
         cached = config.read_mode == "bagpipe"
         self._lookahead = config.lookahead if cached else 0
         divide = config.resolved_gradient_division()
-        self.metrics_ = RuntimeMetrics()
-
         if cached:
             units = config.cache_rows(num_keys) // ROWS_PER_CACHE_UNIT
             self._meta = C.BagPipeCacheMetadata(units, config.eviction_policy)
@@ -205,7 +228,7 @@ class BagPipeController:
                                 optimizer=spec)
         self._cache_lock = threading.RLock()
         self._port = PSPort(ps, dim=dim, state_dim=spec.state_dim(dim), timeout=self._timeout,
-                            metrics=self.metrics_)
+                            metrics=self.metrics_, start_step=start_step)
         self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
@@ -241,13 +264,6 @@ class BagPipeController:
             metrics=self.metrics_, lookahead=self._lookahead, timeout=self._timeout,
             name=f"bagpipe-prep-r{rank}",
         )
-        self._finish_plan: object = None  # the active step's Aggregation.plan_finish result
-        self._failed: BaseException | None = None
-        self._closed = False
-        self._submitted = 0
-        self._next = 0
-        self._active: Step | None = None
-        self._local_keys: deque[np.ndarray] = deque()  # submitted, not yet run
 
     # ---- public API ---------------------------------------------------------------------
     @property

@@ -10,7 +10,7 @@ optimizer state (none for SGD), the layout in which the PS serves rows "with sta
   * `fill(slots, rows)`: writes fetched rows (with state) into their (distinct) slots;
   * `apply_gradients_(slots, grads, grad_rows=None, *, lr)`: the one local update of
     resident rows (every aggregation strategy goes through it), with the PS's optimizer
-    arithmetic (`ps.optimizers.optimizer_step`: the contract of csrc/store/embedding_store.h,
+    arithmetic (`row_update.row_update`: the contract of csrc/store/embedding_store.h,
     bit for bit) at the step's learning rate, on weights and state together. Plain SGD
     without weight decay keeps the fast path of ARCHITECTURE §1: ``u = g / W`` (true
     division by a *device* tensor, so CUDA never turns it into a reciprocal multiply; skipped
@@ -43,7 +43,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec, optimizer_step
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
+from torchrec_bagpipe.runtime.row_update import row_update
 
 __all__ = ["DeviceCache"]
 
@@ -150,8 +151,8 @@ class DeviceCache:
             self.rows.index_add_(0, idx, u)
             return
         cur = self.rows.index_select(0, idx)
-        w, state = optimizer_step(cur[:, :self.dim], cur[:, self.dim:], g, lr_t, self.divisor,
-                                  self.optimizer)
+        w, state = row_update(cur[:, :self.dim], cur[:, self.dim:], g, lr_t, self.divisor,
+                              self.optimizer)
         self.rows.index_copy_(0, idx, torch.cat([w, state], dim=1) if self.state_dim else w)
 
     @property

@@ -1,8 +1,8 @@
 """PSPort: one controller's only path to its PS client (gets, commits, the committed step).
 
 The runtime never names a transport: it is given an object satisfying `PSClientLike`
-(`ps.PSClient`, or the exact `ReferencePS` client in tests). The port adds what every caller
-of that client inside the runtime needs:
+(`ps.PSClient`, or the exact `testing.reference_ps.ReferencePS` client in tests). The port
+adds what every caller of that client inside the runtime needs:
 
   * `get(kind, keys, deps, uses, out=None, with_state=False)`: one get at the largest
     dependency step, reported first to the `fetch_observer` test hook (kind is "prefetch" or
@@ -13,7 +13,10 @@ of that client inside the runtime needs:
   * `commit(t, keys, grads, lr)`: submits step t's commit with the step's learning rate and
     remembers its handle, so that `poll_commits()` raises a failed commit's error and
     `drain_commits()` waits for all;
-  * `committed()`: the client's committed step (the last value seen once the port is closed).
+  * `committed()`: the client's committed step (the last value seen once the port is closed);
+  * the step numbering: the runtime numbers its steps from 0, the PS table may have
+    committed steps before this session opened (a resumed job): runtime step t is PS step
+    ``t + start_step + 1`` and the runtime's "no dependency" -1 is PS step `start_step`.
 
 Thread safety: `get`, `commit`, `committed` and `close` may be called from any thread; the
 client's methods are called under `_client_lock` only (the client's own calls are
@@ -27,6 +30,8 @@ Invariants:
      client serves it once that step committed (dependency gating, ARCHITECTURE §1 inv. 4).
   3. Commit handles are appended in submission order (`deque.append` from the training
      thread or the communication worker) and removed only by the training thread.
+  4. Steps cross to the client shifted by ``start_step + 1`` (above), both ways; the fetch
+     observer sees runtime steps.
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ FetchObserver = Callable[[str, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 class PSPort:
     def __init__(self, ps: PSClientLike, *, dim: int, state_dim: int, timeout: float,
-                 metrics: RuntimeMetrics) -> None:
+                 metrics: RuntimeMetrics, start_step: int = -1) -> None:
         self._ps = ps
+        self._shift = start_step + 1  # invariant 4
         self._dim = dim
         self._state_dim = state_dim
         self._timeout = timeout
@@ -95,8 +101,9 @@ class PSPort:
         kw = {"with_state": True} if with_state and self._state_dim else {}
         with self._client_lock:
             if out is None:
-                return self._ps.get_async(torch.from_numpy(keys), at_step, **kw)
-            return self._ps.get_async(torch.from_numpy(keys), at_step, out=out, **kw)
+                return self._ps.get_async(torch.from_numpy(keys), at_step + self._shift, **kw)
+            return self._ps.get_async(torch.from_numpy(keys), at_step + self._shift, out=out,
+                                      **kw)
 
     def wait_rows(self, handle: Handle, n: int, with_state: bool = False) -> torch.Tensor:
         """The rows of a get of n keys (bounded wait); a wrong shape or dtype is a ValueError."""
@@ -117,7 +124,7 @@ class PSPort:
         """Submits step t's commit at learning rate `lr`. The client starts it once its
         previous commit completed (ARCHITECTURE §3, client rules), so nobody waits here."""
         with self._client_lock:
-            handle = self._ps.commit_async(t, keys, grads, lr=lr)
+            handle = self._ps.commit_async(t + self._shift, keys, grads, lr=lr)
         self._commits.append(handle)
         self._metrics.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
 
@@ -137,7 +144,7 @@ class PSPort:
         if self._closed:
             return self._last_committed
         with self._client_lock:
-            self._last_committed = int(self._ps.committed_step())
+            self._last_committed = int(self._ps.committed_step()) - self._shift
         return self._last_committed
 
     # ---- lifetime -----------------------------------------------------------------------

@@ -4,11 +4,12 @@ Used by the property tests and the cache benchmarks. Each rank thread drives its
 the way the TorchRec layer does: it keeps `lookahead` batches submitted ahead of the step it
 runs, reads `step.rows`, computes a row gradient and finishes the step.
 
-The parameter server is pluggable (`PSBackend`): the exact numpy `ReferencePS` by default, or
-any object with ``client(rank)``, ``committed_step()`` (the truth, min over shards),
-``snapshot()`` / ``snapshot_state()`` (every row and its optimizer state, after the run) and
-``close()`` — the tests plug the real in-process PS (PSShard + PSClient over the local
-transport) in this way.
+A run's settings are one `SimulationSpec` (`simulate(config, trace, spec)`, or its fields as
+keywords). The parameter server is pluggable (`PSBackend`): the exact numpy `ReferencePS` by
+default, or any object with ``client(rank)``, ``committed_step()`` (the truth, min over
+shards), ``snapshot()`` / ``snapshot_state()`` (every row and its optimizer state, after the
+run) and ``close()`` — the tests plug the real in-process PS (PSShard + PSClient over the
+local transport) in this way.
 
 The table's optimizer (`optimizer`) and the learning rate of each step (`lr`: a constant, or a
 function of the step: an LR schedule; for Adam the bias-corrected step size) are the run's;
@@ -22,6 +23,7 @@ reference run (`reference_run`) reproduces it exactly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,16 +33,26 @@ import numpy as np
 import torch
 
 from torchrec_bagpipe.config import BagPipeConfig
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
-from torchrec_bagpipe.runtime.collectives import ThreadGroup
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
+from torchrec_bagpipe.runtime.collectives import CollectiveAborted, ThreadGroup
 from torchrec_bagpipe.runtime.controller import BagPipeController
-from torchrec_bagpipe.runtime.reference_ps import ReferencePS, reference_optimizer_step
+from torchrec_bagpipe.testing.reference_ps import ReferencePS, reference_optimizer_step
 
-__all__ = ["SimResult", "default_grad", "reference_run", "reference_run_with_state", "simulate"]
+__all__ = [
+    "SimResult",
+    "SimulationSpec",
+    "default_grad",
+    "reference_run",
+    "reference_run_with_state",
+    "simulate",
+]
 
 GradFn = Callable[[int, int, np.ndarray, np.ndarray], np.ndarray]
 # The learning rate of each step: a constant or a function of the global step.
 LR = float | Callable[[int], float]
+Trace = Sequence[Sequence[np.ndarray]]  # trace[t][r]: rank r's fused keys at step t
+# Called as (rank, kind, keys, deps, uses, at_step) before each get.
+Observer = Callable[[int, str, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 class PSBackend(Protocol):
@@ -62,7 +74,6 @@ BackendFactory = Callable[..., PSBackend]
 
 def _lr_of(lr: LR) -> Callable[[int], float]:
     return lr if callable(lr) else (lambda t: float(lr))
-Trace = Sequence[Sequence[np.ndarray]]  # trace[t][r]: rank r's fused keys at step t
 
 
 def default_grad(t: int, r: int, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -70,6 +81,53 @@ def default_grad(t: int, r: int, keys: np.ndarray, rows: np.ndarray) -> np.ndarr
     rng = np.random.default_rng((t * 7919 + r * 104729 + 17) & 0xFFFFFFFF)
     noise = rng.standard_normal(rows.shape).astype(np.float32)
     return noise + np.float32(0.5) * rows.astype(np.float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationSpec:
+    """One simulated run's settings (the BagPipe settings are the `BagPipeConfig`'s).
+
+    The table: `num_keys` rows of `dim`, trained with `optimizer` at `lr` (a constant, or a
+    function of the step), `world_size` ranks (None: the trace's). Its initial rows: `init`
+    ([num_keys, dim]; None: uniform in ±0.5 drawn from `seed`). Each rank's gradient is
+    `grad_fn(t, r, unique_keys, rows)`; the caches live on `device`. `record_reads` keeps
+    every step's rows (`SimResult.reads`); every wait is bounded by `timeout`; the default PS
+    applies each step `ps_apply_delay` seconds late. Hooks: `observer` before each get,
+    `step_hook(rank, controller)` after each step, `backend` builds another PS (module
+    docstring). Before step t each rank has submitted the batches up to t + lookahead +
+    `submit_ahead` (TorchRec's pipeline runs the next batch's input_dist before the
+    forward: `submit_ahead=1`). `progress`: rank 0 shows the prescan planner's bar.
+    """
+
+    num_keys: int
+    dim: int
+    lr: LR = 0.1
+    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd"
+    world_size: int | None = None
+    init: np.ndarray | None = None
+    seed: int = 0
+    grad_fn: GradFn = default_grad
+    device: torch.device | str | None = None
+    record_reads: bool = False
+    timeout: float = 60.0
+    ps_apply_delay: float = 0.0
+    observer: Observer | None = None
+    step_hook: Callable[[int, BagPipeController], None] | None = None
+    progress: bool = False
+    backend: BackendFactory | None = None
+    submit_ahead: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_keys", "dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size is not None and self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
+        if self.submit_ahead < 0:
+            raise ValueError(f"submit_ahead must be >= 0, got {self.submit_ahead}")
+        object.__setattr__(self, "optimizer", OptimizerSpec.of(self.optimizer))
 
 
 @dataclass
@@ -83,79 +141,68 @@ class SimResult:
     cached: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
-def simulate(
-    config: BagPipeConfig,
-    trace: Trace,
-    *,
-    num_keys: int,
-    dim: int,
-    lr: LR = 0.1,
-    optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
-    world_size: int | None = None,
-    init: np.ndarray | None = None,
-    seed: int = 0,
-    grad_fn: GradFn = default_grad,
-    device: torch.device | str | None = None,
-    record_reads: bool = False,
-    timeout: float = 60.0,
-    ps_apply_delay: float = 0.0,
-    observer: Callable[[int, str, np.ndarray, np.ndarray, np.ndarray, int], None] | None = None,
-    step_hook: Callable[[int, BagPipeController], None] | None = None,
-    progress: bool = False,
-    backend: BackendFactory | None = None,
-    submit_ahead: int = 0,
-) -> SimResult:
-    """Trains `len(trace)` steps with W rank threads against an in-process PS (default: the
-    exact `ReferencePS`; `backend` builds another one), step t at learning rate `lr(t)`.
-    Before step t each rank has submitted the batches up to t + lookahead + `submit_ahead`
-    (as TorchRec's pipeline, which runs the next batch's input_dist before the forward:
-    `submit_ahead=1`, so the next step is prepared while this one runs)."""
-    W = world_size if world_size is not None else len(trace[0]) if trace else 1
+def _open_ps(spec: SimulationSpec, world_size: int, divide: bool, steps: int) -> Any:
+    """The run's PS: the exact `ReferencePS`, or the spec's backend holding the same rows."""
+    lr_of = _lr_of(spec.lr)
+    if spec.backend is None:
+        return ReferencePS(spec.num_keys, spec.dim, world_size, lr_of(0), divide=divide,
+                           seed=spec.seed, init=spec.init, timeout=spec.timeout,
+                           apply_delay=spec.ps_apply_delay, optimizer=spec.optimizer)
+    init = spec.init
+    if init is None:
+        init = np.random.default_rng(spec.seed).uniform(-0.5, 0.5, (spec.num_keys, spec.dim))
+    # A PS table is opened with a configured lr > 0; a schedule may be 0 for a while
+    # (warm-up). Every commit carries its step's lr, so the configured one is only a default.
+    open_lr = max([lr_of(t) for t in range(steps)] + [lr_of(0)])
+    open_lr = open_lr if open_lr > 0 else 1.0
+    return spec.backend(spec.num_keys, spec.dim, world_size, open_lr, divide,
+                        np.asarray(init, dtype=np.float32), spec.timeout,
+                        optimizer=spec.optimizer)
+
+
+def simulate(config: BagPipeConfig, trace: Trace, spec: SimulationSpec | None = None, /,
+             **fields: Any) -> SimResult:
+    """Trains `len(trace)` steps with W rank threads against an in-process PS, as `spec`
+    says (a `SimulationSpec`, or its fields as keywords), step t at learning rate `lr(t)`."""
+    if spec is None:
+        spec = SimulationSpec(**fields)
+    elif fields:
+        spec = dataclasses.replace(spec, **fields)
+    W = spec.world_size if spec.world_size is not None else len(trace[0]) if trace else 1
     for t, per_rank in enumerate(trace):
         if len(per_rank) != W:
             raise ValueError(f"trace step {t} has {len(per_rank)} ranks, expected {W}")
-    divide = config.resolved_gradient_division()
-    spec = OptimizerSpec.of(optimizer)
-    lr_of = _lr_of(lr)
-    lr0 = lr_of(0)
-    if backend is None:
-        ps: Any = ReferencePS(num_keys, dim, W, lr0, divide=divide, seed=seed, init=init,
-                              timeout=timeout, apply_delay=ps_apply_delay, optimizer=spec)
-    else:
-        if init is None:
-            init = np.random.default_rng(seed).uniform(-0.5, 0.5, (num_keys, dim))
-        # A PS table is opened with a configured lr > 0; a schedule may be 0 for a while
-        # (warm-up). Every commit carries its step's lr, so the configured one is only a default.
-        open_lr = max([lr_of(t) for t in range(len(trace))] + [lr0])
-        open_lr = open_lr if open_lr > 0 else 1.0
-        ps = backend(num_keys, dim, W, open_lr, divide, np.asarray(init, dtype=np.float32), timeout,
-                     optimizer=spec)
+    steps = len(trace)
+    ps = _open_ps(spec, W, config.resolved_gradient_division(), steps)
+    lr_of = _lr_of(spec.lr)
     clients = [ps.client(r) for r in range(W)]
-    group = ThreadGroup(W, timeout=timeout)
+    group = ThreadGroup(W, timeout=spec.timeout)
+    timeout = spec.timeout
     metrics: list[dict[str, Any]] = [{} for _ in range(W)]
     cached: list[tuple[np.ndarray, np.ndarray]] = [
-        (np.zeros(0, np.int64), np.zeros((0, dim), np.float32)) for _ in range(W)]
+        (np.zeros(0, np.int64), np.zeros((0, spec.dim), np.float32)) for _ in range(W)]
     reads: dict[tuple[int, int], np.ndarray] = {}
     errors: list[BaseException] = []
     final: list[np.ndarray] = []
     final_state: list[np.ndarray] = []
     done = threading.Barrier(W)
     done2 = threading.Barrier(W)
-    steps = len(trace)
-    look = (config.lookahead if config.read_mode == "bagpipe" else 0) + submit_ahead
+    look = (config.lookahead if config.read_mode == "bagpipe" else 0) + spec.submit_ahead
 
     def rank_main(r: int) -> None:
         ctl = None
         try:
             ctl = BagPipeController(
-                config, rank=r, world_size=W, dim=dim, num_keys=num_keys, lr=lr0,
-                ps=clients[r], collectives=group.collectives(r), device=device, optimizer=spec,
+                config, rank=r, world_size=W, dim=spec.dim, num_keys=spec.num_keys,
+                lr=lr_of(0), ps=clients[r], collectives=group.collectives(r),
+                device=spec.device, optimizer=spec.optimizer,
             )
-            if observer is not None:
+            if spec.observer is not None:
+                observer = spec.observer
                 ctl.fetch_observer = lambda *a: observer(r, *a)
             if config.optimization_prescan:
                 ctl.prescan([np.asarray(trace[t][r], dtype=np.int64) for t in range(steps)],
-                            progress=progress and r == 0)
+                            progress=spec.progress and r == 0)
             submitted = 0
             for t in range(steps):
                 while submitted < min(steps, t + look + 1):
@@ -163,13 +210,13 @@ def simulate(
                     submitted += 1
                 step = ctl.next_step()
                 rows = step.rows.detach().cpu().numpy()
-                if record_reads:
+                if spec.record_reads:
                     reads[(t, r)] = rows.copy()
-                g = grad_fn(t, r, step.unique_keys.numpy(), rows)
+                g = spec.grad_fn(t, r, step.unique_keys.numpy(), rows)
                 grad = torch.from_numpy(np.ascontiguousarray(g)).to(step.rows.device)
                 ctl.finish_step(step, grad, lr=lr_of(t))
-                if step_hook is not None:
-                    step_hook(r, ctl)
+                if spec.step_hook is not None:
+                    spec.step_hook(r, ctl)
             ctl.flush()
             metrics[r] = ctl.metrics()
             keys, rows = ctl.cached_rows()
@@ -200,12 +247,10 @@ def simulate(
         if any(th.is_alive() for th in threads):
             raise TimeoutError("simulate: a rank thread did not finish")
     finally:
-        if backend is not None:
+        if spec.backend is not None:
             ps.close()
     if errors:
         # Prefer the root cause over the aborts it triggered on other ranks.
-        from torchrec_bagpipe.runtime.collectives import CollectiveAborted
-
         root = [e for e in errors
                 if not isinstance(e, (CollectiveAborted, threading.BrokenBarrierError))]
         raise (root or errors)[0]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchrec_bagpipe.ps.optimizers import OptimizerSpec
+from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 
 __all__ = [
     "ReferencePS",
