@@ -10,7 +10,7 @@ store, output behind torchrun's own ``[trainer <rank>]`` prefixes). Without ``--
 the PS shards live inside the trainers (BagPipeConfig's zero-config default). On one node
 the local backend is used whatever ``--ps-type`` the training command names: it is rewritten
 to ``--ps-type local`` and ``BAGPIPE_PS_TYPE=local`` is exported (PS servers are then reached
-over loopback TCP). More nodes: the torchx component (README, "Two nodes").
+over loopback TCP). More nodes: the torchx component (docs/running.md, "Two nodes").
 
 If any process fails, or on Ctrl-C / SIGTERM, everything is stopped: SIGTERM, a bounded grace
 period, then SIGKILL. The exit status is the trainers' (130 after an interrupt, 124 after
@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="torchrec-bagpipe-launch",
         description="Start BagPipe PS shards and torchrun trainers on this machine with one "
-                    "command (more machines: the torchx component, see the README).",
+                    "command (more machines: the torchx component, see docs/running.md).",
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="trainer processes")
     p.add_argument("--rdzv-port", type=int, default=0,
