@@ -1,7 +1,7 @@
-"""The code's layering stays true (docs/ARCHITECTURE.md, "Layers"): native includes only run
-downward through csrc/'s folders, along exactly the edges listed here; the test tools stay out
-of the product; no binding takes more than 8 positional arguments (settings cross as option
-structs), and the Python package imports without cycles."""
+"""The code's layering stays true (docs/ARCHITECTURE.md §2 "Native layers", §6): native
+includes only run downward through csrc/'s folders, along exactly the edges listed here; the
+test tools stay out of the product; no binding takes more than 8 positional arguments
+(settings cross as option structs), and the Python package imports without cycles."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_option_structs_cross_the_binding_boundary() -> None:
 
 
 # ---- Python imports ---------------------------------------------------------------------------
-# The package's layers, lowest first (docs/ARCHITECTURE.md, DESIGN §3): a layer imports only
+# The package's layers, lowest first (docs/ARCHITECTURE.md §6, DESIGN §3): a layer imports only
 # layers before it, and exactly the ones listed (every listed edge is used, so the table
 # cannot drift from the code). The top-level tools (`demo`, `metrics_table`) are layers too.
 PYTHON_ORDER = ["config", "ps", "runtime", "distributed", "launch", "datasets", "testing",

@@ -1,4 +1,4 @@
-"""The step lifecycle of a BagPipe-sharded module (bagpipe_tables.py), world 2 over gloo.
+"""The step lifecycle of a BagPipe-sharded module (step_lifecycle.py), world 2 over gloo.
 
 * Between a training forward and its backward: a state dict, the fused optimizer's state and
   an eval forward see the weights as of the last finished step; a second training forward

@@ -2,8 +2,10 @@
 // OptimizerSpec, StoreOptions, LoadOverrides, TableSchema, ShardOptions, ClientOptions,
 // ConnectOptions, TcpServerOptions} (UcxServerOptions: ucx.cc). Each is the component's own
 // C++ struct, bound field by field (def_readwrite), so settings cross the binding boundary as
-// one typed object per component instead of positional argument lists. torchrec_bagpipe.ps.options
-// builds them (from keyword arguments or from a BagPipeConfig) and checks every value first.
+// one typed object per component instead of positional argument lists. The Python specs
+// build them and check every value first, one spec per struct (torchrec_bagpipe/ps/
+// optimizer_spec.py, table_specs.py, shard_specs.py, client_spec.py: `native()`); a
+// BagPipeConfig becomes specs in torchrec_bagpipe/ps/config_specs.py.
 //
 // Thread safety: plain values, touched with the GIL held.
 #include <pybind11/pybind11.h>

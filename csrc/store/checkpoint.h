@@ -1,6 +1,6 @@
 // Checkpoint files: a crash-safe directory commit (CheckpointWriter) and a verifying reader
-// (CheckpointReader). The store decides what goes into the files (embedding_store.cc); this
-// file decides how they reach the disk.
+// (CheckpointReader). The store decides what goes into the files (embedding_store_save.cc,
+// embedding_store_load.cc); this file decides how they reach the disk.
 //
 // Layout of a checkpoint directory (see manifest.h for the MANIFEST fields):
 //   MANIFEST              JSON + checksum trailer, written last

@@ -12,8 +12,8 @@ Built once per sharded module from its tables' configs (types.py names the piece
   that is not the module's slot order, the sharded module's output gathers the columns
   back (`grouped_slots`).
 
-The layout knows nothing about pooling or the PS: lookup.py turns fused keys into rows and
-rows into outputs, fused_table_runtime.py reaches the PS.
+The layout knows nothing about pooling or the PS: step_lifecycle.py turns fused keys into
+rows, lookup.py rows into outputs, fused_table_runtime.py reaches the PS.
 
 Invariants:
 1. Within a fused table, table offsets are increasing and disjoint:

@@ -32,7 +32,7 @@ def default_session_id(job_token: str, table: str) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ClientSpec(TableSchema):
-    """A `PSClient`'s settings (csrc/commit/client.h ``ClientOptions``, and
+    """A `PSClient`'s settings (csrc/client/ps_client.h ``ClientOptions``, and
     csrc/transport/channel.h ``ConnectOptions``).
 
     `table`: the PS table's name; its schema is `TableSchema`'s fields (a shard holding the

@@ -26,7 +26,7 @@ _MAX_THREADS = 64
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """A PS shard (csrc/commit/ps_shard.h ``ShardOptions``): shard `shard_id` of
+    """A PS shard (csrc/shard/ps_shard.h ``ShardOptions``): shard `shard_id` of
     `num_shards`; `dim`, when given, the only row width it accepts; `store`, the layout of
     every table's store (dim, init, key bound and optimizer come from each table); with
     `checkpoint_dir` each table checkpoints itself every `checkpoint_every` committed steps

@@ -156,7 +156,7 @@ _LAYOUT_CHECKS: dict[str, Callable[[Any], Any]] = {
 @dataclass(frozen=True, kw_only=True)
 class TableSchema:
     """A PS table: its row width, how rows never written read, its key bound and the
-    optimizer its rows' state belongs to (``C.TableSchema``, csrc/commit/table_backend.h).
+    optimizer its rows' state belongs to (``C.TableSchema``, csrc/shard/table_backend.h).
 
     `init` is ``"uniform"`` (in ``[-init_bound, init_bound)``), ``"zeros"`` or
     ``"constant"`` (`init_value`); rows are a deterministic function of `seed`, the key and
