@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -80,7 +80,8 @@ class StepPlan:
     s_now: np.ndarray        # bool [len(union_keys)]: read again at step + 1 (collective)
     global_ids: int          # ids of all ranks at this step, duplicates included
     union_size: int
-    evicted: np.ndarray = np.zeros(0, dtype=np.int64)  # int64, sorted: keys evicted at this
+    evicted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # int64, sorted: keys evicted at this
                              # step's boundary (virtual tables; the same on every rank)
 
     @property

@@ -401,6 +401,9 @@ class BagPipeController:
         except BaseException as e:
             self._failed = e
             raise
+        if self._preparer.ahead is None:
+            # Virtual tables: the last finished step's evictions leave the cache now too.
+            self._preparer.drop_evicted()
 
     def invalidate_all(self) -> None:
         """Forgets every cached and prefetched row (after an external write to the PS)."""

@@ -137,6 +137,16 @@ class StepPreparer:
             finish = self._agg.plan_finish(t, plan)
         return PreparedWork(prepared, finish)
 
+    def drop_evicted(self) -> None:
+        """Drops the last prepared step's evicted keys from the cache now (flush: its commit
+        is done). REQUIRES: no preparation running."""
+        if self._meta is None or not self._evicted.size:
+            return
+        with self._cache_lock:
+            freed = self._meta.invalidate(self._evicted)
+            self._metrics.add(invalidations=int(freed.size))
+            self._evicted = self._evicted[:0]
+
     def issue_later(self) -> None:
         """Issues the prefetches whose dependency committed, on the preparer's thread."""
         if self._meta is None:
