@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -305,6 +306,9 @@ def build_fused_table(
             collectives=job.collectives,
             device=job.device,
             optimizer=spec.optimizer,
+            # A virtual table's rule; TorchRec's trigger counts ids per trainer rank.
+            eviction=None if spec.eviction is None else dataclasses.replace(
+                spec.eviction, trigger_rows=spec.eviction.trigger_rows * job.world_size),
             start_step=start,
         )
     except BaseException:

@@ -52,6 +52,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
+from torchrec_bagpipe.distributed.virtual_tables import virtual_placement
 
 __all__ = [
     "BagPipeModuleShardingPlan",
@@ -169,7 +170,10 @@ def decide_placement(
             size = rows * dim * torch.empty(0, dtype=data_type_to_dtype(cfg.data_type)
                                             ).element_size()
             unsupported = bagpipe_unsupported(cfg)
-            if not stock_ok:
+            virtual = virtual_placement(cfg, where, bagpipe_ok, unsupported)  # issue 22
+            if virtual is not None:
+                placed, forced, reason = virtual
+            elif not stock_ok:
                 if unsupported is not None:
                     raise ValueError(
                         f"{where}: its ParameterConstraints force the BagPipe kernel, but "

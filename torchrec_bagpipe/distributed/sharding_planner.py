@@ -68,6 +68,7 @@ from torchrec_bagpipe.distributed.placement import (
 from torchrec_bagpipe.distributed.sharder import METADATA_BYTES_PER_ROW, _BagPipeSharder
 from torchrec_bagpipe.distributed.table_optimizer import state_floats
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
+from torchrec_bagpipe.distributed.virtual_tables import planned_rows
 
 __all__ = [
     "BagPipeParameterSharding",
@@ -199,7 +200,7 @@ def _fused_rows(so: ShardingOption, bagpipe_tables: set[str] | None) -> int:
     except AssertionError:  # not a collection: the table alone
         return int(so.tensor.shape[0])
     return sum(
-        int(c.num_embeddings) for c in configs
+        planned_rows(c) for c in configs
         if int(c.embedding_dim) == dim
         and (bagpipe_tables is None or c.name in bagpipe_tables or c.name == so.name)
     )
@@ -210,7 +211,16 @@ def _cache_rows(so: ShardingOption, config: BagPipeConfig,
     """This table's share of its fused table's cache rows."""
     fused = max(1, _fused_rows(so, bagpipe_tables))
     rows = min(fused, config.cache_rows(fused))
-    return rows * int(so.tensor.shape[0]) / fused
+    own = next((planned_rows(c) for c in _configs_of(so) if c.name == so.name),
+               int(so.tensor.shape[0]))
+    return rows * own / fused
+
+
+def _configs_of(so: ShardingOption) -> list:
+    try:
+        return list(table_configs(so.module[1]))
+    except AssertionError:
+        return []
 
 
 def _lookups(so: ShardingOption) -> float:

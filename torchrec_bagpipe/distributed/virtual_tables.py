@@ -44,12 +44,13 @@ from torchrec.modules.embedding_configs import (
     VirtualTableEvictionPolicy,
 )
 
-from torchrec_bagpipe.runtime.eviction import EvictionSpec
+from torchrec_bagpipe.runtime.eviction import VIRTUAL_AUTO_CACHE_ROWS, EvictionSpec
 
 __all__ = [
     "StepTTLEvictionPolicy",
     "eviction_spec_of",
     "is_virtual",
+    "planned_rows",
     "virtual_placement",
 ]
 
@@ -66,6 +67,13 @@ class StepTTLEvictionPolicy(VirtualTableEvictionPolicy):
 
 def is_virtual(cfg: BaseEmbeddingConfig) -> bool:
     return bool(getattr(cfg, "use_virtual_table", False))
+
+
+def planned_rows(cfg: BaseEmbeddingConfig) -> int:
+    """The rows a table's cache is sized from: its num_embeddings, or for a virtual table (an
+    id space) at most VIRTUAL_AUTO_CACHE_ROWS, as the runtime sizes it."""
+    n = int(cfg.num_embeddings)
+    return min(n, VIRTUAL_AUTO_CACHE_ROWS) if is_virtual(cfg) else n
 
 
 def virtual_placement(cfg: BaseEmbeddingConfig, where: str, bagpipe_ok: bool,
