@@ -75,7 +75,7 @@ def test_policies_bagpipe_cannot_honour_are_refused_naming_table_and_policy(poli
 
 
 def test_bad_buckets_and_bad_policy_fields_are_refused() -> None:
-    with pytest.raises(ValueError, match="'ids'.*total_num_buckets 3 must"):
+    with pytest.raises(ValueError, match=r"'ids'.*total_num_buckets 3 must"):
         eviction_spec_of(vt(total_num_buckets=3, n=10), 1)
     assert eviction_spec_of(vt(total_num_buckets=8), 1) == EvictionSpec()
     with pytest.raises(ValueError, match="decay_rate"):
@@ -92,7 +92,7 @@ def test_placement_puts_virtual_tables_on_bagpipe_and_refuses_stock_constraints(
     assert by["ids"].bagpipe and by["ids"].forced and "use_virtual_table" in by["ids"].reason
     assert not by["small"].bagpipe
     stock = {"ids": ParameterConstraints(sharding_types=["table_wise"])}
-    with pytest.raises(ValueError, match="'ids'.*use_virtual_table=True"):
+    with pytest.raises(ValueError, match=r"'ids'.*use_virtual_table=True"):
         decide_placement([("ebc", ebc)], {EmbeddingBagCollection}, stock, BagPipeConfig(), topo)
 
 

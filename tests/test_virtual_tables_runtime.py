@@ -172,7 +172,7 @@ def test_evicted_rows_come_back_fresh_and_rounds_happen(aggregation, real_ps) ->
 
 def test_no_eviction_policy_keeps_every_row_and_the_planner_matches_the_rule() -> None:
     trace = trace_of(1, 2, 10, 50, 20)
-    res, rule = run(BagPipeConfig(optimization_cache_capacity=1, lookahead=2), trace, 50,
+    _, rule = run(BagPipeConfig(optimization_cache_capacity=1, lookahead=2), trace, 50,
                     EvictionSpec(), real_ps=1)
     assert rule.evicted == 0
     # The native planner with a rule evicts exactly what the reference rule does.

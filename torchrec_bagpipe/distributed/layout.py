@@ -44,13 +44,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_bagpipe.distributed.input_check import check_kjt
 from torchrec_bagpipe.distributed.table_optimizer import TableOptimizer
-from torchrec_bagpipe.distributed.virtual_tables import eviction_spec_of
 from torchrec_bagpipe.distributed.types import (
     BAGPIPE_KERNEL,
     FusedTableSpec,
     SlotSpec,
     TableSpec,
 )
+from torchrec_bagpipe.distributed.virtual_tables import eviction_spec_of
 
 __all__ = [
     "FusedLayout",

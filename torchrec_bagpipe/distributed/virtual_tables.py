@@ -38,7 +38,6 @@ from torchrec.modules.embedding_configs import (
     CountBasedEvictionPolicy,
     CountTimestampMixedEvictionPolicy,
     FeatureL2NormBasedEvictionPolicy,
-    FeatureScoreBasedEvictionPolicy,
     NoEvictionPolicy,
     TimestampBasedEvictionPolicy,
     VirtualTableEvictionPolicy,
