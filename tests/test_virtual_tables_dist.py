@@ -63,22 +63,27 @@ def _kjt(t: int, r: int):
                              lengths=torch.tensor(lengths, dtype=torch.int64))
 
 
-def _configs():
-    from torchrec.modules.embedding_configs import CountBasedEvictionPolicy, EmbeddingBagConfig
+def _configs(kind: str = "ebc"):
+    from torchrec.modules.embedding_configs import (
+        CountBasedEvictionPolicy,
+        EmbeddingBagConfig,
+        EmbeddingConfig,
+    )
 
     from torchrec_bagpipe.distributed import StepTTLEvictionPolicy
 
+    Config = EmbeddingBagConfig if kind == "ebc" else EmbeddingConfig
     return [
-        EmbeddingBagConfig(name="v", embedding_dim=DIM, num_embeddings=BIG, feature_names=["fv"],
+        Config(name="v", embedding_dim=DIM, num_embeddings=BIG, feature_names=["fv"],
                            use_virtual_table=True, total_num_buckets=4,
                            weight_init_min=-0.5, weight_init_max=0.5,
                            virtual_table_eviction_policy=StepTTLEvictionPolicy(ttl_steps=2)),
-        EmbeddingBagConfig(name="c", embedding_dim=DIM, num_embeddings=MID, feature_names=["fc"],
+        Config(name="c", embedding_dim=DIM, num_embeddings=MID, feature_names=["fc"],
                            use_virtual_table=True, weight_init_min=-0.5, weight_init_max=0.5,
                            virtual_table_eviction_policy=CountBasedEvictionPolicy(
                                eviction_threshold=1.5, decay_rate=0.8,
                                training_id_eviction_trigger_count=3)),
-        EmbeddingBagConfig(name="o", embedding_dim=DIM, num_embeddings=30, feature_names=["fo"]),
+        Config(name="o", embedding_dim=DIM, num_embeddings=30, feature_names=["fo"]),
     ]
 
 
@@ -86,11 +91,20 @@ def _loss(values: torch.Tensor) -> torch.Tensor:
     return ((values - 0.1) ** 2).sum() / values.shape[0]
 
 
-def _train(rank: int, world: int, cfg_fields: dict) -> dict:
+def _forward_loss(dmp, kjt, kind: str) -> torch.Tensor:
+    out = dmp(kjt)
+    if kind == "ebc":
+        return _loss(out.values())
+    # EC: one row per id; the loss of each sample's ids, per feature in table order.
+    return sum(((out[feat].values() - 0.1) ** 2).sum() for _, feat in TABLES.values()
+               ) / BATCH
+
+
+def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc") -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     from torchrec_bagpipe.config import BagPipeConfig
     from torchrec_bagpipe.distributed import (
@@ -102,7 +116,10 @@ def _train(rank: int, world: int, cfg_fields: dict) -> dict:
     )
 
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
+    if kind == "ebc":
+        ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
+    else:
+        ebc = EmbeddingCollection(tables=_configs("ec"), device=torch.device("meta"))
     config = BagPipeConfig(placement_min_rows=0, **cfg_fields)
     sharders = bagpipe_sharders(config, fused_params={"optimizer": EmbOptimType.EXACT_SGD,
                                                       "learning_rate": LR})
@@ -111,8 +128,7 @@ def _train(rank: int, world: int, cfg_fields: dict) -> dict:
     plan = planner.collective_plan(ebc, sharders)
     dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders)
     for t in range(STEPS):
-        out = dmp(_kjt(t, rank))
-        _loss(out.values()).backward()
+        _forward_loss(dmp, _kjt(t, rank), kind).backward()
         dmp.fused_optimizer.step()
     (_, module), = bagpipe_modules(dmp)
     tables = module._bagpipe
@@ -139,7 +155,7 @@ def _train(rank: int, world: int, cfg_fields: dict) -> dict:
     return {"rows": rows, "metrics": metrics, "state_keys": state_keys}
 
 
-def _reference() -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
+def _reference(kind: str = "ebc") -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
     from torchrec_bagpipe.ps import EmbeddingStore
     from torchrec_bagpipe.testing.reference_eviction import ReferenceEvictionRule
 
@@ -164,12 +180,17 @@ def _reference() -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
                         base = live[name].get(k)
                         base = init_row(name, k) if base is None else base
                         params[name][k] = base.clone().requires_grad_(True)
-        outs = []
-        for s in per_sample:
-            outs.append(torch.cat([
-                torch.stack([params[name][k] for k in s[name]]).sum(0) if s[name]
-                else torch.zeros(DIM) for name in TABLES]))
-        _loss(torch.stack(outs)).backward()
+        if kind == "ebc":
+            outs = []
+            for s in per_sample:
+                outs.append(torch.cat([
+                    torch.stack([params[name][k] for k in s[name]]).sum(0) if s[name]
+                    else torch.zeros(DIM) for name in TABLES]))
+            _loss(torch.stack(outs)).backward()
+        else:
+            loss = sum(((params[name][k] - 0.1) ** 2).sum() for s in per_sample
+                       for name in TABLES for k in s[name])
+            (loss / len(per_sample)).backward()
         with torch.no_grad():
             for name in TABLES:
                 for k, p in params[name].items():
@@ -181,11 +202,11 @@ def _reference() -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
     return live, stats
 
 
-def _check(results: list[dict]) -> list[str]:
+def _check(results: list[dict], kind: str = "ebc") -> list[str]:
     from torchrec_bagpipe.ps import EmbeddingStore
 
     problems = []
-    live, stats = _reference()
+    live, stats = _reference(kind)
     got = results[0]
     for name, (keys, rows) in got["rows"].items():
         n, _ = TABLES[name]
@@ -208,6 +229,16 @@ def _check(results: list[dict]) -> list[str]:
     if any(".v." in k or ".c." in k for k in got["state_keys"]):
         problems.append(f"virtual tables in the state dict: {got['state_keys']}")
     return problems
+
+
+def test_virtual_tables_in_an_embedding_collection_equal_the_reference() -> None:
+    fields = {"bagpipe_aggregation": "ps", "lookahead": 2,
+              "optimization_cache_capacity": 1}
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_world(_train, WORLD, args=(fields, "ec"), env={"BAGPIPE_TEST_TMP": tmp},
+                            timeout=300)
+    problems = _check(results, "ec")
+    assert not problems, "\n".join(problems[:20])
 
 
 @pytest.mark.parametrize("fields", [
