@@ -136,22 +136,22 @@ RULES = [
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31), world=st.integers(1, 3), steps=st.integers(1, 14),
+@given(seed=st.integers(0, 2**31), world=st.integers(1, 4), steps=st.integers(1, 14),
        universe=st.sampled_from([20, 60, 200]), batch=st.sampled_from([5, 25, 80]),
        rule=st.sampled_from(RULES), aggregation=st.sampled_from(["ps", "collective"]),
        prescan=st.booleans(), cap=st.sampled_from([1, 2, 16]), lookahead=st.integers(0, 6),
        prepared=st.integers(1, 3), ahead=st.booleans(), real_ps=st.sampled_from([0, 0, 1, 2]),
        optimizer=st.sampled_from(["sgd", "adagrad", "adam"]), read_mode=st.sampled_from(
-           ["bagpipe"] * 4 + ["ps"]))
+           ["bagpipe"] * 4 + ["ps"]), submit_ahead=st.integers(0, 1))
 def test_eviction_inside_the_window_equals_the_reference(
         seed, world, steps, universe, batch, rule, aggregation, prescan, cap, lookahead,
-        prepared, ahead, real_ps, optimizer, read_mode) -> None:
+        prepared, ahead, real_ps, optimizer, read_mode, submit_ahead) -> None:
     cfg = BagPipeConfig(read_mode=read_mode, optimization_prescan=prescan,
                         optimization_cache_capacity=cap, bagpipe_aggregation=aggregation,
                         lookahead=lookahead, prepared_batches=prepared, prepare_ahead=ahead,
                         ps_timeout=30.0)
     run(cfg, trace_of(seed, world, steps, universe, batch), universe, rule, real_ps=real_ps,
-        optimizer=optimizer)
+        optimizer=optimizer, submit_ahead=submit_ahead)
 
 
 @pytest.mark.parametrize("aggregation", ["ps", "collective"])
@@ -184,3 +184,45 @@ def test_no_eviction_policy_keeps_every_row_and_the_planner_matches_the_rule() -
         planner.add_step(np.concatenate(per_rank), offsets)
         want = ref.on_step(t, (int(k) for a in per_rank for k in a))
         assert planner.plan(t)["evicted"].tolist() == want
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("packet_rows", [2, 4096])
+def test_commits_carry_evicted_keys_to_their_shards(shards: int, packet_rows: int) -> None:
+    """Evicted keys ride the commit (their own chunks when many: packet_rows 2); each shard
+    erases its keys after the step's update and before any read of it; a bad key is a
+    ValueError naming `evict` before anything is sent."""
+    from torchrec_bagpipe.ps import PSClient, start_local_shards
+
+    n = 1 << 50
+    ps = start_local_shards(shards)
+    clients = [PSClient(ps, table="t", dim=2, lr=0.5, rank=r, world_size=2,
+                        partitioner="hash", key_bound=n, max_packet_rows=packet_rows,
+                        timeout=30.0)
+               for r in range(2)]
+    try:
+        keys = torch.tensor([3, 5, n - 1, 2**49, 7, 11, 13], dtype=torch.int64)
+        g = torch.ones(keys.numel(), 2)
+        for h in [c.commit_async(0, keys, g) for c in clients]:
+            h.wait(30)
+        init = EmbeddingStore.initial_rows(keys, dim=2, key_bound=n)
+        trained = clients[0].lookup(keys)
+        assert not torch.equal(trained, init)
+        rows = lambda: sum(int(s.table_stats("t")["store"]["rows"]) for s in ps)  # noqa: E731
+        assert rows() == keys.numel()
+        with pytest.raises(ValueError, match="evict"):
+            clients[0].commit_async(1, keys[:0], torch.zeros(0, 2), evict=torch.tensor([n]))
+        gone = keys[[0, 2, 3, 4, 6]]
+        h0 = clients[0].commit_async(1, keys[1:2], torch.ones(1, 2), evict=gone)
+        h1 = clients[1].commit_async(1, keys[:0], torch.zeros(0, 2))
+        h0.wait(30), h1.wait(30)
+        assert rows() == keys.numel() - gone.numel()
+        got = clients[1].get(keys, 1)
+        assert torch.equal(got[[0, 2, 3, 4, 6]], init[[0, 2, 3, 4, 6]])  # fresh again
+        assert torch.equal(got[5], trained[5])
+        assert not torch.equal(got[1], trained[1])  # step 1 trained it
+    finally:
+        for c in clients:
+            c.close()
+        for s in ps:
+            s.close()
