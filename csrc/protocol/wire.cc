@@ -225,6 +225,9 @@ bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* 
   const auto& b = out->body;
   if (!CheckDim(b.dim, "Commit", why)) return false;
   if (b.nevict > kMaxChunkCount * 64ull) return Fail(why, "Commit: nevict is too large");
+  if (b.nevict != 0 && b.nrows != 0) {  // (keeps the keys 8-byte aligned: invariant 3)
+    return Fail(why, "Commit: a chunk carries gradient rows or evicted keys, not both");
+  }
   if (!ExactPayload(len, sizeof(CommitBody) + uint64_t{b.nevict} * 8, b.nrows,
                     8 + uint64_t{b.dim} * 4, "Commit", why)) {
     return false;

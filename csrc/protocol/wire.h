@@ -49,7 +49,7 @@ enum class MsgType : uint16_t {
   kHelloOk = 2,          // S->C  HelloOkBody
   kOpen = 3,             // C->S  OpenBody + int64 starts[r] + f32 bounds[r] + table name
   kOpenOk = 4,           // S->C  OpenOkBody
-  kCommit = 5,           // C->S  CommitBody + keys[nrows] + grads[nrows * dim]
+  kCommit = 5,           // C->S  CommitBody + keys[nrows] + grads[nrows * dim] + evict[nevict]
   kAck = 6,              // S->C  AckBody
   kGet = 7,              // C->S  GetBody + keys[nrows]
   kGetOk = 8,            // S->C  GetOkBody + rows[nrows * (dim + state_dim)]
@@ -161,7 +161,8 @@ struct CommitBody {
                      // >= 0, the same in every chunk of the step (else the session fails)
   uint32_t nrows;
   uint32_t nevict;   // virtual tables: keys evicted at this step's boundary, int64[nevict]
-                     // after the grads (erased once the step is applied; 0: none)
+                     // (erased once the step is applied; 0: none). A chunk carries rows or
+                     // evicted keys, never both (nevict > 0 requires nrows == 0)
 };
 static_assert(sizeof(CommitBody) == 48);
 static_assert((kHeaderBytes + sizeof(CommitBody)) % 8 == 0);

@@ -1,11 +1,14 @@
 // The virtual tables' eviction rule (cache/eviction_rule.h) and its effect on the step
 // planner (step_planner.h invariant 8): hand examples.
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "cache/eviction_rule.h"
 #include "cache/step_planner.h"
 #include "common/errors.h"
+#include "protocol/wire.h"
 #include "tests/test_harness.h"
 
 using bagpipe::cache::EvictionRule;
@@ -93,4 +96,32 @@ TEST_CASE(step_planner_treats_an_eviction_as_a_write) {
     CHECK((p.Plan(2).evicted == std::vector<int64_t>{2}));
     CHECK_EQ(p.eviction().live(), 2);
   }
+}
+
+TEST_CASE(wire_commit_carries_evicted_keys_in_chunks_of_their_own) {
+  namespace wire = bagpipe::protocol::wire;
+  wire::CommitBody b{};
+  b.session = 1;
+  b.step = 2;
+  b.world_size = 1;
+  b.chunk_count = 1;
+  b.dim = 3;
+  b.lr = 0.5f;
+  b.nevict = 2;
+  std::vector<uint8_t> body(sizeof(b) + 16);
+  std::memcpy(body.data(), &b, sizeof(b));
+  const int64_t keys[2] = {7, int64_t{1} << 50};
+  std::memcpy(body.data() + sizeof(b), keys, 16);
+  wire::CommitView v;
+  std::string why;
+  CHECK(wire::ParseCommit(body.data(), body.size(), &v, &why));
+  CHECK_EQ(v.body.nevict, 2u);
+  CHECK_EQ(v.evict[1], int64_t{1} << 50);
+  CHECK_EQ(v.payload_len, size_t{16});
+  CHECK(!wire::ParseCommit(body.data(), body.size() - 8, &v, &why));  // short by a key
+  b.nrows = 1;  // rows and evicted keys in one chunk: refused (alignment, invariant 3)
+  std::vector<uint8_t> mixed(sizeof(b) + 8 + 12 + 16);
+  std::memcpy(mixed.data(), &b, sizeof(b));
+  CHECK(!wire::ParseCommit(mixed.data(), mixed.size(), &v, &why));
+  CHECK(why.find("not both") != std::string::npos);
 }
