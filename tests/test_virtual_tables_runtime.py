@@ -208,7 +208,7 @@ def test_commits_carry_evicted_keys_to_their_shards(shards: int, packet_rows: in
         init = EmbeddingStore.initial_rows(keys, dim=2, key_bound=n)
         trained = clients[0].lookup(keys)
         assert not torch.equal(trained, init)
-        rows = lambda: sum(int(s.table_stats("t")["store"]["rows"]) for s in ps)  # noqa: E731
+        rows = lambda: sum(int(s.table_stats("t")["store"]["rows"]) for s in ps)
         assert rows() == keys.numel()
         with pytest.raises(ValueError, match="evict"):
             clients[0].commit_async(1, keys[:0], torch.zeros(0, 2), evict=torch.tensor([n]))
