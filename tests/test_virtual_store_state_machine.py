@@ -38,6 +38,8 @@ SPECS = [
     EvictionSpec(threshold=1.5, decay_rate=0.9),
     EvictionSpec(threshold=2.5, decay_rate=0.7, trigger_rows=4),
     EvictionSpec(threshold=1.0, decay_rate=0.5, ttl_steps=4),
+    EvictionSpec(admit_after=2),
+    EvictionSpec(admit_after=3, ttl_steps=2),
 ]
 OPTIMIZERS = [OptimizerSpec("sgd"), OptimizerSpec("adagrad", eps=1e-6),
               OptimizerSpec("adam", beta1=0.8, beta2=0.99, eps=1e-6)]
@@ -74,6 +76,12 @@ class VirtualStoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), keys=keys_st, lr=st.sampled_from([0.05, 0.5]))
     def train_step(self, data: st.DataObject, keys: list[int], lr: float) -> None:
+        # Admission first (once per id of the step): only admitted ids are trained.
+        verdict = {}
+        for k in dict.fromkeys(keys):
+            verdict[k] = self.rule.admit(k)
+            assert verdict[k] == self.model.admit(k), k
+        keys = [k for k in keys if verdict[k]]
         grads = data.draw(hnp.arrays(np.float32, (len(keys), DIM),
                                      elements=st.floats(-10, 10, width=32)))
         if self.opt.kind == "adam":
@@ -119,7 +127,7 @@ class VirtualStoreMachine(RuleBasedStateMachine):
         # Without a rule every trained row stays; with one, exactly the rule's live rows.
         live = len(self.rows)
         assert len(self.store) == live
-        if self.spec.enabled:
+        if self.spec.tracks:
             assert self.rule.live == self.model.live == live
             assert self.rule.evicted == self.model.evicted
             for k, (count, last) in self.model.rows.items():

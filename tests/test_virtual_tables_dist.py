@@ -33,6 +33,8 @@ MID = 1 << 40
 TABLES = {"v": (BIG, "fv"), "c": (MID, "fc"), "o": (30, "fo")}
 RULES = {"v": EvictionSpec(ttl_steps=2),
          "c": EvictionSpec(threshold=1.5, decay_rate=0.8, trigger_rows=3 * WORLD)}
+# The admission variant: table "v" trains an id only from its second step.
+ADMIT_RULES = {**RULES, "v": EvictionSpec(ttl_steps=2, admit_after=2)}
 
 
 def _ids(t: int, r: int, table: str) -> list[list[int]]:
@@ -63,21 +65,24 @@ def _kjt(t: int, r: int):
                              lengths=torch.tensor(lengths, dtype=torch.int64))
 
 
-def _configs(kind: str = "ebc"):
+def _configs(kind: str = "ebc", admit: bool = False):
     from torchrec.modules.embedding_configs import (
         CountBasedEvictionPolicy,
         EmbeddingBagConfig,
         EmbeddingConfig,
     )
 
-    from torchrec_bagpipe.distributed import StepTTLEvictionPolicy
+    from torchrec_bagpipe.distributed import AdmissionPolicy, StepTTLEvictionPolicy
 
+    v_policy = StepTTLEvictionPolicy(ttl_steps=2)
+    if admit:
+        v_policy = AdmissionPolicy(admit_after=2, eviction=v_policy)
     Config = EmbeddingBagConfig if kind == "ebc" else EmbeddingConfig
     return [
         Config(name="v", embedding_dim=DIM, num_embeddings=BIG, feature_names=["fv"],
                            use_virtual_table=True, total_num_buckets=4,
                            weight_init_min=-0.5, weight_init_max=0.5,
-                           virtual_table_eviction_policy=StepTTLEvictionPolicy(ttl_steps=2)),
+                           virtual_table_eviction_policy=v_policy),
         Config(name="c", embedding_dim=DIM, num_embeddings=MID, feature_names=["fc"],
                            use_virtual_table=True, weight_init_min=-0.5, weight_init_max=0.5,
                            virtual_table_eviction_policy=CountBasedEvictionPolicy(
@@ -100,7 +105,8 @@ def _forward_loss(dmp, kjt, kind: str) -> torch.Tensor:
                ) / BATCH
 
 
-def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc") -> dict:
+def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc",
+           admit: bool = False) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
@@ -117,9 +123,9 @@ def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc") -> dict:
 
     torch.manual_seed(0)
     if kind == "ebc":
-        ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
+        ebc = EmbeddingBagCollection(tables=_configs("ebc", admit), device=torch.device("meta"))
     else:
-        ebc = EmbeddingCollection(tables=_configs("ec"), device=torch.device("meta"))
+        ebc = EmbeddingCollection(tables=_configs("ec", admit), device=torch.device("meta"))
     config = BagPipeConfig(placement_min_rows=0, **cfg_fields)
     sharders = bagpipe_sharders(config, fused_params={"optimizer": EmbOptimType.EXACT_SGD,
                                                       "learning_rate": LR})
@@ -155,7 +161,8 @@ def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc") -> dict:
     return {"rows": rows, "metrics": metrics, "state_keys": state_keys}
 
 
-def _reference(kind: str = "ebc") -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
+def _reference(kind: str = "ebc", admit: bool = False
+               ) -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
     from torchrec_bagpipe.ps import EmbeddingStore
     from torchrec_bagpipe.testing.reference_eviction import ReferenceEvictionRule
 
@@ -166,16 +173,27 @@ def _reference(kind: str = "ebc") -> tuple[dict[str, dict[int, torch.Tensor]], d
                                            key_bound=n)[0]
 
     live: dict[str, dict[int, torch.Tensor]] = {name: {} for name in TABLES}
-    rules = {name: ReferenceEvictionRule(RULES[name]) for name in RULES}
+    refusals = 0
+    specs = ADMIT_RULES if admit else RULES
+    rules = {name: ReferenceEvictionRule(specs[name]) for name in specs}
     for t in range(STEPS):
         per_sample = []  # global batch: rank 0's samples, then rank 1's
         for q in range(WORLD):
             for b in range(BATCH):
                 per_sample.append({name: _ids(t, q, name)[b] for name in TABLES})
         params: dict[str, dict[int, torch.Tensor]] = {name: {} for name in TABLES}
+        refused: dict[str, set[int]] = {name: set() for name in TABLES}
         for s in per_sample:
             for name, ids in s.items():
                 for k in ids:
+                    if k in params[name]:
+                        continue
+                    if name in rules and not rules[name].admit(k):
+                        # Not admitted at this step: reads zeros, no gradient.
+                        params[name][k] = torch.zeros(DIM)
+                        refused[name].add(k)
+                        refusals += 1
+                        continue
                     if k not in params[name]:
                         base = live[name].get(k)
                         base = init_row(name, k) if base is None else base
@@ -194,19 +212,23 @@ def _reference(kind: str = "ebc") -> tuple[dict[str, dict[int, torch.Tensor]], d
         with torch.no_grad():
             for name in TABLES:
                 for k, p in params[name].items():
-                    live[name][k] = (p - LR * p.grad).detach()
+                    if k not in refused[name]:
+                        live[name][k] = (p - LR * p.grad).detach()
         for name, rule in rules.items():
-            for k in rule.on_step(t, params[name].keys()):
+            trained = [k for k in params[name] if k not in refused[name]]
+            for k in rule.on_step(t, trained):
                 del live[name][k]
     stats = {name: (rule.live, rule.created, rule.evicted) for name, rule in rules.items()}
+    if admit and refusals == 0:
+        raise AssertionError("the admission reference refused no id (a weak test)")
     return live, stats
 
 
-def _check(results: list[dict], kind: str = "ebc") -> list[str]:
+def _check(results: list[dict], kind: str = "ebc", admit: bool = False) -> list[str]:
     from torchrec_bagpipe.ps import EmbeddingStore
 
     problems = []
-    live, stats = _reference(kind)
+    live, stats = _reference(kind, admit)
     got = results[0]
     for name, (keys, rows) in got["rows"].items():
         n, _ = TABLES[name]
@@ -238,6 +260,17 @@ def test_virtual_tables_in_an_embedding_collection_equal_the_reference() -> None
         results = run_world(_train, WORLD, args=(fields, "ec"), env={"BAGPIPE_TEST_TMP": tmp},
                             timeout=300)
     problems = _check(results, "ec")
+    assert not problems, "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_admission_reads_zeros_until_admitted_and_equals_the_reference(kind) -> None:
+    fields = {"bagpipe_aggregation": "collective" if kind == "ebc" else "ps", "lookahead": 2,
+              "optimization_cache_capacity": 1}
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_world(_train, WORLD, args=(fields, kind, True),
+                            env={"BAGPIPE_TEST_TMP": tmp}, timeout=300)
+    problems = _check(results, kind, admit=True)
     assert not problems, "\n".join(problems[:20])
 
 

@@ -114,13 +114,14 @@ def run(cfg: BagPipeConfig, trace, universe: int, eviction: EvictionSpec, *,
         assert same_bits(cached, ps_rows[keys]), f"rank {r}: cached rows != the PS's"
     rule = ReferenceEvictionRule(eviction)
     for t, per_rank in enumerate(trace):
-        rule.on_step(t, (int(k) for ks in per_rank for k in ks))
+        ids = dict.fromkeys(int(k) for ks in per_rank for k in ks)
+        rule.on_step(t, [k for k in ids if rule.admit(k)])
     for m in res.metrics:
         assert m["stale"] == 0
         assert m["hits"] + m["demand_fetched"] + m["prefetch_served"] == m["accesses"]
-        if eviction.enabled:
+        if eviction.tracks:
             assert m["live_rows"] == rule.live and m["evicted_rows"] == rule.evicted
-    if real_ps and eviction.enabled:
+    if real_ps and eviction.tracks:
         assert box["ps"].live_rows() == rule.live, "PS rows != the rule's live rows"
     return res, rule
 
@@ -132,6 +133,9 @@ RULES = [
     EvictionSpec(threshold=1.5, decay_rate=0.9),
     EvictionSpec(threshold=2.0, decay_rate=0.5, trigger_rows=10),
     EvictionSpec(threshold=1.0, decay_rate=0.8, ttl_steps=4),
+    EvictionSpec(admit_after=2),
+    EvictionSpec(admit_after=3, ttl_steps=2),
+    EvictionSpec(admit_after=2, threshold=1.5, decay_rate=0.8, trigger_rows=10),
 ]
 
 

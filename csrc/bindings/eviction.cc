@@ -30,7 +30,7 @@ BAGPIPE_BINDING(eviction) {
   py::class_<EvictionRule> cls(m, "EvictionRule", R"doc(
 The eviction rule of a virtual table (docs/virtual_tables.md): fed each step's trained keys,
 it returns the keys evicted at that step's boundary. Options: a dict of threshold,
-decay_rate, ttl_steps, trigger_rows (None: no eviction). Not thread-safe.
+decay_rate, ttl_steps, trigger_rows, admit_after (None: no eviction). Not thread-safe.
 )doc");
   cls.def(py::init([](const py::object& options) {
             return new EvictionRule(EvictionOptionsFrom(options));
@@ -49,6 +49,9 @@ decay_rate, ttl_steps, trigger_rows (None: no eviction). Not thread-safe.
       },
       py::arg("step"), py::arg("keys"),
       "Step `step` trained `keys` (distinct int64): -> the keys evicted at its boundary, sorted");
+  cls.def("admit", &EvictionRule::Admit, py::arg("key"),
+          "Admission: whether `key`, read at the step about to be fed, is trained at it "
+          "(call once per key per step, before on_step)");
   cls.def("get", [](const EvictionRule& r, int64_t key) -> py::object {
     double count = 0;
     int64_t last = 0;

@@ -30,9 +30,11 @@ inline cache::EvictionRuleOptions EvictionOptionsFrom(const pybind11::object& sp
       o.ttl_steps = pybind11::cast<int64_t>(item.second);
     } else if (key == "trigger_rows") {
       o.trigger_rows = pybind11::cast<int64_t>(item.second);
+    } else if (key == "admit_after") {
+      o.admit_after = pybind11::cast<int64_t>(item.second);
     } else {
       throw ValueError("eviction: unknown option '" + key +
-                       "' (threshold, decay_rate, ttl_steps, trigger_rows)");
+                       "' (threshold, decay_rate, ttl_steps, trigger_rows, admit_after)");
     }
   }
   return o;

@@ -19,10 +19,12 @@ EvictionRule::EvictionRule(const EvictionRuleOptions& options) : opt_(options) {
   }
   if (opt_.ttl_steps < 0) throw ValueError("eviction ttl_steps must be >= 0");
   if (opt_.trigger_rows < 0) throw ValueError("eviction trigger_rows must be >= 0");
+  if (opt_.admit_after < 0) throw ValueError("admission admit_after must be >= 0");
 }
 
 int64_t EvictionRule::MemoryBytes() const {
-  return static_cast<int64_t>(rows_.capacity() * sizeof(Row) + index_.memory_bytes());
+  return static_cast<int64_t>(rows_.capacity() * sizeof(Row) + index_.memory_bytes() +
+                              seen_.memory_bytes());
 }
 
 bool EvictionRule::Get(int64_t key, double* count, int64_t* last) const {
@@ -33,6 +35,14 @@ bool EvictionRule::Get(int64_t key, double* count, int64_t* last) const {
   return true;
 }
 
+bool EvictionRule::Admit(int64_t key) {
+  if (!opt_.admits() || index_.Find(key) != nullptr) return true;
+  int64_t* n = seen_.FindOrInsert(key, 0).first;
+  if (++*n < opt_.admit_after) return false;
+  seen_.Erase(key);
+  return true;
+}
+
 void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
                           std::vector<int64_t>* out) {
   if (step <= last_step_) {
@@ -40,7 +50,7 @@ void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
                      std::to_string(last_step_));
   }
   last_step_ = step;
-  if (!opt_.enabled()) return;  // nothing to track (invariant 3)
+  if (!opt_.tracks()) return;  // nothing to track (invariant 3)
   for (size_t i = 0; i < n; ++i) {
     auto [pos, inserted] = index_.FindOrInsert(keys[i], static_cast<int64_t>(rows_.size()));
     if (inserted) {
@@ -52,6 +62,7 @@ void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
       r.last = step;
     }
   }
+  if (!opt_.enabled()) return;  // admission only: no rounds
   if (opt_.trigger_rows > 0 && live() <= opt_.trigger_rows) return;
   ++rounds_;
   const size_t first = out->size();

@@ -21,6 +21,8 @@
 //      did not train, and afterwards live() == live before + new keys - evicted keys.
 //   2. Memory: one entry per live key (24 B in a dense array + its map cell).
 //   3. No options (threshold == 0 and ttl_steps == 0): nothing is ever evicted.
+//   4. Admission (admit_after > 1): a key is live only from the step at which it was read in
+//      admit_after steps (counted since it was last evicted); until then it is not trained.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +37,12 @@ struct EvictionRuleOptions {
   double decay_rate = 1.0;   // count rule: per-round factor; REQUIRES in (0, 1]
   int64_t ttl_steps = 0;     // step TTL: evict rows not trained for this many steps (0: off)
   int64_t trigger_rows = 0;  // rounds only while live rows exceed it (0: every boundary)
+  int64_t admit_after = 0;   // admission: an id is trained only from the step at which it
+                             // has appeared in this many steps (<= 1: at once); REQUIRES >= 0
 
   bool enabled() const { return threshold > 0.0 || ttl_steps > 0; }
+  bool admits() const { return admit_after > 1; }
+  bool tracks() const { return enabled() || admits(); }  // keeps the live rows
 };
 
 class EvictionRule {
@@ -59,6 +65,12 @@ class EvictionRule {
   // The count and last trained step of `key` (false: not live). For tests.
   bool Get(int64_t key, double* count, int64_t* last) const;
 
+  // Admission (admit_after > 1): whether `key`, read at the step being added, is trained at
+  // it — live, or read in admit_after steps since it last left (this call counts the step).
+  // A refused id reads as zeros and its gradient is dropped. REQUIRES: once per key per step,
+  // before that step's OnStep.
+  bool Admit(int64_t key);
+
  private:
   struct Row {
     int64_t key;
@@ -68,6 +80,7 @@ class EvictionRule {
   EvictionRuleOptions opt_;
   std::vector<Row> rows_;   // live rows, dense (swap-remove)
   FlatMap<int64_t> index_;  // key -> position in rows_
+  FlatMap<int64_t> seen_;   // admission: steps each not-live id was read in
   int64_t created_ = 0, evicted_ = 0, rounds_ = 0;
   int64_t last_step_ = -1;
 };

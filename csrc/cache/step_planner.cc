@@ -103,7 +103,12 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
       }
       const int64_t k = keys[i];
       auto [v, inserted] = step_map_.FindOrInsert(k, static_cast<int32_t>(uk.size()));
+      if (inserted && !rule_.Admit(k)) *v = -1;  // invariant 9: not trained at this step
       const int32_t idx = *v;
+      if (idx < 0) {
+        if (own) plan.inverse[static_cast<size_t>(i - own_begin)] = -1;
+        continue;
+      }
       if (inserted) {
         uk.push_back(k);
         scratch_.push_back(UnionScratch{1, q, -1});
@@ -166,7 +171,7 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
   }
 
   // Invariant 8: the keys evicted at this step's boundary act as a write at s.
-  if (opt_.eviction.enabled()) {
+  if (opt_.eviction.tracks()) {
     rule_.OnStep(s, uk.data(), n_union, &plan.evicted);
     for (const int64_t k : plan.evicted) {
       KeyState* st = state_.Find(k);  // live keys were trained, so seen

@@ -34,6 +34,9 @@
 //      t's boundary (cache/eviction_rule.h, fed each step's union), the same on every rank.
 //      An eviction acts as a write at step t: a later read's dep is >= t, and r's copy of an
 //      evicted key is invalid from t on (no next_use reaches past it; r drops it after t).
+//   9. Admission (options.eviction.admit_after > 1): an id the rule does not admit at step t
+//      is in no key list of the plan (no read, write or dependency); its positions in r's
+//      batch have inverse -1 (they read as zeros, their gradient is dropped).
 #pragma once
 
 #include <cstdint>

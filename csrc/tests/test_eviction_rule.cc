@@ -125,3 +125,18 @@ TEST_CASE(wire_commit_carries_evicted_keys_in_chunks_of_their_own) {
   CHECK(!wire::ParseCommit(mixed.data(), mixed.size(), &v, &why));
   CHECK(why.find("not both") != std::string::npos);
 }
+
+TEST_CASE(eviction_rule_admits_after_n_steps_and_again_after_eviction) {
+  EvictionRuleOptions o;
+  o.admit_after = 2;
+  o.ttl_steps = 1;
+  EvictionRule r(o);
+  CHECK(!r.Admit(9));                 // step 0: first read, not admitted
+  CHECK(Step(r, 0, {}).empty());
+  CHECK(r.Admit(9));                  // step 1: second step: admitted, trained
+  CHECK(Step(r, 1, {9}).empty());
+  CHECK(r.Admit(9));                  // live: admitted
+  CHECK(Step(r, 2, {}) == std::vector<int64_t>{9});  // TTL 1: evicted
+  CHECK(!r.Admit(9));                 // after an eviction it starts over
+  CHECK_EQ(r.live(), 0);
+}

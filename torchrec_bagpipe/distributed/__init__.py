@@ -39,6 +39,7 @@ _LAZY = {
     "resumed_step": "torchrec_bagpipe.distributed.job_checkpoint",
     "read_manifest": "torchrec_bagpipe.distributed.checkpoint_manifest",
     "StepTTLEvictionPolicy": "torchrec_bagpipe.distributed.virtual_tables",
+    "AdmissionPolicy": "torchrec_bagpipe.distributed.virtual_tables",
 }
 
 

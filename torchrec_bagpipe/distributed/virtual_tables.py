@@ -24,6 +24,8 @@ Policies (TorchRec's ``modules/embedding_configs.py``) map onto `EvictionSpec`:
   ``eviction_ttl_mins == 0`` (then: no eviction / the count rule).
 * ``FeatureL2NormBasedEvictionPolicy``, ``FeatureScoreBasedEvictionPolicy``: refused (they
   need row values or scores at the boundary; not built) unless their threshold is 0.
+* `AdmissionPolicy(admit_after, eviction)` (BagPipe's): an admission filter around one of
+  the above (runtime/eviction.py).
 
 Every refusal is a ValueError naming the table and the policy, raised while the module is
 sharded (before anything opens on the PS).
@@ -31,6 +33,7 @@ sharded (before anything opens on the PS).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchrec.modules.embedding_configs import (
@@ -46,6 +49,7 @@ from torchrec.modules.embedding_configs import (
 from torchrec_bagpipe.runtime.eviction import VIRTUAL_AUTO_CACHE_ROWS, EvictionSpec
 
 __all__ = [
+    "AdmissionPolicy",
     "StepTTLEvictionPolicy",
     "eviction_spec_of",
     "is_virtual",
@@ -62,6 +66,18 @@ class StepTTLEvictionPolicy(VirtualTableEvictionPolicy):
 
     ttl_steps: int = 0
     training_id_eviction_trigger_count: int = 0
+
+
+@dataclass
+class AdmissionPolicy(VirtualTableEvictionPolicy):
+    """BagPipe's admission filter around an eviction policy (beyond TorchRec's policies;
+    Monolith's occurrence threshold): an id is trained only from the step at which it has
+    been read in `admit_after` steps (since it was last evicted); until then it reads as
+    zeros and its gradient is dropped, deterministically on every rank and in the
+    reference. `eviction`: the table's eviction policy (None: never evicts)."""
+
+    admit_after: int = 0
+    eviction: VirtualTableEvictionPolicy | None = None
 
 
 def is_virtual(cfg: BaseEmbeddingConfig) -> bool:
@@ -114,6 +130,14 @@ def eviction_spec_of(cfg: BaseEmbeddingConfig, world_size: int,
             f"{cfg.num_embeddings} (TorchRec's buckets are equal id ranges)"
         )
     p = getattr(cfg, "virtual_table_eviction_policy", None)
+    if isinstance(p, AdmissionPolicy):
+        n = p.admit_after
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name}: AdmissionPolicy.admit_after must be an int >= 0, "
+                             f"got {n!r}")
+        inner = dataclasses.replace(cfg, virtual_table_eviction_policy=p.eviction)
+        spec = eviction_spec_of(inner, world_size, where)
+        return dataclasses.replace(spec, admit_after=n)  # type: ignore[arg-type]
     kind = type(p).__name__
     if p is None or type(p) in (NoEvictionPolicy, VirtualTableEvictionPolicy):
         return EvictionSpec()

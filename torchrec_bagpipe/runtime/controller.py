@@ -245,7 +245,7 @@ class BagPipeController:
             rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
             collective=collective, collectives=collectives, worker=self._worker,
             metrics=self.metrics_, timeout=self._timeout,
-            eviction=self.eviction.native() if virtual and self.eviction.enabled else None,
+            eviction=self.eviction.native() if virtual and self.eviction.tracks else None,
         )
         self._prefetch = PrefetchScheduler(
             meta=self._meta, port=self._port, metrics=self.metrics_, device=self.device,
@@ -362,6 +362,8 @@ class BagPipeController:
         n = step.plan.unique_keys.size
         if grad.dtype != torch.float32:
             raise TypeError(f"finish_step: grad must be float32, got {grad.dtype}")
+        if step.rows.shape[0] == n + 1 and tuple(grad.shape) == (n + 1, self.dim):
+            grad = grad[:n]  # admission: the zero row's gradient is dropped
         if tuple(grad.shape) != (n, self.dim):
             raise ValueError(
                 f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
@@ -520,6 +522,11 @@ class BagPipeController:
         self._finish_plan = work.finish
         plan = prepared.plan
         inverse = torch.from_numpy(plan.inverse)
+        if inverse.numel() and int(inverse.min()) < 0:
+            # Admission: ids not admitted at this step read one zero row after the unique
+            # rows (their gradient row is dropped by finish_step).
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+            inverse = torch.where(inverse < 0, plan.unique_keys.size, inverse)
         if self.device.type != "cpu":
             inverse = inverse.to(self.device, non_blocking=True)
         rows.requires_grad_(True)

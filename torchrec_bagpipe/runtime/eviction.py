@@ -12,7 +12,11 @@ reference agree on it without any extra message. The rule (docs/virtual_tables.m
   trained at t is evicted when ``threshold > 0 and count < threshold`` or ``ttl_steps > 0 and
   t - last >= ttl_steps``;
 * an evicted row leaves the PS with its optimizer state; the next step that trains it
-  recreates it from its initial value and zero state.
+  recreates it from its initial value and zero state;
+* admission (``admit_after > 1``): an id not live is trained only from the step at which it
+  has been read in ``admit_after`` steps (since it last left); before, it is in no plan (no
+  fetch, commit or dependency), its rows read as zeros (one zero row after the step's
+  unique rows: ``Step.inverse`` points there) and its gradient is dropped.
 
 Rank 0 sends each step's evicted keys with its commit of the step (``PSClient.commit_async(...,
 evict=)``); the shards erase them before serving any read of the step. The planner treats an
@@ -43,6 +47,8 @@ class EvictionSpec:
     decay_rate: float = 1.0   # count rule: factor applied to every count each round, (0, 1]
     ttl_steps: int = 0        # step TTL: evict rows not trained for this many steps (0: off)
     trigger_rows: int = 0     # rounds run only while live rows exceed this (0: every step)
+    admit_after: int = 0      # admission: an id is trained only once read in this many steps
+                              # (<= 1: at once); until then it reads zeros, its gradient dropped
 
     def __post_init__(self) -> None:
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
@@ -52,16 +58,23 @@ class EvictionSpec:
         if not (isinstance(self.decay_rate, (int, float)) and 0 < self.decay_rate <= 1):
             raise ValueError(f"EvictionSpec.decay_rate must lie in (0, 1], got "
                              f"{self.decay_rate!r}")
-        for name in ("ttl_steps", "trigger_rows"):
+        for name in ("ttl_steps", "trigger_rows", "admit_after"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"EvictionSpec.{name} must be an int >= 0, got {v!r}")
 
     @property
     def enabled(self) -> bool:
+        """Whether rows are ever evicted."""
         return self.threshold > 0 or self.ttl_steps > 0
+
+    @property
+    def tracks(self) -> bool:
+        """Whether the planner keeps the rule (eviction or admission)."""
+        return self.enabled or self.admit_after > 1
 
     def native(self) -> dict[str, Any]:
         """The options of the native rule (``C.EvictionRule``, ``C.StepPlanner(eviction=)``)."""
         return {"threshold": float(self.threshold), "decay_rate": float(self.decay_rate),
-                "ttl_steps": int(self.ttl_steps), "trigger_rows": int(self.trigger_rows)}
+                "ttl_steps": int(self.ttl_steps), "trigger_rows": int(self.trigger_rows),
+                "admit_after": int(self.admit_after)}

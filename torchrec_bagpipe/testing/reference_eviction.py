@@ -29,17 +29,30 @@ class ReferenceEvictionRule:
         self.evicted = 0
         self.rounds = 0
         self._last_step = -1
+        self.seen: dict[int, int] = {}  # admission: steps each not-live id was read in
 
     @property
     def live(self) -> int:
         return len(self.rows)
+
+    def admit(self, key: int) -> bool:
+        """Admission (call once per key per step, before `on_step`): whether `key` is
+        trained at this step."""
+        if self.spec.admit_after <= 1 or key in self.rows:
+            return True
+        n = self.seen.get(key, 0) + 1
+        if n < self.spec.admit_after:
+            self.seen[key] = n
+            return False
+        self.seen.pop(key, None)
+        return True
 
     def on_step(self, step: int, keys: Iterable[int]) -> list[int]:
         if step <= self._last_step:
             raise ValueError(f"step {step} after step {self._last_step}")
         self._last_step = step
         s = self.spec
-        if not s.enabled:
+        if not s.tracks:
             return []
         for k in {int(k) for k in keys}:
             row = self.rows.get(k)
@@ -49,7 +62,7 @@ class ReferenceEvictionRule:
             else:
                 row[0] = float(row[0]) + 1.0
                 row[1] = step
-        if s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows:
+        if not s.enabled or (s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows):
             return []
         self.rounds += 1
         out = []

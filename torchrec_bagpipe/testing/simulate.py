@@ -306,11 +306,22 @@ def reference_run_with_state(
     for t, per_rank in enumerate(trace):
         W = len(per_rank)
         keys_by_rank, grads_by_rank = [], []
+        # Admission: the ids the rule trains at this step (each decided once per step, in
+        # rank order of first occurrence, as the planner); the others read a zero row.
+        admitted: dict[int, bool] = {}
+        for r in range(W):
+            for k in np.asarray(per_rank[r], dtype=np.int64).tolist():
+                if k not in admitted:
+                    admitted[k] = rule.admit(k) if rule is not None else True
         for r in range(W):
             keys = np.asarray(per_rank[r], dtype=np.int64)
             _, first = np.unique(keys, return_index=True)
             uniq = keys[np.sort(first)]  # first-occurrence order, as the planner
+            refused = np.array([not admitted[int(k)] for k in uniq], dtype=bool)
+            uniq = uniq[~refused]
             rows = values[uniq]
+            if refused.any():
+                rows = np.concatenate([rows, np.zeros((1, rows.shape[1]), np.float32)])
             if reads is not None:
                 got = reads[(t, r)]
                 if got.shape != rows.shape or not np.array_equal(
@@ -323,7 +334,7 @@ def reference_run_with_state(
                         f"{[int(uniq[i]) for i in bad[:5]]} differ from the PS after step {t - 1}"
                     )
             keys_by_rank.append(uniq)
-            grads_by_rank.append(grad_fn(t, r, uniq, rows))
+            grads_by_rank.append(grad_fn(t, r, uniq, rows)[:uniq.size])
         reference_optimizer_step(values, state, keys_by_rank, grads_by_rank, lr_of(t), W, divide,
                                  spec)
         if rule is not None:
