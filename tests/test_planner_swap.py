@@ -143,9 +143,16 @@ def test_torchrecs_planner_keeps_its_own_estimates_and_constraints():
     # ParameterConstraints: TorchRec applies them itself (the rule's side is then absent).
     constraints = {"t3": ParameterConstraints(sharding_types=["table_wise"]),
                    "t0": ParameterConstraints(compute_kernels=[BAGPIPE_KERNEL])}
-    plan = EmbeddingShardingPlanner(topology=_topology(), batch_size=32,
-                                    constraints=constraints).plan(_model(), sharders)
+    planner = EmbeddingShardingPlanner(topology=_topology(), batch_size=32,
+                                       constraints=constraints)
+    plan = planner.plan(_model(), sharders)
     assert _kernels(plan)["t3"][0] == "table_wise" and "t0" in _on_bagpipe(plan)
+    # A table left one side keeps TorchRec's own estimates (no penalty), so it cannot mask
+    # the penalties of the others (the rating is the busiest rank's).
+    assert all(so.total_perf < PENALTY_MS for so in planner.get_search_space()
+               if so.name in ("t3", "t0"))
+    assert _on_bagpipe(plan) == _on_bagpipe(BagPipeShardingPlanner(
+        topology=_topology(), batch_size=32, constraints=constraints).plan(_model(), sharders))
 
 
 def _adam_ec(dtype: DataType = DataType.FP32) -> EmbeddingCollection:

@@ -254,7 +254,14 @@ def registered_placement(table: str, device: str) -> tuple[bool, str] | None:
 
 
 class BagPipeAwarePerfConfig(EmbeddingPerfEstimatorConfig):
-    """TorchRec's default perf config, plus BagPipe options (module docstring)."""
+    """TorchRec's default perf config, plus BagPipe options (module docstring).
+
+    The penalty is order-free: a table's options are estimated one after another, in any
+    order, within one `estimate` of TorchRec's perf estimator; each option's shard perfs
+    pass through `post_process_perfs`, which keeps them by table. An option of the side the
+    rule did not choose carries `PENALTY_MS` as soon as the table has an option of the
+    chosen side too (seen before or after it), so a table whose constraints leave only one
+    side keeps TorchRec's own estimates."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -262,6 +269,12 @@ class BagPipeAwarePerfConfig(EmbeddingPerfEstimatorConfig):
         # The planned device: TorchRec asks `get_device_bw` for every sharding option before
         # it estimates any of the option's shards.
         self._device = "cuda"
+        # The option being estimated: (table, its rows, dim, on BagPipe), from its contexts.
+        self._current: tuple[str, int, int, bool] | None = None
+        # Per (table, rows, dim): its options' shard perfs by side (True: BagPipe) and
+        # whether each is penalized.
+        self._seen: dict[tuple[str, int, int], dict[bool, list[list[Perf]]]] = {}
+        self._penalized: set[int] = set()
 
     def get_device_bw(self, compute_device: str, compute_kernel: str, hbm_mem_bw: float,
                       ddr_mem_bw: float, ssd_mem_bw: float, hbm_to_ddr_mem_bw: float,
@@ -282,38 +295,61 @@ class BagPipeAwarePerfConfig(EmbeddingPerfEstimatorConfig):
                             min(rows, config.cache_rows(rows)), ctx.device_bw,
                             ctx.bwd_compute_multiplier)
 
-    def _penalty(self, ctx: ShardPerfContext) -> float:
-        placed = registered_placement(ctx.table_name, self._device)
-        if placed is None:
-            return 0.0
-        return PENALTY_MS if placed[0] != (ctx.compute_kernel == BAGPIPE_KERNEL) else 0.0
-
     def _stock(self, ctx: ShardPerfContext):  # TorchRec's evaluator for the option
         return get_embedding_perf_sharding_evaluator(ctx.sharding_type, ctx.is_inference)
 
+    def _note(self, ctx: ShardPerfContext) -> bool:
+        on_bagpipe = ctx.compute_kernel == BAGPIPE_KERNEL
+        self._current = (ctx.table_name, int(ctx.hash_size_for_clamping), int(ctx.emb_dim),
+                         on_bagpipe)
+        return on_bagpipe
+
     @forward_compute
     def bagpipe_fwd_compute(self, ctx: ShardPerfContext) -> float:
-        value = (self._bagpipe(ctx).fwd_compute if ctx.compute_kernel == BAGPIPE_KERNEL
-                 else self._stock(ctx).compute_fwd_comp(ctx, self._torchrec))
-        return value + self._penalty(ctx)
+        if self._note(ctx):
+            return self._bagpipe(ctx).fwd_compute
+        return self._stock(ctx).compute_fwd_comp(ctx, self._torchrec)
 
     @backward_compute
     def bagpipe_bwd_compute(self, ctx: ShardPerfContext) -> float:
-        if ctx.compute_kernel == BAGPIPE_KERNEL:
+        if self._note(ctx):
             return 0.0 if ctx.is_inference else self._bagpipe(ctx).bwd_compute
         return self._stock(ctx).compute_bwd_comp(ctx, self._torchrec)
 
     @fwd_comms
     def bagpipe_fwd_comms(self, ctx: ShardPerfContext) -> float:
-        if ctx.compute_kernel == BAGPIPE_KERNEL:
+        if self._note(ctx):
             return self._bagpipe(ctx).fwd_comms
         return self._stock(ctx).compute_fwd_comms(ctx, self._torchrec)
 
     @bwd_comms
     def bagpipe_bwd_comms(self, ctx: ShardPerfContext) -> float:
-        if ctx.compute_kernel == BAGPIPE_KERNEL:
+        if self._note(ctx):
             return 0.0 if ctx.is_inference else self._bagpipe(ctx).bwd_comms
         return self._stock(ctx).compute_bwd_comms(ctx, self._torchrec)
+
+    def post_process_perfs(self, shard_perfs: list[Perf], shard_sizes: list[list[int]],
+                           sharding_type: str, uneven_sharding_perf_multiplier: float = 1.0,
+                           ) -> list[Perf]:
+        perfs = self._torchrec.post_process_perfs(shard_perfs, shard_sizes, sharding_type,
+                                                  uneven_sharding_perf_multiplier)
+        current, self._current = self._current, None
+        if current is None:
+            return perfs
+        table, rows, dim, on_bagpipe = current
+        placed = registered_placement(table, self._device)
+        if placed is None:
+            return perfs
+        sides = self._seen.setdefault((table, rows, dim), {True: [], False: []})
+        sides[on_bagpipe].append(perfs)
+        chosen = placed[0]
+        if sides[chosen]:  # the chosen side exists: penalize every option of the other
+            for option in sides[not chosen]:
+                for perf in option:
+                    if id(perf) not in self._penalized:
+                        self._penalized.add(id(perf))
+                        perf.fwd_compute += PENALTY_MS
+        return perfs
 
 
 EmbeddingPerfEstimatorFactory.register(DEFAULT_PERF_ESTIMATOR)(BagPipeAwarePerfConfig)
