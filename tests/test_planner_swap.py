@@ -282,3 +282,23 @@ def test_the_package_replaces_nothing_of_torchrecs():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_an_all_bagpipe_plan_is_written_without_torchrecs_warnings(caplog):
+    from torchrec.distributed.planner.types import PlannerError
+
+    model = _model()
+    del model.ebc.embedding_bags["fp16"]  # every table then goes to BagPipe
+    model.ebc._embedding_bag_configs = [c for c in model.ebc.embedding_bag_configs()
+                                        if c.name != "fp16"]
+    sharders = bagpipe_sharders(fused_params=LR)
+    with caplog.at_level("WARNING"):
+        plan = BagPipeShardingPlanner(topology=_topology(), batch_size=32).plan(model, sharders)
+    assert _on_bagpipe(plan) == set(_kernels(plan)) and len(_kernels(plan)) == 8
+    assert list(plan.plan["ebc"]) == list(ROWS) and "BagPipe first" in str(plan)
+    assert not [r for r in caplog.records if "Sharding spec not found" in r.getMessage()]
+    # The caches must still fit in the ranks' memory.
+    with pytest.raises(PlannerError, match="caches"):
+        BagPipeShardingPlanner(topology=Topology(world_size=2, compute_device="cpu",
+                                                 ddr_cap=10_000), batch_size=32
+                               ).plan(model, sharders)

@@ -33,6 +33,8 @@ from torchrec.distributed.planner.types import (
     ParameterConstraints,
     PlannerError,
     PlannerErrorType,
+    ShardingOption,
+    Storage,
     Topology,
 )
 from torchrec.distributed.sharding_plan import ParameterShardingGenerator
@@ -247,6 +249,9 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
                                             on_bagpipe),
                 ],
             )
+        options = self._enumerator.enumerate(module, sharders)  # cached for super().plan
+        if options and all(so.compute_kernel == BAGPIPE_KERNEL for so in options):
+            return self._bagpipe_only(module, sharders, options, placements)
         plan = super().plan(module, sharders)
         served = {p.module for p in placements}
         for path, module_plan in list(plan.plan.items()):
@@ -261,3 +266,33 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
             else:
                 module_plan.update(fixed)  # type: ignore[attr-defined]
         return plan
+
+    def _bagpipe_only(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]],
+                      options: list[ShardingOption], placements: list[TablePlacement]
+                      ) -> ShardingPlan:
+        """The plan when every table is on BagPipe: nothing for TorchRec's planner to choose
+        (each table is data-parallel on the BagPipe kernel), so it is written here, after
+        checking that the tables' caches fit in every rank's memory left by the storage
+        reservation (TorchRec's planner would also log a warning for each data-parallel
+        table: its plan has no sharding spec)."""
+        world = self._topology.world_size
+        left = self._storage_reservation.reserve(
+            topology=self._topology, batch_size=self._batch_size, module=module,
+            sharders=sharders, constraints=self._constraints)
+        used = [Storage(hbm=0, ddr=0) for _ in range(world)]
+        for so in options:
+            for rank, shard in enumerate(so.shards):
+                if shard.storage is not None:
+                    used[rank] = used[rank] + shard.storage
+        for rank, device in enumerate(left.devices):
+            if not used[rank].fits_in(device.storage):
+                raise PlannerError(
+                    error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
+                    message=f"BagPipe tables' caches need {used[rank]} on rank {rank}, which "
+                            f"has {device.storage} after the storage reservation")
+        plan: dict[str, EmbeddingModuleShardingPlan] = {}
+        for p in placements:
+            module_plan = plan.setdefault(p.module, BagPipeModuleShardingPlan())
+            module_plan[p.table] = bagpipe_parameter_sharding(world, list(range(world)), p.table)
+            module_plan.reasons[p.table] = p.reason  # type: ignore[attr-defined]
+        return ShardingPlan(plan)  # type: ignore[arg-type]
