@@ -290,6 +290,11 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
                     error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
                     message=f"BagPipe tables' caches need {used[rank]} on rank {rank}, which "
                             f"has {device.storage} after the storage reservation")
+        for so in options:  # data-parallel: one shard per rank
+            for rank, shard in enumerate(so.shards):
+                shard.rank = rank
+        self._search_space = options
+        self._best_plan = options
         plan: dict[str, EmbeddingModuleShardingPlan] = {}
         for p in placements:
             module_plan = plan.setdefault(p.module, BagPipeModuleShardingPlan())
