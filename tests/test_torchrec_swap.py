@@ -83,9 +83,21 @@ def _build(case: S.Case, world: int, how: str) -> tuple[Any, Any, Any]:
                 fused_params=fused_params), local_size=world, world_size=world,
             device_type="cpu")
         plan = ShardingPlan({"ebc": module_plan})
+    elif how in ("stock_plan", "stock_plan_torchrec"):
+        # A plan by TorchRec's planner without the BagPipe sharders.
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+        stock = [EmbeddingBagCollectionSharder(fused_params=fused_params)]
+        plan = EmbeddingShardingPlanner(
+            topology=TopologyFactory.create_topology(
+                TrainerConfig(world_size=world, local_world_size=world),
+                kernel_config=KernelConfig(compute_device="cpu")),
+            batch_size=case.batch).collective_plan(model, stock, dist.GroupMember.WORLD)
+        if how == "stock_plan_torchrec":
+            sharders = stock  # type: ignore[assignment]
     dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan,
                                    sharders=sharders)  # type: ignore[arg-type]
-    if case.stock_tables():
+    if case.stock_tables() or how.startswith("stock_plan"):
         dmp.load_state_dict(initial)  # TorchRec's stock kernels do not keep the weights
     return dmp, _dense_sgd(dmp), dmp.plan
 
@@ -146,6 +158,14 @@ def _swaps(rank: int, world: int) -> list[str]:
         if rank == 0:
             problems += S.compare(state, S.train_reference(case, world), f"{how}: "
                                   f"{case.label()}", rtol=1e-4, atol=1e-5)
+    # A plan by a stock planner without the BagPipe sharders, given to DMP with them: TorchRec's
+    # own modules, trained exactly as with TorchRec's sharders.
+    case = S.Case(kind="dlrm", steps=STEPS, seed=6)
+    ours, plan = _train(case, rank, world, "stock_plan")
+    theirs, _ = _train(case, rank, world, "stock_plan_torchrec")
+    if _kernels(plan) and BAGPIPE_KERNEL in _kernels(plan).values():
+        problems.append("the stock plan names the BagPipe kernel")
+    problems += S.compare(ours, theirs, "stock plan with the BagPipe sharders", rtol=0, atol=0)
     return problems
 
 
