@@ -15,6 +15,8 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -302,3 +304,40 @@ def test_an_all_bagpipe_plan_is_written_without_torchrecs_warnings(caplog):
         BagPipeShardingPlanner(topology=Topology(world_size=2, compute_device="cpu",
                                                  ddr_cap=10_000), batch_size=32
                                ).plan(model, sharders)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lookups=st.integers(0, 10**6), rows=st.integers(1, 10**7), dim=st.integers(1, 512),
+       cache=st.integers(0, 10**7))
+def test_step_traffic_is_bounded_by_the_lookups_the_rows_and_the_cache(lookups, rows, dim,
+                                                                        cache):
+    from torchrec_bagpipe.distributed.estimators import bagpipe_perf
+    from torchrec_bagpipe.distributed.perf_model import DEFAULT_PS_LINK, step_traffic
+
+    t = step_traffic(lookups, rows, dim, cache)
+    assert 0 <= t.fetched_rows <= t.unique <= min(lookups, rows)
+    assert t.commit_bytes == t.unique * (dim * 4 + 8)
+    if cache >= rows:
+        assert t.fetched_rows == 0 and t.fetch_bytes == 0
+    # More cache never fetches more; the link's time grows with the bytes.
+    more = step_traffic(lookups, rows, dim, cache + rows // 2 + 1)
+    assert more.fetched_rows <= t.fetched_rows
+    perf = bagpipe_perf(lookups, rows, dim, cache, device_bw=1e7, bwd_compute_multiplier=2)
+    assert perf.bwd_comms == pytest.approx(DEFAULT_PS_LINK.commit_ms(t.commit_bytes))
+    assert perf.fwd_comms >= 1e3 * t.fetch_bytes / DEFAULT_PS_LINK.bytes_per_s - 1e-12
+    assert perf.bwd_compute == pytest.approx(2 * perf.fwd_compute)
+
+
+def test_capability_table():
+    from torchrec_bagpipe.distributed.capability import stock_cannot_train
+
+    fp32 = EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=4, feature_names=["f"])
+    bf16 = EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=4, feature_names=["f"],
+                           data_type=DataType.BF16)
+    for opt in ("EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD", None):
+        assert stock_cannot_train(fp32, opt, "cpu") is None
+        assert stock_cannot_train(fp32, opt, "cuda") is None
+    assert "adam" in stock_cannot_train(fp32, "ADAM", "cpu")
+    assert stock_cannot_train(fp32, "ADAM", "cuda") is None
+    assert "bf16" in stock_cannot_train(bf16, None, "cpu").lower()
+    assert stock_cannot_train(bf16, None, "cuda") is None

@@ -2,20 +2,21 @@
 
 * `BagPipeShardingPlanner` is a drop-in for `EmbeddingShardingPlanner` (same constructor,
   `plan`, `collective_plan`). It first places every table of every EmbeddingBagCollection /
-  EmbeddingCollection a BagPipe sharder serves (placement.py: `ParameterConstraints` force
-  either side; otherwise tables over `BagPipeConfig.placement_min_rows` rows or
-  `placement_memory_fraction` of a rank's device memory go to BagPipe, the rest keep stock
-  TorchRec sharding), then runs TorchRec's planner with each table constrained to its side:
-  BagPipe tables data-parallel on the BagPipe kernel, stock tables on the stock kernels
-  (what TorchRec's own planner would choose for them). When the stock tables do not fit,
-  the largest unforced ones move to BagPipe and it plans again. Its estimators accept the
-  BagPipe kernel and charge only the cache and its metadata to device memory (the rows live
-  in the PS); every other sharding option goes to TorchRec's own estimators. The plan's
-  module plans print where each table's rows live (`str(plan)`, TorchRec's plan table);
-  `last_placements` says why.
+  EmbeddingCollection a BagPipe sharder serves by the placement rule (placement.py
+  `place_table`, the rule TorchRec's own planner follows too: constraints, capability, the
+  opt-in size rule, BagPipe first), then runs TorchRec's planner with each table constrained
+  to its side: BagPipe tables data-parallel on the BagPipe kernel, stock tables on the stock
+  kernels (what TorchRec's own planner would choose for them). When every table is on
+  BagPipe it writes the plan itself (nothing to choose) after checking the caches fit. When
+  the stock tables do not fit, the largest unforced ones move to BagPipe and it plans again.
+  Its estimators (estimators.py) charge a BagPipe table only its cache and metadata (the
+  rows live in the PS); every other sharding option goes to TorchRec's own estimators. The
+  plan's module plans print where each table's rows live and why (`str(plan)`, TorchRec's
+  plan table); `last_placements` holds the same.
 * `bagpipe_plan(module, world_size, stock=...)` builds a plan by hand, without the planner:
   every table on BagPipe, except those `stock` maps to one of TorchRec's
-  `ParameterShardingGenerator`s (`table_wise(rank=0)`, `row_wise()`, `data_parallel()`...).
+  `ParameterShardingGenerator`s (`table_wise(rank=0)`, `row_wise()`, `data_parallel()`...);
+  plan_helpers.py's `bagpipe()` is the generator for TorchRec's own helpers.
 """
 
 from __future__ import annotations
