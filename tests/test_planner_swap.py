@@ -216,6 +216,10 @@ def test_print_plan_says_why_each_table_went_where_it_did():
     assert "FP16" in lines["fp16"]
     reasons = {p.table: p.reason for p in planner.last_placements}
     assert all(reasons[n] in lines[n] for n in reasons)
+    # collective_plan broadcasts the plan pickled: the reasons travel with it.
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(plan))) == text
 
 
 def test_plan_helpers_mix_bagpipe_and_stock_tables():
