@@ -127,16 +127,19 @@ class BagPipeConfig:
     placement_min_rows: int | None = field(
         default=None,
         metadata=_help(
-            "BagPipeShardingPlanner: tables with at least this many rows go to BagPipe (0: "
-            "every table); unset: the size rule of placement_memory_fraction alone"
+            "placement (both planners): tables with at least this many rows go to BagPipe, "
+            "smaller ones keep TorchRec's stock sharding (0: every table); unset (and "
+            "placement_memory_fraction unset): every table a BagPipe sharder can serve goes "
+            "to BagPipe"
         ),
     )
-    placement_memory_fraction: float = field(
-        default=0.01,
+    placement_memory_fraction: float | None = field(
+        default=None,
         metadata=_help(
-            "BagPipeShardingPlanner: tables larger than this fraction of one rank's device "
+            "placement (both planners): tables larger than this fraction of one rank's device "
             "memory (the topology's HBM on CUDA, DDR on CPU) go to BagPipe; smaller tables "
-            "keep TorchRec's stock sharding (ParameterConstraints force either side)"
+            "keep TorchRec's stock sharding (ParameterConstraints force either side); unset: "
+            "no size rule"
         ),
     )
     gradient_division: bool | None = field(
@@ -281,7 +284,8 @@ class BagPipeConfig:
             raise ValueError(
                 f"BagPipeConfig.placement_min_rows must be >= 0, got {self.placement_min_rows}"
             )
-        if not 0.0 <= self.placement_memory_fraction <= 1.0:
+        if (self.placement_memory_fraction is not None
+                and not 0.0 <= self.placement_memory_fraction <= 1.0):
             raise ValueError(
                 "BagPipeConfig.placement_memory_fraction must be in [0, 1], got "
                 f"{self.placement_memory_fraction}"

@@ -26,11 +26,11 @@ Compared with TorchRec's script, the differences are the sharder
 (`BagPipeEmbeddingBagCollectionSharder`), the planner (`BagPipeShardingPlanner`) and the
 pipeline (`BagPipeTrainPipeline`, which adds a lookahead window); ``--sharder torchrec``
 runs the stock path (tables local to the trainers) for comparison. The planner places each
-table by size: tables over ``--placement-memory-fraction`` of a rank's memory (or with at
-least ``--placement-min-rows`` rows) go to BagPipe, the small ones keep TorchRec's stock
-sharding in the same EmbeddingBagCollection; rank 0 prints the placement (one line, and
-TorchRec's plan table with ``--print_sharding_plan``). ``--placement-min-rows 0`` puts
-every table on BagPipe.
+table by the placement rule (distributed/placement.py): every table BagPipe can serve goes
+to BagPipe unless ``--placement-min-rows`` / ``--placement-memory-fraction`` (opt-in size
+rule) keep the small ones on TorchRec's stock sharding in the same EmbeddingBagCollection;
+rank 0 prints the placement (one line, and the plan table with where and why with
+``--print_sharding_plan``). ``--placement-min-rows 0`` puts every table on BagPipe.
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ from torchrec.distributed.model_parallel import (
     DistributedModelParallel,
     get_default_sharders,
 )
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.storage_reservations import (
-    HeuristicalStorageReservation,
+    FixedPercentageStorageReservation,
 )
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -149,9 +150,11 @@ def shard(args: argparse.Namespace, train_model: DLRMTrain, device: torch.device
     apply_optimizer_in_backward(embedding_optimizer[0],
                                 train_model.model.sparse_arch.parameters(),
                                 dict(embedding_optimizer[1]))
-    topology = Topology(local_world_size=get_local_size(), world_size=dist.get_world_size(),
-                        compute_device=device.type)
-    reservation = HeuristicalStorageReservation(percentage=0.05)
+    # As TorchRec 1.9 asks: the topology through TopologyFactory, a fixed reservation.
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=dist.get_world_size(), local_world_size=get_local_size()),
+        kernel_config=KernelConfig(compute_device=device.type))
+    reservation = FixedPercentageStorageReservation(percentage=0.05)
     config: BagPipeConfig | None = None
     if args.sharder == "bagpipe":
         config = BagPipeConfig.from_args(args)
