@@ -274,3 +274,47 @@ def test_kill_during_an_incremental_write_leaves_the_previous_point(tmp_path: Pa
     assert loaded.checkpoint(path, step + 1, full_every=1000, chain_fraction=1e9)["incremental"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".chain.tmp-")]
     assert len(EmbeddingStore.load(path)) == rows
+
+
+# ---- the PS shard's periodic checkpoints ----------------------------------------------------
+def _contents(store: EmbeddingStore) -> dict[int, tuple[bytes, bytes]]:
+    out = {}
+    for k, r, x in store.export(with_state=True):
+        for key, row, s in zip(k.tolist(), r.numpy(), x.numpy()):
+            out[key] = (row.tobytes(), s.tobytes())
+    return out
+
+
+def test_periodic_shard_checkpoints_chain_and_restore_bitwise(tmp_path: Path) -> None:
+    from torchrec_bagpipe.ps import PSClient, PSShard, ShardSpec
+
+    spec = ShardSpec(checkpoint_dir=tmp_path / "ck", checkpoint_every=1,
+                     checkpoint_full_every=3, checkpoint_chain_fraction=10.0)
+    shard = PSShard(spec)
+    rng = np.random.default_rng(0)
+    with PSClient([shard], table="emb", dim=8, lr=0.1, init="uniform", init_bound=0.5,
+                  seed=3, optimizer="adagrad", timeout=20.0) as c:
+        for step in range(8):
+            keys = torch.from_numpy(rng.zipf(1.2, 300).astype(np.int64) % 5000)
+            c.commit(step, keys, torch.from_numpy(rng.standard_normal((300, 8), np.float32)))
+    stats = shard.table_stats("emb")
+    # Links 1, 2, 3, 4, then a full base (compaction) and 2, 3, 4 again.
+    assert (stats["checkpoints"], stats["incremental_checkpoints"]) == (8, 6), stats
+    assert stats["checkpoint_links"] == 4
+    table = tmp_path / "ck" / "table-emb"
+    info = EmbeddingStore.checkpoint_info(table)
+    assert [link["step"] for link in info["chain"]] == [4, 5, 6, 7]
+    assert info["meta"]["committed_step"] == "7"
+    # Another directory gets a full checkpoint; both load as the same table.
+    assert shard.checkpoint(tmp_path / "full") == {"emb": 7}
+    full = EmbeddingStore.checkpoint_info(tmp_path / "full" / "table-emb")
+    assert len(full["chain"]) == 1
+    assert _contents(EmbeddingStore.load(table)) == _contents(
+        EmbeddingStore.load(tmp_path / "full" / "table-emb"))
+    restored = PSShard(spec, restore=True)
+    assert restored.restored == {"emb": 7}
+    keys = torch.arange(5000)
+    assert torch.equal(restored.lookup("emb", keys, with_state=True).view(torch.int32),
+                       shard.lookup("emb", keys, with_state=True).view(torch.int32))
+    shard.close()
+    restored.close()
