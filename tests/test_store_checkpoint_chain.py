@@ -222,6 +222,7 @@ def _expected(step: int, rows: int, dim: int) -> tuple[torch.Tensor, torch.Tenso
     return s.lookup_with_state(keys, insert_missing=False)
 
 
+@pytest.mark.slow
 def test_kill_during_an_incremental_write_leaves_the_previous_point(tmp_path: Path) -> None:
     rows, dim = 60000, 16
     path = tmp_path / "chain"
