@@ -215,10 +215,11 @@ class EmbeddingStore::Impl {
   void ClearTracking();
   // The manifest fields that describe this store (format head, layout, optimizer).
   Manifest ManifestHead(bool weights_only) const;
-  // Writes one segment per hash shard into writer, files "<prefix>keys-SSSS.bin" etc.: every
-  // stored row, or only the dirty ones; with their state when with_state.
+  // Writes `groups` segments into writer, each the rows of a contiguous range of hash shards
+  // in shard order, files "<prefix>keys-GGGG.bin" etc.: every stored row, or only the dirty
+  // ones; with their state when with_state. REQUIRES: 1 <= groups <= num_shards.
   std::vector<SegmentEntry> WriteSegments(CheckpointWriter& writer, const std::string& prefix,
-                                          bool with_state, bool dirty_only);
+                                          bool with_state, bool dirty_only, size_t groups);
   // Checkpoint's two outcomes.
   CheckpointResult WriteBase(const std::string& dir, int64_t step,
                              const std::map<std::string, std::string>& meta);

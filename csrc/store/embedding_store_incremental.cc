@@ -122,7 +122,7 @@ CheckpointResult EmbeddingStore::Impl::WriteBase(const std::string& dir, int64_t
   CheckpointWriter writer(dir);
   Manifest m = ManifestHead(/*weights_only=*/false);
   m.meta = meta;
-  m.segments = WriteSegments(writer, "", state_dim_ > 0, /*dirty_only=*/false);
+  m.segments = WriteSegments(writer, "", state_dim_ > 0, /*dirty_only=*/false, num_shards_);
   for (const auto& seg : m.segments) m.rows += seg.count;
   m.chain.id = NewChainId();
   m.chain.base_step = step;
@@ -177,7 +177,9 @@ CheckpointResult EmbeddingStore::Impl::WriteIncrement(
     f.Write(deleted.data(), deleted.size() * sizeof(int64_t));
     inc.deletions = f.Finish();
   }
-  inc.segments = WriteSegments(writer, prefix, state_dim_ > 0, /*dirty_only=*/true);
+  // One segment per store thread: an increment is small, and each file costs an fsync.
+  const size_t groups = std::min<size_t>(num_shards_, static_cast<size_t>(pool_.num_threads()));
+  inc.segments = WriteSegments(writer, prefix, state_dim_ > 0, /*dirty_only=*/true, groups);
   for (const auto& seg : inc.segments) inc.rows += seg.count;
   for (const auto& sh : shards_) inc.total_rows += sh->map.size();
 

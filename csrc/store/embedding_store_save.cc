@@ -69,17 +69,18 @@ Manifest EmbeddingStore::Impl::ManifestHead(bool weights_only) const {
 
 std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& writer,
                                                               const std::string& prefix,
-                                                              bool with_state, bool dirty_only) {
-  std::vector<SegmentEntry> segments(num_shards_);
-  pool_.Run(num_shards_, [&](size_t s) {
+                                                              bool with_state, bool dirty_only,
+                                                              size_t groups) {
+  std::vector<SegmentEntry> segments(groups);
+  pool_.Run(groups, [&](size_t g) {
     char name[32];
-    std::snprintf(name, sizeof(name), "keys-%04zu.bin", s);
+    std::snprintf(name, sizeof(name), "keys-%04zu.bin", g);
     CheckpointWriter::File keys = writer.Create(prefix + name);
-    std::snprintf(name, sizeof(name), "rows-%04zu.bin", s);
+    std::snprintf(name, sizeof(name), "rows-%04zu.bin", g);
     CheckpointWriter::File rows = writer.Create(prefix + name);
     std::optional<CheckpointWriter::File> state;
     if (with_state) {
-      std::snprintf(name, sizeof(name), "state-%04zu.bin", s);
+      std::snprintf(name, sizeof(name), "state-%04zu.bin", g);
       state.emplace(writer.Create(prefix + name));
     }
     // Stage rows in chunks so each file write is large.
@@ -98,24 +99,28 @@ std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& 
       rbuf.clear();
       sbuf.clear();
     };
-    const KeyMap& map = shards_[s]->map;
     uint64_t count = 0;
-    for (size_t b = 0; b < map.capacity(); ++b) {
-      const KeyMap::Entry& e = map.entries()[b];
-      if (e.tag == 0) continue;
-      if (dirty_only && !IsDirty(e.tag - 1)) continue;
-      kbuf.push_back(e.key);
-      const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
-      rbuf.insert(rbuf.end(), r, r + dim_);
-      if (with_state) {
-        const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
-        sbuf.insert(sbuf.end(), st, st + state_dim_);
+    const size_t first = num_shards_ * g / groups, last = num_shards_ * (g + 1) / groups;
+    for (size_t s = first; s < last; ++s) {
+      const KeyMap& map = shards_[s]->map;
+      if (dirty_only && shards_[s]->dirty == 0) continue;
+      for (size_t b = 0; b < map.capacity(); ++b) {
+        const KeyMap::Entry& e = map.entries()[b];
+        if (e.tag == 0) continue;
+        if (dirty_only && !IsDirty(e.tag - 1)) continue;
+        kbuf.push_back(e.key);
+        const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
+        rbuf.insert(rbuf.end(), r, r + dim_);
+        if (with_state) {
+          const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
+          sbuf.insert(sbuf.end(), st, st + state_dim_);
+        }
+        ++count;
+        if (kbuf.size() == kChunk) flush();
       }
-      ++count;
-      if (kbuf.size() == kChunk) flush();
     }
     flush();
-    SegmentEntry& seg = segments[s];
+    SegmentEntry& seg = segments[g];
     seg.count = count;
     seg.keys = keys.Finish();
     seg.rows = rows.Finish();
@@ -134,7 +139,8 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
   CheckpointWriter writer(dir);
   Manifest m = ManifestHead(weights_only);
   m.meta = meta;
-  m.segments = WriteSegments(writer, "", state_dim_ > 0 && !weights_only, /*dirty_only=*/false);
+  m.segments = WriteSegments(writer, "", state_dim_ > 0 && !weights_only, /*dirty_only=*/false,
+                             num_shards_);
   for (const auto& seg : m.segments) m.rows += seg.count;
   writer.Commit(m);
 }
