@@ -19,6 +19,8 @@
 //      links stay valid.
 //   4. A table checkpoint lives in <dir>/table-<name>/ with meta committed_step, table,
 //      shard_id and num_shards; Restore refuses a checkpoint of another shard id/count.
+//      Those into checkpoint_dir (periodic, drain, unlabelled requests) are chains
+//      (store/embedding_store_incremental.cc); labelled ones are full.
 #pragma once
 
 #include <atomic>
