@@ -89,22 +89,17 @@ def run_fraction(rows: int, dim: int, fraction: float, rounds: int, work: Path,
         store.apply_gradients(keys, grads, 0.01)
         meta = {"step": str(step)}
 
-        def incremental() -> None:
+        for kind in ("incr", "full") if step % 2 else ("full", "incr"):
             t0 = time.perf_counter()
-            r = store.checkpoint(chain_dir, step, meta, **never)
-            inc_s.append(time.perf_counter() - t0)
-            assert r["incremental"] and r["rows"] == keys.numel(), r
-            inc_bytes.append(r["bytes"])
-
-        def full() -> None:
-            t0 = time.perf_counter()
-            store.save(full_dir, meta)
-            full_s.append(time.perf_counter() - t0)
-            info = EmbeddingStore.checkpoint_info(full_dir)
-            full_bytes.append(info["chain"][0]["bytes"])
-
-        for f in ((incremental, full) if step % 2 else (full, incremental)):
-            f()
+            if kind == "incr":
+                r = store.checkpoint(chain_dir, step, meta, **never)
+                inc_s.append(time.perf_counter() - t0)
+                assert r["incremental"] and r["rows"] == keys.numel(), r
+                inc_bytes.append(r["bytes"])
+            else:
+                store.save(full_dir, meta)
+                full_s.append(time.perf_counter() - t0)
+                full_bytes.append(EmbeddingStore.checkpoint_info(full_dir)["chain"][0]["bytes"])
     common = {"bench": BENCH, "touched_fraction": fraction, "rows": rows, "dim": dim,
               "optimizer": "adagrad", "rounds": rounds}
     b_inc, b_full = statistics.median(inc_bytes), statistics.median(full_bytes)
