@@ -19,6 +19,14 @@ Lines (one JSON object each; medians over the rounds):
 * restore_s         s        ``EmbeddingStore.load`` of the chain (base + n increments) vs of
                              the full checkpoint of the same step (checked bitwise equal);
                              ratio = chain / full
+* stall_ms          ms       training stall per periodic checkpoint of an in-process PS shard
+                             (``checkpoint_every``): a step is a get of its rows at the
+                             previous step and the commit of their gradients (Zipf batches);
+                             (step time summed with checkpoints - without) / checkpoints, the
+                             three runs (none, incremental, full) interleaved over repeats;
+                             value incremental, baseline full. Checkpoints today block the
+                             commits behind them (issue 23 item 2 would remove that);
+                             touched_fraction is the rows touched between checkpoints.
 
 Wall times are of a loaded 2-core machine and of its disk (page cache and fsync); bytes are
 exact. --quick: 100k rows, 3 rounds per fraction (under a minute).
@@ -127,6 +135,52 @@ def run_fraction(rows: int, dim: int, fraction: float, rounds: int, work: Path,
          increments=rounds, bitwise_equal=verify, **common)
 
 
+def run_stall(rows: int, dim: int, steps: int, every: int, repeats: int, work: Path,
+              seed: int) -> None:
+    from torchrec_bagpipe.ps import PSClient, PSShard, ShardSpec
+
+    rng = np.random.default_rng(seed)
+    perm = torch.from_numpy(rng.permutation(rows).astype(np.int64))
+    w = np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_S
+    cdf = np.cumsum(w) / w.sum()
+    batches = [perm[torch.from_numpy(np.searchsorted(cdf, rng.random(4096)))]
+               for _ in range(steps)]
+    grads = [torch.from_numpy(rng.standard_normal((4096, dim), dtype=np.float32))
+             for _ in range(steps)]
+    touched = statistics.mean(
+        len(torch.unique(torch.cat(batches[i:i + every]))) / rows
+        for i in range(0, steps - every + 1, every))
+    totals: dict[str, list[float]] = {"none": [], "incremental": [], "full": []}
+    modes = list(totals)
+    for rep in range(repeats):
+        for mode in modes[rep % 3:] + modes[:rep % 3]:
+            d = work / f"{mode}-{rep}"
+            spec = ShardSpec(checkpoint_dir=d, checkpoint_every=0 if mode == "none" else every,
+                             checkpoint_incremental=mode == "incremental")
+            with PSShard(spec) as shard, PSClient(
+                    [shard], table="t", dim=dim, lr=0.01, init="uniform", init_bound=0.01,
+                    optimizer="adagrad", timeout=600.0) as c:
+                keys = torch.arange(rows, dtype=torch.int64)
+                for i in range(0, rows, 1 << 18):
+                    shard.assign("t", keys[i:i + (1 << 18)],
+                                 torch.zeros((min(1 << 18, rows - i), dim)))
+                t0 = time.perf_counter()
+                for step in range(steps):
+                    c.get(batches[step], step - 1)
+                    c.commit(step, batches[step], grads[step])
+                c.get(batches[0], steps - 1)  # the last step (and its checkpoint) applied
+                totals[mode].append(time.perf_counter() - t0)
+            shutil.rmtree(d, ignore_errors=True)
+    checkpoints = steps // every
+    base = statistics.median(totals["none"])
+    inc = (statistics.median(totals["incremental"]) - base) / checkpoints * 1e3
+    full = (statistics.median(totals["full"]) - base) / checkpoints * 1e3
+    emit(metric="stall_ms", value=inc, unit="ms", baseline=full,
+         ratio=inc / full if full > 0 else None, bench=BENCH, touched_fraction=touched,
+         rows=rows, dim=dim, optimizer="adagrad", steps=steps, checkpoint_every=every,
+         repeats=repeats, step_ms_without=base / steps * 1e3)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -135,10 +189,13 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="*", default=[0.01, 0.1, 0.5])
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--no-verify", action="store_true", help="skip the bitwise comparison")
+    p.add_argument("--stall-steps", type=int, default=60)
+    p.add_argument("--stall-every", type=int, default=10)
+    p.add_argument("--stall-repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="100k rows, 3 rounds")
     args = p.parse_args()
     if args.quick:
-        args.rows, args.rounds = 100_000, 3
+        args.rows, args.rounds, args.stall_steps, args.stall_repeats = 100_000, 3, 30, 3
     root = Path(tempfile.mkdtemp(prefix="bagpipe-ckbench-", dir=args.dir))
     try:
         for i, fraction in enumerate(args.fractions):
@@ -147,6 +204,10 @@ def main() -> int:
             run_fraction(args.rows, args.dim, fraction, args.rounds, work,
                          not args.no_verify, seed=i)
             shutil.rmtree(work)
+        work = root / "stall"
+        work.mkdir()
+        run_stall(args.rows, args.dim, args.stall_steps, args.stall_every, args.stall_repeats,
+                  work, seed=99)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
