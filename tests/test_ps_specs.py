@@ -113,6 +113,25 @@ def test_shard_spec_takes_the_config_store_fields() -> None:
         page_rows=256))
 
 
+def test_shard_spec_takes_the_config_checkpoint_chain_fields() -> None:
+    """ps_checkpoint_* reach the shard's native options; their defaults are the spec's."""
+    default = shard_spec(BagPipeConfig(), 0, 1)
+    assert default == ShardSpec()
+    cfg = BagPipeConfig(ps_checkpoint_incremental=False, ps_checkpoint_full_every=3,
+                        ps_checkpoint_chain_fraction=0.25)
+    s = shard_spec(cfg, 0, 1, checkpoint_dir="/tmp/ck", checkpoint_every=2).native()
+    assert (s.checkpoint_incremental, s.checkpoint_full_every,
+            s.checkpoint_chain_fraction) == (False, 3, 0.25)
+    with pytest.raises(TypeError, match="come from the BagPipeConfig"):
+        shard_spec(cfg, 0, 1, checkpoint_full_every=2)
+    with pytest.raises(ValueError, match="checkpoint_full_every"):
+        ShardSpec(checkpoint_full_every=0)
+    with pytest.raises(ValueError, match="checkpoint_chain_fraction"):
+        ShardSpec(checkpoint_chain_fraction=0.0)
+    with pytest.raises(ValueError, match="ps_checkpoint_full_every"):
+        BagPipeConfig(ps_checkpoint_full_every=0)
+
+
 # ---- checks name the field -----------------------------------------------------------------------
 def test_specs_name_the_bad_field() -> None:
     with pytest.raises(ValueError, match="rank 2 must be below world_size 2"):

@@ -224,6 +224,25 @@ class BagPipeConfig:
             "in a row on one shard raise PSCheckpointError (0: never)"
         ),
     )
+    ps_checkpoint_incremental: bool = field(
+        default=True,
+        metadata=_help(
+            "PS shards' periodic checkpoints are chains (Check-N-Run): each one writes only "
+            "the rows changed since the previous one, with their optimizer state, linked to a "
+            "full base; restoring replays base and increments, bitwise the full checkpoint"
+        ),
+    )
+    ps_checkpoint_full_every: int = field(
+        default=8,
+        metadata=_help("a PS checkpoint chain writes a full base after this many increments"),
+    )
+    ps_checkpoint_chain_fraction: float = field(
+        default=0.5,
+        metadata=_help(
+            "a PS checkpoint chain writes a full base once its increments would pass this "
+            "fraction of the base's bytes"
+        ),
+    )
     checkpoint_dir: str | None = field(
         default=None,
         metadata=_help(
@@ -313,6 +332,10 @@ class BagPipeConfig:
             raise ValueError("BagPipeConfig.checkpoint_every must be >= 0 (0: only when asked)")
         if self.ps_checkpoint_max_failures < 0:
             raise ValueError("BagPipeConfig.ps_checkpoint_max_failures must be >= 0 (0: never)")
+        if self.ps_checkpoint_full_every < 1:
+            raise ValueError("BagPipeConfig.ps_checkpoint_full_every must be >= 1")
+        if not 0.0 < self.ps_checkpoint_chain_fraction < float("inf"):
+            raise ValueError("BagPipeConfig.ps_checkpoint_chain_fraction must be > 0")
 
     # ---- derived values ---------------------------------------------------------------------
     def memory_budget_bytes(self) -> int | None:

@@ -342,10 +342,25 @@ void CommitCoordinator::CheckpointLocked(const std::string& dir) {
   auto meta = options_.checkpoint_meta;
   meta["committed_step"] = std::to_string(committed_);
   meta["table"] = table_;
-  backend_->Save(dir, meta);
+  std::string kind = "full";
+  if (!options_.checkpoint_dir.empty() && dir == options_.checkpoint_dir) {
+    const store::CheckpointResult r =
+        backend_->CheckpointChain(dir, committed_, meta, options_.checkpoint_chain);
+    ++stats_.checkpoints;
+    stats_.incremental_checkpoints += r.incremental ? 1 : 0;
+    stats_.checkpoint_bytes += static_cast<int64_t>(r.bytes);
+    stats_.checkpoint_links = r.links;
+    if (r.incremental) {
+      kind = "incremental (" + std::to_string(r.rows) + " rows, link " +
+             std::to_string(r.links) + ")";
+    }
+  } else {
+    backend_->Save(dir, meta);
+    ++stats_.checkpoints;
+  }
   if (log_) {
-    log_("table '" + table_ + "': checkpoint at committed step " + std::to_string(committed_) +
-         " written to " + dir);
+    log_("table '" + table_ + "': " + kind + " checkpoint at committed step " +
+         std::to_string(committed_) + " written to " + dir);
   }
 }
 

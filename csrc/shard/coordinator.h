@@ -68,6 +68,9 @@ struct CoordinatorOptions {
   std::string checkpoint_dir;   // where the periodic checkpoint goes (empty: none)
   int64_t checkpoint_every = 0; // > 0: checkpoint after every step s with (s + 1) % N == 0
   std::map<std::string, std::string> checkpoint_meta;  // extra meta of every checkpoint
+  // How checkpoints into checkpoint_dir chain (increments of the rows changed since the
+  // previous one; store/embedding_store.h ChainPolicy). Checkpoints elsewhere are full.
+  store::ChainPolicy checkpoint_chain;
 };
 
 struct SessionParams {
@@ -87,6 +90,10 @@ struct CoordinatorStats {
   int64_t reads = 0;
   int64_t rows_read = 0;
   int64_t deferred_reads = 0;
+  int64_t checkpoints = 0;              // checkpoints written (full and incremental)
+  int64_t incremental_checkpoints = 0;  // of which increments
+  int64_t checkpoint_bytes = 0;         // data bytes they wrote
+  int64_t checkpoint_links = 0;         // links of the chain in checkpoint_dir after the last
 };
 
 class CommitCoordinator {
@@ -152,7 +159,9 @@ class CommitCoordinator {
                  Deadline deadline, bool with_state = false);
 
   // Saves the table at its committed step into dir (meta: options' checkpoint_meta plus
-  // committed_step and table). Returns the step saved. Throws IOError / ValueError.
+  // committed_step and table): into options' checkpoint_dir as a chained checkpoint (an
+  // increment when checkpoint_chain allows), elsewhere a full one. Returns the step saved.
+  // Throws IOError / ValueError.
   int64_t Checkpoint(const std::string& dir);
 
   // Drain: fails every deferred read (kShuttingDown), tells every attached rank

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -48,6 +49,11 @@ PSShard::PSShard(ShardOptions options, TableBackendFactory factory, TableBackend
                      " must be below num_shards " + std::to_string(options_.num_shards));
   }
   if (options_.checkpoint_every < 0) throw ValueError("checkpoint_every must be >= 0");
+  if (options_.checkpoint_full_every < 1) throw ValueError("checkpoint_full_every must be >= 1");
+  if (!(options_.checkpoint_chain_fraction > 0.0) ||
+      !std::isfinite(options_.checkpoint_chain_fraction)) {
+    throw ValueError("checkpoint_chain_fraction must be > 0 and finite");
+  }
   if (options_.max_frame_bytes < 4096) throw ValueError("max_frame_bytes must be >= 4096");
 }
 
@@ -62,6 +68,9 @@ CoordinatorOptions PSShard::MakeCoordinatorOptions(const std::string& name) cons
   o.log = log_;
   if (!options_.checkpoint_dir.empty()) o.checkpoint_dir = TableDir(options_.checkpoint_dir, name);
   o.checkpoint_every = options_.checkpoint_every;
+  o.checkpoint_chain.incremental = options_.checkpoint_incremental;
+  o.checkpoint_chain.full_every = options_.checkpoint_full_every;
+  o.checkpoint_chain.chain_fraction = options_.checkpoint_chain_fraction;
   o.checkpoint_meta = {{"shard_id", std::to_string(options_.shard_id)},
                        {"num_shards", std::to_string(options_.num_shards)}};
   return o;

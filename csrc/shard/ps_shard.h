@@ -19,6 +19,8 @@
 //      links stay valid.
 //   4. A table checkpoint lives in <dir>/table-<name>/ with meta committed_step, table,
 //      shard_id and num_shards; Restore refuses a checkpoint of another shard id/count.
+//      Those into checkpoint_dir (periodic, drain, unlabelled requests) are chains
+//      (store/embedding_store_incremental.cc); labelled ones are full.
 #pragma once
 
 #include <atomic>
@@ -43,6 +45,12 @@ struct ShardOptions {
   uint32_t expected_dim = 0;          // > 0: refuse tables of another dim
   std::string checkpoint_dir;         // default directory of Checkpoint() and periodic saves
   int64_t checkpoint_every = 0;       // > 0: checkpoint each table every N committed steps
+  // Checkpoints into checkpoint_dir chain (store/embedding_store.h ChainPolicy): an increment
+  // of the rows changed since the previous one, a full base every checkpoint_full_every
+  // increments or once the increments pass checkpoint_chain_fraction of the base's bytes.
+  bool checkpoint_incremental = true;
+  int checkpoint_full_every = 8;             // REQUIRES: >= 1
+  double checkpoint_chain_fraction = 0.5;    // REQUIRES: > 0, finite
   size_t max_frame_bytes = wire::kDefaultMaxFrameBytes;  // announced in HelloOk
 };
 
@@ -55,7 +63,8 @@ struct ShardStats {
 class PSShard : public transport::FrameHandler {
  public:
   // `log`: one line per session event; may be empty.
-  // REQUIRES: shard_id < num_shards, checkpoint_every >= 0, max_frame_bytes >= 4096
+  // REQUIRES: shard_id < num_shards, checkpoint_every >= 0, checkpoint_full_every >= 1,
+  // checkpoint_chain_fraction > 0, max_frame_bytes >= 4096
   // (ValueError naming the field).
   PSShard(ShardOptions options, TableBackendFactory factory, TableBackendLoader loader,
           LogFn log = nullptr);
