@@ -290,7 +290,7 @@ def part_metadata(args) -> None:
     units = max(1, rows // 20 // ROWS_PER_CACHE_UNIT)  # 5% of the rows
     per_repeat = []
     for _ in range(args.repeats):
-        meta = C.BagPipeCacheMetadata(units, "oracle")
+        meta = C.BagPipeCacheMetadata(units, "oracle", key_bound=rows)  # as the controller
         rec: dict[str, list[float]] = {k: [] for k in (
             "qa_wall", "qa_cpu", "query", "admit", "other", "glue", "unique", "hits")}
         entered = -1
@@ -346,7 +346,8 @@ def part_metadata(args) -> None:
     common = dict(bench="cache_policy", dim=0, rows=rows, ids_per_step=ids, lookahead=look,
                   capacity_rows=units * ROWS_PER_CACHE_UNIT, policy="oracle",
                   unique_per_step=m["unique"], hit_rate=m["hit_rate"], repeats=args.repeats,
-                  steps=len(plans) - args.metadata_warmup)
+                  steps=len(plans) - args.metadata_warmup,
+                  index="direct" if meta.direct_index else "hash")
     emit(**common, metric="metadata_query_admit_ids_per_s", value=value, unit="ids/s",
          baseline=METADATA_TARGET_IDS_PER_S, ratio=value / METADATA_TARGET_IDS_PER_S,
          baseline_kind="requirement", cpu_ids_per_s=m["unique"] / m["qa_cpu"],

@@ -41,8 +41,8 @@ CacheMetadata::CacheMetadata(int64_t capacity_units, EvictionPolicy policy, int6
   if (capacity_units > INT32_MAX / kRowsPerUnit) {
     throw ValueError("capacity_units too large: at most 2^31 rows per cache");
   }
-  if (key_bound != kUnboundedKeys && (key_bound < 1 || key_bound > (int64_t{1} << 40))) {
-    throw ValueError("key_bound must be in [1, 2^40] (the table's rows) or unbounded (-1), got " +
+  if (key_bound != kUnboundedKeys && key_bound < 1) {
+    throw ValueError("key_bound must be >= 1 (the table's rows) or unbounded (-1), got " +
                      std::to_string(key_bound));
   }
   slots_ = HugeArray<SlotRec>(static_cast<size_t>(capacity_rows_));

@@ -128,7 +128,7 @@ class CacheMetadata {
   // key_bound: every key of every call lies in [0, key_bound) (the table's rows), or
   // kUnboundedKeys. A call with a key outside it throws ValueError naming the key.
   // REQUIRES: 1 <= capacity_units, capacity_rows <= 2^31 - 1; key_bound == kUnboundedKeys or
-  // 1 <= key_bound <= 2^40 (ValueError otherwise).
+  // key_bound >= 1 (ValueError otherwise).
   CacheMetadata(int64_t capacity_units, EvictionPolicy policy,
                 int64_t key_bound = kUnboundedKeys);
 

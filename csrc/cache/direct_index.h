@@ -31,7 +31,8 @@ class DirectIndex {
   static constexpr bool kExact = true;  // Candidate is the answer (no key check)
 
   DirectIndex() = default;
-  // REQUIRES: 1 <= key_bound <= 2^40 (the caller bounds it far lower).
+  // REQUIRES: 1 <= key_bound (CacheMetadata::UsesDirectIndex bounds it: <= 2^24 or
+  // <= 32 per cache slot).
   explicit DirectIndex(int64_t key_bound)
       : cells_(static_cast<size_t>(key_bound)), bound_(key_bound) {}
 
