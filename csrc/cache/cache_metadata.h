@@ -292,9 +292,7 @@ class CacheMetadata {
   // key's hash); returns n, or the earliest repeat (then nothing stays marked).
   size_t MarkUnique(const SlotMap& index, const int64_t* keys, size_t n);
   size_t MarkUnique(const DirectIndex& index, const int64_t* keys, size_t n);
-  // Unmarks one key / every key of a call (the hash path's scratch needs no unmarking).
-  void Unmark(const SlotMap&, int64_t) {}
-  void Unmark(const DirectIndex&, int64_t key) { bits_.Clear(key); }
+  // Unmarks every key of a call (the hash path's scratch needs no unmarking).
   void UnmarkAll(const SlotMap&, const int64_t*, size_t) {}
   void UnmarkAll(const DirectIndex&, const int64_t* keys, size_t n) { bits_.ClearAll(keys, n); }
   template <typename Index>

@@ -69,7 +69,6 @@ AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const in
   size_t next_victim = 0;
   for (size_t i = 0; i < n; ++i) {
     if (i + kApplyAhead < n) index.Prefetch(hash_of(i + kApplyAhead));
-    Unmark(index, keys[i]);
     const int32_t nu = next_uses[i] < 0 ? kNever32 : static_cast<int32_t>(next_uses[i]);
     int32_t slot;
     if (!free_.empty()) {
@@ -118,6 +117,7 @@ AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const in
     out.pos[c.placed] = static_cast<int64_t>(i);
     out.slots[c.placed++] = slot;
   }
+  UnmarkAll(index, keys, n);
   FinishVictims(next_victim);
   stats_.admitted += c.placed;
   stats_.evictions += c.evicted;

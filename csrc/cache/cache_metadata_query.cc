@@ -44,7 +44,6 @@ QueryCounts CacheMetadata::QueryWith(Index& index, const int64_t* keys, const in
   QueryCounts c;
   size_t nm = 0;
   Probe(index, keys, n, [&](size_t i, int32_t slot, uint64_t) {
-    Unmark(index, keys[i]);
     if (slot < 0) {
       out.miss_pos[nm++] = static_cast<int64_t>(i);
       return;
@@ -60,6 +59,7 @@ QueryCounts CacheMetadata::QueryWith(Index& index, const int64_t* keys, const in
     out.hit_pos[c.hits] = static_cast<int64_t>(i);
     out.hit_slots[c.hits++] = slot;
   });
+  UnmarkAll(index, keys, n);
   c.misses = static_cast<int64_t>(nm);
   FinishCall();
   return c;
