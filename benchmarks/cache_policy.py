@@ -47,42 +47,19 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from traces import SCATTER, make_trace, zipf_ranks  # benchmarks/traces.py
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
 from torchrec_bagpipe.testing.simulate import simulate
-
-SCATTER = 2654435761  # a prime: id = rank * SCATTER mod N scatters the hot ranks
 
 
 def emit(**kw) -> None:
     kw.setdefault("threads", 1)
     kw.setdefault("transport", "in-process")
     print(json.dumps(kw), flush=True)
-
-
-def zipf_ranks(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarray:
-    """Bounded power-law ranks in [0, rows) (continuous inverse CDF)."""
-    u = rng.random(n)
-    if abs(a - 1.0) < 1e-9:
-        r = np.floor((rows + 1.0) ** u) - 1
-    else:
-        e = 1.0 - a
-        r = np.floor((((rows + 1.0) ** e - 1.0) * u + 1.0) ** (1.0 / e)) - 1
-    return np.clip(r, 0, rows - 1).astype(np.int64)
-
-
-def make_trace(kind: str, rows: int, steps: int, batch: int, seed: int) -> list[list[np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for t in range(steps):
-        if kind.startswith("zipf"):
-            r = zipf_ranks(rng, batch, rows, float(kind[4:]))
-        else:  # time-ordered: Zipf 1.05 whose hot set drifts through half the key space
-            shift = (t * rows) // (2 * steps)
-            r = (zipf_ranks(rng, batch, rows, 1.05) + shift) % rows
-        out.append([(r * SCATTER) % rows])
-    return out
 
 
 def belady_min(trace: list[list[np.ndarray]], capacity: int) -> tuple[int, int]:
