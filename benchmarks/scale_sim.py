@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--cache-pct", type=float, default=5.0)
     p.add_argument("--lookahead", type=int, default=4)
+    p.add_argument("--horizon", type=int, default=200,
+                   help="drifting / arrival: steps over which the hot set crosses the table")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--plot", default=None, help="write a PNG of bytes per rank vs W here")
     args = p.parse_args(argv)
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.traces.split(","):
         for W in worlds:
             trace = make_trace(kind, args.rows, args.steps, args.batch, seed=7, world=W,
-                               features=args.features)
+                               features=args.features, horizon=args.horizon)
             tw = np.mean([torchrec_bytes(s, args.features, per_feature, args.dim,
                                          args.batch)["tw"] for s in trace])
             rw = np.mean([torchrec_bytes(s, args.features, per_feature, args.dim,
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 common = dict(trace=kind, world_size=W, aggregation=agg, steps=args.steps,
                               batch=args.batch, features=args.features, rows=args.rows,
                               dim=args.dim, cache_pct=args.cache_pct,
-                              lookahead=args.lookahead, threads=W)
+                              lookahead=args.lookahead, horizon=args.horizon, threads=W)
                 for metric in ("hit_rate", "served_from_cache"):
                     emit(**common, metric=metric, value=r[metric], unit="fraction",
                          baseline=None, ratio=None)

@@ -86,3 +86,17 @@ def test_quick_json_lines_parse_and_cover_every_series(tmp_path: Path) -> None:
         if d["metric"] == "ps_bytes_per_rank_step":
             assert d["value"] == pytest.approx(d["fetched_bytes"] + d["gradient_bytes"])
             assert d["ratio"] == pytest.approx(d["value"] / d["torchrec_rw"])
+
+
+@pytest.mark.parametrize("kind", ["zipf1.05", "drifting", "arrival"])
+def test_traces_stay_in_their_features_and_are_deterministic(kind: str) -> None:
+    a = make_trace(kind, 1000, 5, 7, seed=3, world=3, features=4, horizon=50)
+    b = make_trace(kind, 1000, 5, 7, seed=3, world=3, features=4, horizon=50)
+    assert len(a) == 5 and all(len(s) == 3 for s in a)
+    for s, t in zip(a, b):
+        for x, y in zip(s, t):
+            assert np.array_equal(x, y) and x.dtype == np.int64 and x.size == 4 * 7
+            for f in range(4):  # feature-major: feature f's ids in its own 250 rows
+                assert ((x[f * 7:(f + 1) * 7] // 250) == f).all()
+    with pytest.raises(ValueError, match="unknown trace kind"):
+        make_trace("uniform", 10, 1, 1, seed=0)
