@@ -20,7 +20,9 @@ overhead.
 Part 3 (metadata). The cache metadata's per-step calls at accelerator scale: every step is
 180K IDs (7K samples x 26 features, one rank of an 8-GPU DLRM-DCNv2 step of ~3.9 ms) of Zipf
 1.05 ranks over 10M rows (2M with --quick), one rank planned by the native StepPlanner
-(lookahead 8), an oracle cache of 5% of the rows. Each step replays the controller's calls
+(lookahead 8), an oracle cache of 5% of the rows with key_bound = the rows, as the controller
+builds it (a direct key index at this size; the `index` field says which). Each step replays
+the controller's calls
 (runtime/controller.py, prefetch.py, step_assembly.py, ps_aggregation.py): advance; note_uses of
 the step entering the window; query(unique keys, deps, next uses inside the entered window);
 admit of the misses in soonest-next-use order (the same int16 stable argsort); lookup +
