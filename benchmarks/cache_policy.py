@@ -22,8 +22,8 @@ Part 3 (metadata). The cache metadata's per-step calls at accelerator scale: eve
 1.05 ranks over 10M rows (2M with --quick), one rank planned by the native StepPlanner
 (lookahead 8), an oracle cache of 5% of the rows with key_bound = the rows, as the controller
 builds it (a direct key index at this size; the `index` field says which). Each step replays
-the controller's calls
-(runtime/controller.py, prefetch.py, step_assembly.py, ps_aggregation.py): advance; note_uses of
+the controller's calls (runtime/controller.py, prefetch.py, step_assembly.py,
+ps_aggregation.py): advance; note_uses of
 the step entering the window; query(unique keys, deps, next uses inside the entered window);
 admit of the misses in soonest-next-use order (the same int16 stable argsort); lookup +
 set_version of the step's resident rows. Reported, medians over the timed steps of each
