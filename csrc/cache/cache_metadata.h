@@ -298,6 +298,12 @@ class CacheMetadata {
   template <typename Index>
   QueryCounts QueryWith(Index& index, const int64_t* keys, const int64_t* versions,
                         const int64_t* next_uses, size_t n, const QueryOut& out);
+  // Admit's validation: uniqueness, then no key resident (ValueError naming the first).
+  template <typename Index>
+  void ValidateAdmitKeys(const Index& index, const int64_t* keys, size_t n);
+  // Direct index: claims every key's cell (direct_index.h); false, with nothing claimed,
+  // when a key repeats or is resident.
+  bool ClaimAdmitKeys(DirectIndex& index, const int64_t* keys, size_t n);
   template <typename Index>
   AdmitCounts AdmitWith(Index& index, const int64_t* keys, const int64_t* versions,
                         const int64_t* next_uses, size_t n, const AdmitOut& out);

@@ -7,6 +7,7 @@
 // next use is not sooner than the victim's is bypassed (invariant 5). One template per index
 // (direct or hash), chosen once per call.
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 #include "cache/cache_metadata.h"
@@ -44,8 +45,7 @@ AdmitCounts CacheMetadata::AdmitInto(const int64_t* keys, const int64_t* version
 }
 
 template <typename Index>
-AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const int64_t* versions,
-                                     const int64_t* next_uses, size_t n, const AdmitOut& out) {
+void CacheMetadata::ValidateAdmitKeys(const Index& index, const int64_t* keys, size_t n) {
   metadata_checks::CheckRepeat(keys, MarkUnique(index, keys, n), n, "admit");
   size_t resident = n;
   Probe(index, keys, n, [&](size_t i, int32_t slot, uint64_t) {
@@ -54,6 +54,36 @@ AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const in
   if (resident < n) {
     UnmarkAll(index, keys, n);
     throw ValueError("admit: key " + std::to_string(keys[resident]) + " is already resident");
+  }
+}
+
+// The direct index validates in one pass over the keys' own cells: each absent key's cell is
+// claimed, so a repeat or a resident key finds a non-empty cell. On a failure the claims are
+// undone and the two-pass validation names the error as the hash path would.
+bool CacheMetadata::ClaimAdmitKeys(DirectIndex& index, const int64_t* keys, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kApplyAhead < n) index.Prefetch(DirectIndex::HashOf(keys[i + kApplyAhead]));
+    const uint64_t h = DirectIndex::HashOf(keys[i]);
+    if (__builtin_expect(!index.Absent(h), 0)) {
+      for (size_t j = 0; j < i; ++j) index.Unclaim(DirectIndex::HashOf(keys[j]));
+      return false;
+    }
+    index.Claim(h);
+  }
+  return true;
+}
+
+template <typename Index>
+AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const int64_t* versions,
+                                     const int64_t* next_uses, size_t n, const AdmitOut& out) {
+  if constexpr (Index::kExact) {
+    if (!ClaimAdmitKeys(index, keys, n)) {
+      ValidateAdmitKeys(index, keys, n);  // throws
+      UnmarkAll(index, keys, n);
+      throw std::logic_error("admit: a claim failed but the keys validate");
+    }
+  } else {
+    ValidateAdmitKeys(index, keys, n);
   }
   // The key's index hash: the hash path kept it from MarkUnique, the direct one is the key.
   const auto hash_of = [&](size_t i) -> uint64_t {
@@ -82,6 +112,7 @@ AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const in
         GatherVictims(next_victim + 4 * kVictimAhead);
       }
       if (next_victim >= victims_.size()) {  // everything resident is pinned
+        if constexpr (Index::kExact) index.Unclaim(hash_of(i));
         out.bypassed[c.bypassed++] = static_cast<int64_t>(i);
         continue;
       }
@@ -95,6 +126,7 @@ AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const in
       // LRU, so a short window never freezes the cache against new rows.
       if (policy_ == EvictionPolicy::kOracle &&
           (v.next_use < nu || (v.next_use == nu && nu != kNever32))) {
+        if constexpr (Index::kExact) index.Unclaim(hash_of(i));
         out.bypassed[c.bypassed++] = static_cast<int64_t>(i);
         continue;
       }
@@ -117,7 +149,6 @@ AdmitCounts CacheMetadata::AdmitWith(Index& index, const int64_t* keys, const in
     out.pos[c.placed] = static_cast<int64_t>(i);
     out.slots[c.placed++] = slot;
   }
-  UnmarkAll(index, keys, n);
   FinishVictims(next_victim);
   stats_.admitted += c.placed;
   stats_.evictions += c.evicted;

@@ -16,6 +16,7 @@
 //   2. KeyBits: bit k is set exactly while key k is marked; a call that marks keys clears
 //      them before it returns or throws, so every call starts with all bits clear.
 //   3. Every key handed to either is in [0, key_bound) (the callers validate first).
+//   4. Outside an Admit call no DirectIndex cell holds kClaimed (every cell is 0 or slot + 1).
 #pragma once
 
 #include <cstddef>
@@ -63,6 +64,15 @@ class DirectIndex {
     cells_[h] = 0;
     --size_;
   }
+
+  // Claims: inside one Admit call an absent key's cell is marked claimed (kClaimed, not a
+  // slot) until the call places it (Insert) or gives it up (Unclaim); a second claim of the
+  // same key, or a claim of a present one, is seen by Absent. No cell stays claimed after
+  // the call returns or throws (invariant 4).
+  static constexpr uint32_t kClaimed = 0xFFFFFFFFu;
+  bool Absent(uint64_t h) const { return cells_[h] == 0; }
+  void Claim(uint64_t h) { cells_[h] = kClaimed; }
+  void Unclaim(uint64_t h) { cells_[h] = 0; }
 
   // Removes every key.
   void Clear() {
