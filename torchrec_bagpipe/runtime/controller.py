@@ -219,7 +219,10 @@ class BagPipeController:
         divide = config.resolved_gradient_division()
         if cached:
             units = config.cache_rows(num_keys) // ROWS_PER_CACHE_UNIT
-            self._meta = C.BagPipeCacheMetadata(units, config.eviction_policy)
+            # key_bound: the table's rows (a direct key index when small enough; an id
+            # outside the table is a ValueError instead of a silent cache entry).
+            self._meta = C.BagPipeCacheMetadata(units, config.eviction_policy,
+                                                key_bound=num_keys)
             capacity = self._meta.capacity_rows
         else:
             self._meta = None
