@@ -64,7 +64,7 @@ int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
                                 const std::shared_ptr<ServerLink>& link) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string where = "table '" + table_ + "': ";
-  if (shutting_down_) throw TransportError(where + "the shard is shutting down");
+  if (shutting_down_) throw TransportError(where + shutdown_why_);
   if (params.dim != schema_.dim) {
     throw ValueError(where + "dim " + std::to_string(params.dim) + " differs from the table's dim " +
                      std::to_string(schema_.dim));
@@ -256,7 +256,7 @@ void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint
     return;
   }
   if (shutting_down_) {
-    link->SendError(tag, slot, Status::kShuttingDown, session, "the shard is shutting down");
+    link->SendError(tag, slot, Status::kShuttingDown, session, shutdown_why_);
     return;
   }
   if (dim != schema_.dim) {
@@ -324,7 +324,7 @@ int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n
     }
   }
   if (committed_ < at_step) {
-    throw SessionError(failed_ ? failure_ : "table '" + table_ + "': the shard is shutting down");
+    throw SessionError(failed_ ? failure_ : "table '" + table_ + "': " + shutdown_why_);
   }
   if (n > 0) backend_->Read(keys, n, out, with_state);
   ++stats_.reads;
@@ -353,6 +353,7 @@ void CommitCoordinator::Shutdown(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (shutting_down_) return;
   shutting_down_ = true;
+  shutdown_why_ = why.empty() ? "the shard is shutting down" : why;
   for (const auto& w : waiters_) {
     w.link->SendError(w.tag, w.slot, Status::kShuttingDown, params_.session, why);
   }

@@ -156,7 +156,8 @@ class CommitCoordinator {
   int64_t Checkpoint(const std::string& dir);
 
   // Drain: fails every deferred read (kShuttingDown), tells every attached rank
-  // (wire::kNotifyShutdown with `why`), and refuses new work. Idempotent.
+  // (wire::kNotifyShutdown with `why`), and refuses new work, every refusal carrying `why`.
+  // Idempotent (the first reason stays).
   void Shutdown(const std::string& why);
 
   // Snapshots under the mutex: the committed step, whether the session failed and why (the
@@ -241,6 +242,7 @@ class CommitCoordinator {
   bool failed_ = false;
   std::string failure_;
   bool shutting_down_ = false;
+  std::string shutdown_why_;  // set with shutting_down_: every refusal after it names it
   std::vector<std::shared_ptr<transport::ServerLink>> attached_;  // by rank; null: absent
   std::vector<RankPending> pending_;  // by rank, for step committed_ + 1
   uint32_t ranks_complete_ = 0;
