@@ -295,11 +295,14 @@ bool PSShard::OnOpen(const Request& r) {
   params.world_size = open.body.world_size;
   params.dim = open.body.dim;
   params.grad_division = open.body.grad_division != 0;
+  params.start_step = open.body.start_step;
   int64_t committed;
   CommitCoordinator* table;
   try {
     table = CreateTable(name, schema);
     committed = table->Open(params, open.body.rank, schema, r.link);
+  } catch (const StartStepError& e) {
+    return Reject(r, Status::kStartStep, e.what(), true);
   } catch (const ValueError& e) {
     return Reject(r, Status::kInvalidArgument, e.what(), true);
   } catch (const SessionError& e) {

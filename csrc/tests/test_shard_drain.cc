@@ -82,8 +82,11 @@ TEST_CASE(drain_racing_requests_every_refusal_names_the_reason) {
         for (int i = 0; i < 100000; ++i) {
           try {
             // A table of its own per session (a new job on a fresh table).
-            auto c = Connect(shard, 0, 1, /*session=*/100 + t * 1000 + i,
-                             "t" + std::to_string(t) + "_" + std::to_string(i));
+            std::string table = "t";
+            table += std::to_string(t);
+            table += '_';
+            table += std::to_string(i);
+            auto c = Connect(shard, 0, 1, /*session=*/100 + t * 1000 + i, table);
             int64_t key = static_cast<int64_t>(i);
             float grad[kDim] = {1, 2, 3, 4};
             float out[kDim];
