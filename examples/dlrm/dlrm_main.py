@@ -79,6 +79,7 @@ from torchrec_bagpipe.distributed import (
     close_model,
     flush_model,
     load_job_checkpoint,
+    restore_rng_state,
     save_job_checkpoint,
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
@@ -250,8 +251,11 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
 
     # A resumed job (--resume): the trainer state of the checkpoint's set, and the number of
     # training batches already done (skipped below, so the data continues where it stopped).
-    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer)
+    # Its random streams are restored once the data iterator is created and positioned (the
+    # iterator's creation draws from torch's generator), right before the first step.
+    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer, restore_rng=False)
                       if config is not None else (0, None))
+    rng_held = config is not None and resumed > 0
     if extra is not None:
         lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
@@ -281,6 +285,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
             skip -= it
             if skip:
                 continue  # this whole epoch was trained before the checkpoint
+        if rng_held:
+            restore_rng_state()  # the stream the uninterrupted run drew from after its save
+            rng_held = False
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         start = time.perf_counter()
         for chunk in _chunks(batches, args.validation_freq_within_epoch):
