@@ -51,8 +51,8 @@ def _run(rank: int, world: int, ckpt: str, mode: str) -> dict[str, np.ndarray]:
     from _scenarios import (
         Case,
         batches_for,
-        fused_state,
         full_state,
+        fused_state,
         make_dmp,
         make_samples,
     )

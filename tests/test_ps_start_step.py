@@ -109,7 +109,8 @@ def test_expected_step_is_checked_by_the_spec():
     with pytest.raises(TypeError, match="expected_step must be an int"):
         ClientSpec(table="t", dim=4, lr=0.1, init="zeros", expected_step="4")
     assert ClientSpec(table="t", dim=4, lr=0.1, init="zeros").native().start_step == -1
-    assert ClientSpec(table="t", dim=4, lr=0.1, init="zeros", expected_step=None).native().start_step == -2
+    attach = ClientSpec(table="t", dim=4, lr=0.1, init="zeros", expected_step=None)
+    assert attach.native().start_step == -2
     assert issubclass(StartStepError, ValueError)
 
 

@@ -221,7 +221,7 @@ class IdExchange:
             t0 = time.perf_counter()
             try:
                 wait_task(fut, self._timeout,
-                          lambda t: self._awaited(self._exchange_name(step), fut, t))
+                          lambda t, s=step, f=fut: self._awaited(self._exchange_name(s), f, t))
             finally:
                 self._metrics.add(collective_wait_s=time.perf_counter() - t0)
             self._pending.popleft()
