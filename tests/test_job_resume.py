@@ -9,7 +9,7 @@
   refused (it would have lost every sparse update), naming the table and the steps.
 * kill -9 of every process at a random moment, then `--resume`: the final whole-job
   checkpoint is bitwise the uninterrupted run's (PS rows and optimizer state, dense model
-  and optimizer), with hosted shards and with PS server processes; losing one shard
+  and optimizer, the random streams), with hosted shards and with PS server processes; losing one shard
   server mid-run is recovered exactly by the same resume.
 """
 
@@ -166,8 +166,12 @@ def _final_state(directory: Path) -> dict[str, torch.Tensor]:
         shard.close()
     for rank in range(m.world_size):
         state = torch.load(trainer_file(directory, m.label, rank), weights_only=False)
+        # The random streams too: a resumed run continues the one it saved (issue 23).
+        rng = state["rng"]
         flat: list[tuple[str, Any]] = [("model", state["model"]), ("opt", state["optimizers"]),
-                                       ("lrs", state["lrs"])]
+                                       ("lrs", state["lrs"]), ("rng.cpu", rng["cpu"]),
+                                       ("rng.python", torch.tensor(rng["python"][1])),
+                                       ("rng.numpy", torch.from_numpy(rng["numpy"][1]))]
         while flat:
             key, v = flat.pop()
             if isinstance(v, dict):

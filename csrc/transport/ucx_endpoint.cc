@@ -207,11 +207,17 @@ void Endpoint::SendMessage(const void* head, size_t head_len, const void* payloa
            std::move(*cb));
   };
   if (on_thread) {
-    // The progress thread runs every queued command before it stops (Step), so this one
-    // is not dropped even if Close was called meanwhile.
+    bool queued = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      commands_.push_back(std::move(send));
+      if (!closed_) {  // the thread runs every queued command before it stops (Step)
+        commands_.push_back(std::move(send));
+        queued = true;
+      }
+    }
+    if (!queued) {
+      send();  // closing: no later command will run, so send (or drop) it now
+      return;
     }
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
