@@ -9,8 +9,8 @@
   refused (it would have lost every sparse update), naming the table and the steps.
 * kill -9 of every process at a random moment, then `--resume`: the final whole-job
   checkpoint is bitwise the uninterrupted run's (PS rows and optimizer state, dense model
-  and optimizer, the random streams), with hosted shards and with PS server processes; losing one shard
-  server mid-run is recovered exactly by the same resume.
+  and optimizer, the random streams), with hosted shards and with PS server processes;
+  losing one shard server mid-run is recovered exactly by the same resume.
 """
 
 from __future__ import annotations

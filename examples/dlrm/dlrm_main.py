@@ -39,11 +39,13 @@ import argparse
 import itertools
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection
@@ -93,10 +95,13 @@ from lr_scheduler import LRPolicyScheduler
 
 def configure_torch(args: argparse.Namespace) -> None:
     """Process-wide settings of the flags: TF32 matmuls (``--allow_tf32``) and the seed of
-    torch's generator (``--seed``: the dense layers' initial weights)."""
+    torch's generator (``--seed``: the dense layers' initial weights), and of Python's and
+    NumPy's global generators (a whole-job checkpoint saves and restores all three)."""
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.seed is not None:
         torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        np.random.seed(args.seed % (1 << 32))
 
 
 def build_model(args: argparse.Namespace, device: torch.device,
