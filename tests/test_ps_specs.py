@@ -85,7 +85,7 @@ def test_spec_defaults_are_the_native_defaults(name: str) -> None:
 def test_every_native_field_is_a_spec_field() -> None:
     """A native option nobody can set from Python would be a default stated in C++ only."""
     renamed = {"grad_division": "gradient_division", "partition": "partitioner",
-               "session": "session_id", "expected_dim": "dim"}
+               "session": "session_id", "expected_dim": "dim", "start_step": "expected_step"}
     pairs = [(ClientSpec, C.ClientOptions), (ClientSpec, C.ConnectOptions),
              (ShardSpec, C.ShardOptions), (StoreSpec, C.StoreOptions),
              (TableSchema, C.TableSchema), (LoadSpec, C.LoadOverrides),

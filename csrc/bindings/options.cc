@@ -154,7 +154,10 @@ void BindClientOptions(py::module_& m) {
           "'modulo', 'hash' or 'fast_range'")
       .def_readwrite("max_packet_rows", &ClientOptions::max_packet_rows)
       .def_readwrite("inflight_packets", &ClientOptions::inflight_packets)
-      .def_readwrite("timeout", &ClientOptions::timeout);
+      .def_readwrite("timeout", &ClientOptions::timeout)
+      .def_readwrite("start_step", &ClientOptions::start_step,
+                     "the committed step the session starts after: -1 a new job, s >= 0 a "
+                     "resume, -2 attach without a check");
 }
 
 void BindConnectOptions(py::module_& m) {

@@ -105,6 +105,9 @@ CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSche
   auto coord = std::make_unique<CommitCoordinator>(name, std::move(backend), -1,
                                                    MakeCoordinatorOptions(name));
   auto* raw = coord.get();
+  // A table created while the shard drains (an Open that passed Dispatch just before the
+  // flag went up) drains too: BeginShutdown has already collected the tables it tells.
+  if (shutting_down_.load(std::memory_order_relaxed)) raw->Shutdown(shutdown_text_);
   tables_.emplace(name, std::move(coord));
   if (log_) {
     log_("table '" + name + "' created (dim " + std::to_string(schema.dim) + ", " +
@@ -223,9 +226,9 @@ bool PSShard::Dispatch(const Request& r) {
   if (h.job != r.link->job_digest) {
     return Reject(r, Status::kUnauthorized, "frame carries another job's token digest", false);
   }
-  if (shutting_down_.load() && type != MsgType::kClose && type != MsgType::kPing) {
-    return Reject(r, Status::kShuttingDown,
-                  "PS shard " + std::to_string(options_.shard_id) + " is shutting down", true);
+  if (shutting_down_.load(std::memory_order_acquire) && type != MsgType::kClose &&
+      type != MsgType::kPing) {
+    return Reject(r, Status::kShuttingDown, ShutdownText(), true);
   }
   switch (type) {
     case MsgType::kPing: return OnPing(r);
@@ -301,11 +304,14 @@ bool PSShard::OnOpen(const Request& r) {
   params.world_size = open.body.world_size;
   params.dim = open.body.dim;
   params.grad_division = open.body.grad_division != 0;
+  params.start_step = open.body.start_step;
   int64_t committed;
   CommitCoordinator* table;
   try {
     table = CreateTable(name, schema);
     committed = table->Open(params, open.body.rank, schema, r.link);
+  } catch (const StartStepError& e) {
+    return Reject(r, Status::kStartStep, e.what(), true);
   } catch (const ValueError& e) {
     return Reject(r, Status::kInvalidArgument, e.what(), true);
   } catch (const SessionError& e) {
@@ -515,15 +521,26 @@ std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
 }
 
 void PSShard::BeginShutdown(const std::string& why) {
-  if (shutting_down_.exchange(true)) return;
   std::vector<CommitCoordinator*> coords;
+  std::string text;
   {
+    // The reason is in place before the flag is up (both under mu_, the flag released after
+    // it): every refusal that sees the flag names the reason (ShutdownText).
     std::lock_guard<std::mutex> lock(mu_);
+    if (shutting_down_.load(std::memory_order_relaxed)) return;
+    shutdown_text_ = "PS shard " + std::to_string(options_.shard_id) +
+                     " is shutting down: " + why;
+    text = shutdown_text_;
+    shutting_down_.store(true, std::memory_order_release);
     for (auto& [_, c] : tables_) coords.push_back(c.get());
   }
-  for (auto* c : coords) c->Shutdown("PS shard " + std::to_string(options_.shard_id) +
-                                     " is shutting down: " + why);
+  for (auto* c : coords) c->Shutdown(text);
   if (log_) log_("shutting down: " + why);
+}
+
+std::string PSShard::ShutdownText() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutdown_text_;
 }
 
 }  // namespace bagpipe::shard

@@ -109,6 +109,8 @@ class PSShard : public transport::FrameHandler {
   std::map<std::string, int64_t> Restore(const std::string& dir);
 
   // Drain: new work is refused with kShuttingDown, deferred reads fail; Close still works.
+  // Every refusal from then on (and the kNotifyShutdown notices) says "PS shard <id> is
+  // shutting down: <why>". The first call wins; later ones do nothing.
   void BeginShutdown(const std::string& why);
   bool shutting_down() const { return shutting_down_.load(); }
 
@@ -137,6 +139,8 @@ class PSShard : public transport::FrameHandler {
   bool Reject(const Request& r, wire::Status status, const std::string& text, bool keep_link);
   static LinkSession& SessionOf(transport::ServerLink& link);
   CoordinatorOptions MakeCoordinatorOptions(const std::string& name) const;
+  // The text refusals carry once shutting_down_ is set (it is in place before the flag).
+  std::string ShutdownText();
 
   const ShardOptions options_;
   const LogFn log_;
@@ -145,9 +149,10 @@ class PSShard : public transport::FrameHandler {
   const uint64_t instance_id_;
   std::atomic<bool> shutting_down_{false};
 
-  std::mutex mu_;  // guards tables_ and stats_
+  std::mutex mu_;  // guards tables_, stats_ and shutdown_text_
   std::map<std::string, std::unique_ptr<CommitCoordinator>> tables_;
   ShardStats stats_;
+  std::string shutdown_text_;  // set once, before shutting_down_ goes up
 };
 
 }  // namespace bagpipe::shard

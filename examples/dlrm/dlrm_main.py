@@ -39,11 +39,13 @@ import argparse
 import itertools
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection
@@ -80,6 +82,7 @@ from torchrec_bagpipe.distributed import (
     close_model,
     flush_model,
     load_job_checkpoint,
+    restore_rng_state,
     save_job_checkpoint,
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
@@ -93,10 +96,13 @@ from lr_scheduler import LRPolicyScheduler
 
 def configure_torch(args: argparse.Namespace) -> None:
     """Process-wide settings of the flags: TF32 matmuls (``--allow_tf32``) and the seed of
-    torch's generator (``--seed``: the dense layers' initial weights)."""
+    torch's generator (``--seed``: the dense layers' initial weights), and of Python's and
+    NumPy's global generators (a whole-job checkpoint saves and restores all three)."""
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.seed is not None:
         torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        np.random.seed(args.seed % (1 << 32))
 
 
 def build_model(args: argparse.Namespace, device: torch.device,
@@ -253,8 +259,11 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
 
     # A resumed job (--resume): the trainer state of the checkpoint's set, and the number of
     # training batches already done (skipped below, so the data continues where it stopped).
-    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer)
+    # Its random streams are restored once the data iterator is created and positioned (the
+    # iterator's creation draws from torch's generator), right before the first step.
+    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer, restore_rng=False)
                       if config is not None else (0, None))
+    rng_held = config is not None and resumed > 0
     if extra is not None:
         lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
@@ -284,6 +293,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
             skip -= it
             if skip:
                 continue  # this whole epoch was trained before the checkpoint
+        if rng_held:
+            restore_rng_state()  # the stream the uninterrupted run drew from after its save
+            rng_held = False
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         start = time.perf_counter()
         for chunk in _chunks(batches, args.validation_freq_within_epoch):

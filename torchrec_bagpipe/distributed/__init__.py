@@ -37,6 +37,7 @@ _LAZY = {
     "flush_model": "torchrec_bagpipe.distributed.utils",
     "save_job_checkpoint": "torchrec_bagpipe.distributed.job_checkpoint",
     "load_job_checkpoint": "torchrec_bagpipe.distributed.job_checkpoint",
+    "restore_rng_state": "torchrec_bagpipe.distributed.job_checkpoint",
     "checkpoint_due": "torchrec_bagpipe.distributed.job_checkpoint",
     "resumed_step": "torchrec_bagpipe.distributed.job_checkpoint",
     "read_manifest": "torchrec_bagpipe.distributed.checkpoint_manifest",
