@@ -20,8 +20,10 @@ overhead.
 Part 3 (metadata). The cache metadata's per-step calls at accelerator scale: every step is
 180K IDs (7K samples x 26 features, one rank of an 8-GPU DLRM-DCNv2 step of ~3.9 ms) of Zipf
 1.05 ranks over 10M rows (2M with --quick), one rank planned by the native StepPlanner
-(lookahead 8), an oracle cache of 5% of the rows. Each step replays the controller's calls
-(runtime/controller.py, prefetch.py, step_assembly.py, ps_aggregation.py): advance; note_uses of
+(lookahead 8), an oracle cache of 5% of the rows with key_bound = the rows, as the controller
+builds it (a direct key index at this size; the `index` field says which). Each step replays
+the controller's calls (runtime/controller.py, prefetch.py, step_assembly.py,
+ps_aggregation.py): advance; note_uses of
 the step entering the window; query(unique keys, deps, next uses inside the entered window);
 admit of the misses in soonest-next-use order (the same int16 stable argsort); lookup +
 set_version of the step's resident rows. Reported, medians over the timed steps of each
@@ -47,42 +49,19 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from traces import SCATTER, make_trace, zipf_ranks  # benchmarks/traces.py
 
 from torchrec_bagpipe._native import C
 from torchrec_bagpipe.config import ROWS_PER_CACHE_UNIT, BagPipeConfig
 from torchrec_bagpipe.testing.simulate import simulate
-
-SCATTER = 2654435761  # a prime: id = rank * SCATTER mod N scatters the hot ranks
 
 
 def emit(**kw) -> None:
     kw.setdefault("threads", 1)
     kw.setdefault("transport", "in-process")
     print(json.dumps(kw), flush=True)
-
-
-def zipf_ranks(rng: np.random.Generator, n: int, rows: int, a: float) -> np.ndarray:
-    """Bounded power-law ranks in [0, rows) (continuous inverse CDF)."""
-    u = rng.random(n)
-    if abs(a - 1.0) < 1e-9:
-        r = np.floor((rows + 1.0) ** u) - 1
-    else:
-        e = 1.0 - a
-        r = np.floor((((rows + 1.0) ** e - 1.0) * u + 1.0) ** (1.0 / e)) - 1
-    return np.clip(r, 0, rows - 1).astype(np.int64)
-
-
-def make_trace(kind: str, rows: int, steps: int, batch: int, seed: int) -> list[list[np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for t in range(steps):
-        if kind.startswith("zipf"):
-            r = zipf_ranks(rng, batch, rows, float(kind[4:]))
-        else:  # time-ordered: Zipf 1.05 whose hot set drifts through half the key space
-            shift = (t * rows) // (2 * steps)
-            r = (zipf_ranks(rng, batch, rows, 1.05) + shift) % rows
-        out.append([(r * SCATTER) % rows])
-    return out
 
 
 def belady_min(trace: list[list[np.ndarray]], capacity: int) -> tuple[int, int]:
@@ -290,7 +269,7 @@ def part_metadata(args) -> None:
     units = max(1, rows // 20 // ROWS_PER_CACHE_UNIT)  # 5% of the rows
     per_repeat = []
     for _ in range(args.repeats):
-        meta = C.BagPipeCacheMetadata(units, "oracle")
+        meta = C.BagPipeCacheMetadata(units, "oracle", key_bound=rows)  # as the controller
         rec: dict[str, list[float]] = {k: [] for k in (
             "qa_wall", "qa_cpu", "query", "admit", "other", "glue", "unique", "hits")}
         entered = -1
@@ -346,7 +325,8 @@ def part_metadata(args) -> None:
     common = dict(bench="cache_policy", dim=0, rows=rows, ids_per_step=ids, lookahead=look,
                   capacity_rows=units * ROWS_PER_CACHE_UNIT, policy="oracle",
                   unique_per_step=m["unique"], hit_rate=m["hit_rate"], repeats=args.repeats,
-                  steps=len(plans) - args.metadata_warmup)
+                  steps=len(plans) - args.metadata_warmup,
+                  index="direct" if meta.direct_index else "hash")
     emit(**common, metric="metadata_query_admit_ids_per_s", value=value, unit="ids/s",
          baseline=METADATA_TARGET_IDS_PER_S, ratio=value / METADATA_TARGET_IDS_PER_S,
          baseline_kind="requirement", cpu_ids_per_s=m["unique"] / m["qa_cpu"],

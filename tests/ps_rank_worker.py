@@ -32,8 +32,12 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=20.0)
     args = p.parse_args()
     try:
+        # 'auto' replays from the shards' committed steps, which it reads itself (they may
+        # differ after a restored shard: committed steps are acknowledged again, not
+        # applied), so the session attaches without a start-step check.
         client = PSClient(args.addresses.split(","), table=TABLE, dim=DIM, lr=LR, rank=args.rank,
                           world_size=args.world, job_token=args.token, timeout=args.timeout,
+                          expected_step=None if args.start == "auto" else int(args.start) - 1,
                           **INIT, **CLIENT)
         start = client.committed_step() + 1 if args.start == "auto" else int(args.start)
         emit(event="open", committed=client.shard_committed_steps(), start=start)

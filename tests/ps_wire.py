@@ -9,19 +9,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAGIC = 0x31535042
-VERSION = 2
+VERSION = 3  # 3: Open carries the session's start_step
 
 HELLO, HELLO_OK, OPEN, OPEN_OK, COMMIT, ACK, GET, GET_OK = 1, 2, 3, 4, 5, 6, 7, 8
 ASSIGN, ASSIGN_OK, CLOSE, CLOSE_OK, CHECKPOINT, CHECKPOINT_OK, PING, PONG = range(9, 17)
 ERROR, NOTIFY_COMMITTED, NOTIFY_FAILED, NOTIFY_SHUTDOWN, NOTIFY_CHECKPOINT = 17, 18, 19, 20, 21
 
 OK, INVALID_ARGUMENT, SESSION_FAILED, UNAUTHORIZED, PROTOCOL_ERROR, NOT_OPEN = range(6)
+SHUTTING_DOWN, INTERNAL, UNAVAILABLE, START_STEP = range(6, 10)
+ANY_START_STEP = -2  # Open's start_step: attach without a check
 STORED, DUPLICATE, ALREADY_COMMITTED = 0, 1, 2
 
 HEADER = struct.Struct("<IHHIiQQQ")
 HELLO_BODY = struct.Struct("<II")
 HELLO_OK_BODY = struct.Struct("<IIQQ")
-OPEN_BODY = struct.Struct("<QIIIB3xBBHffIQqddddd")
+OPEN_BODY = struct.Struct("<QIIIB3xBBHffIQqdddddq")  # ..., start_step
 OPEN_OK_BODY = struct.Struct("<qII")  # committed_step, dim, state_dim
 COMMIT_BODY = struct.Struct("<QqIIIIIfII")
 ACK_BODY = struct.Struct("<qqIIII")
@@ -38,7 +40,7 @@ FIXED = {HELLO_OK: HELLO_OK_BODY, OPEN_OK: OPEN_OK_BODY, ACK: ACK_BODY, GET_OK: 
 INIT_KINDS = {"uniform": 0, "zeros": 1, "constant": 2}
 OPTIMIZER_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 
-assert HEADER.size == 40 and COMMIT_BODY.size == 48 and OPEN_BODY.size == 96
+assert HEADER.size == 40 and COMMIT_BODY.size == 48 and OPEN_BODY.size == 104
 assert GET_BODY.size == 32 and GET_OK_BODY.size == 24
 
 
@@ -69,12 +71,15 @@ def open_session(table: str, *, session: int, rank: int, world_size: int, dim: i
                  init_value: float = 0.0, seed: int = 0, key_bound: int = -1,
                  optimizer: str = "sgd", eps: float = 1e-8, beta1: float = 0.9,
                  beta2: float = 0.999, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, tag: int = 1, job: int = 0) -> bytes:
+                 initial_accumulator_value: float = 0.0, start_step: int = -1, tag: int = 1,
+                 job: int = 0) -> bytes:
+    """`start_step`: the committed step the session starts after (-1: a new job; s: a
+    resume from step s; ANY_START_STEP: no check)."""
     name = table.encode()
     body = OPEN_BODY.pack(session, rank, world_size, dim, OPTIMIZER_KINDS[optimizer],
                           int(grad_division), INIT_KINDS[init], len(name), init_bound,
                           init_value, 0, seed, key_bound, eps, beta1, beta2, weight_decay,
-                          initial_accumulator_value)
+                          initial_accumulator_value, start_step)
     return frame(OPEN, body + name, tag=tag, job=job)
 
 

@@ -1,16 +1,16 @@
 """The PS's starting step, labelled checkpoint sets, and whole-job checkpoint / resume.
 
-* A client opening a table the PS already advanced is told the shards' steps
-  (`PSClient.opened_steps`); `start_step(expected)` refuses anything but the expected step,
-  naming the table and the steps (a fresh job: -1; a resumed one: its checkpoint's step).
+* A client opening a table the PS already advanced is refused by the shards unless it
+  declared that step (`expected_step`: a fresh job -1, a resumed one its checkpoint's step),
+  naming the table and the steps; tests/test_ps_start_step.py has the protocol's side.
 * `PSClient.checkpoint(label=...)` writes a set into the shard's checkpoint subdirectory
   `label`, which a shard restores from (`--restore-from`).
 * Two consecutive runs of the DLRM example against the same two TCP shards: the second is
   refused (it would have lost every sparse update), naming the table and the steps.
 * kill -9 of every process at a random moment, then `--resume`: the final whole-job
   checkpoint is bitwise the uninterrupted run's (PS rows and optimizer state, dense model
-  and optimizer), with hosted shards and with PS server processes; losing one shard
-  server mid-run is recovered exactly by the same resume.
+  and optimizer, the random streams), with hosted shards and with PS server processes;
+  losing one shard server mid-run is recovered exactly by the same resume.
 """
 
 from __future__ import annotations
@@ -52,16 +52,15 @@ def _train(client: PSClient, steps: range) -> None:
 def test_a_fresh_job_meeting_an_advanced_table_is_refused_naming_table_and_steps():
     shards = [PSShard(shard_id=0, num_shards=2), PSShard(shard_id=1, num_shards=2)]
     with _client(shards) as c:
-        assert c.opened_steps == [-1, -1] and c.start_step(-1) == -1
+        assert c.opened_steps == [-1, -1] and c.expected_step == -1
         _train(c, range(3))
-    with _client(shards) as c:
+    with pytest.raises(StartStepError, match=r"table 't'.*committed steps up to 2.*"
+                                             r"steps 0\.\.2 would be acknowledged without"):
+        _client(shards)
+    with pytest.raises(StartStepError, match=r"resumes after step 1.*committed step is 2"):
+        _client(shards, expected_step=1)
+    with _client(shards, expected_step=2) as c:
         assert c.opened_steps == [2, 2]
-        with pytest.raises(StartStepError, match=r"PS table 't'.*committed steps up to 2.*"
-                                                 r"steps 0\.\.2 without applying"):
-            c.start_step(-1)
-        with pytest.raises(StartStepError, match=r"resumes after step 1.*\[2, 2\]"):
-            c.start_step(1)
-        assert c.start_step(2) == 2
 
 
 def test_shards_at_different_steps_are_refused(tmp_path):
@@ -72,9 +71,9 @@ def test_shards_at_different_steps_are_refused(tmp_path):
         assert c.checkpoint(label="set-1") == [1, 1]
         _train(c, range(2, 4))
     a2 = PSShard(shard_id=0, num_shards=2, restore=tmp_path / "a" / "set-1")
-    with _client([a2, b]) as c, \
-            pytest.raises(StartStepError, match=r"different committed steps \[1, 3\]"):
-        c.start_step(3)
+    with pytest.raises(StartStepError, match=r"shard 0 .*resumes after step 3.*committed step "
+                                             r"is 1"):
+        _client([a2, b], expected_step=3)
 
 
 def test_labelled_checkpoint_sets_restore_exactly(tmp_path):
@@ -90,8 +89,7 @@ def test_labelled_checkpoint_sets_restore_exactly(tmp_path):
     assert (tmp_path / "step-2-aa" / "table-t").is_dir()
     r = PSShard(shard_id=0, num_shards=1, restore=tmp_path / "step-2-aa")
     assert r.committed_step("t") == 1
-    with _client([r], optimizer="adagrad") as c:
-        assert c.start_step(1) == 1
+    with _client([r], optimizer="adagrad", expected_step=1) as c:
         assert torch.equal(c.lookup(keys, with_state=True), want)
 
 
@@ -168,8 +166,12 @@ def _final_state(directory: Path) -> dict[str, torch.Tensor]:
         shard.close()
     for rank in range(m.world_size):
         state = torch.load(trainer_file(directory, m.label, rank), weights_only=False)
+        # The random streams too: a resumed run continues the one it saved (issue 23).
+        rng = state["rng"]
         flat: list[tuple[str, Any]] = [("model", state["model"]), ("opt", state["optimizers"]),
-                                       ("lrs", state["lrs"])]
+                                       ("lrs", state["lrs"]), ("rng.cpu", rng["cpu"]),
+                                       ("rng.python", torch.tensor(rng["python"][1])),
+                                       ("rng.numpy", torch.from_numpy(rng["numpy"][1]))]
         while flat:
             key, v = flat.pop()
             if isinstance(v, dict):
@@ -283,7 +285,7 @@ def test_a_second_run_against_the_same_shards_is_refused(tmp_path):
         assert second.returncode != 0
         text = second.stdout + second.stderr
         assert "StartStepError" in text and "committed steps up to" in text, text[-4000:]
-        assert f"steps 0..{STEPS - 1} without applying" in text, text[-4000:]
+        assert f"steps 0..{STEPS - 1} would be acknowledged without" in text, text[-4000:]
     finally:
         for s in servers:
             s.terminate()

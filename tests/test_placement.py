@@ -52,7 +52,12 @@ class _Model(torch.nn.Module):
         self.ec = ec
 
 
+# The size rule these tests use (opt-in: unset, every table BagPipe can serve goes there).
+SIZE_RULE = BagPipeConfig(placement_memory_fraction=0.01)
+
+
 def _planner(ddr: int = MB, world: int = 2, **kwargs) -> BagPipeShardingPlanner:
+    kwargs.setdefault("config", SIZE_RULE)
     return BagPipeShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu", ddr_cap=ddr),
         batch_size=8, **kwargs)
@@ -83,9 +88,14 @@ def test_default_placement_by_size_and_min_rows():
     plan = _planner(config=config).plan(_ebc(sizes), [sharder])
     assert not any(_placed(plan, "").values())
     # The sharder's config is the default.
-    plan = _planner().plan(_ebc(sizes), [BagPipeEmbeddingBagCollectionSharder(
+    plan = _planner(config=None).plan(_ebc(sizes), [BagPipeEmbeddingBagCollectionSharder(
         BagPipeConfig(placement_min_rows=0), LR)])
     assert all(_placed(plan, "").values())
+    # No size rule: BagPipe first.
+    planner = _planner(config=BagPipeConfig())
+    plan = planner.plan(_ebc(sizes), [sharder])
+    assert all(_placed(plan, "").values())
+    assert all(p.reason.startswith("BagPipe first") for p in planner.last_placements)
 
 
 def test_constraints_force_either_side():

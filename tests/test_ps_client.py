@@ -270,7 +270,7 @@ def test_checkpoint_and_restore_in_process(tmp_path) -> None:
     restored = [PSShard(ShardSpec(i, 2, checkpoint_dir=tmp_path / f"s{i}"), restore=True)
                 for i in range(2)]
     assert restored[0].restored == {"emb": 3}
-    with client(restored) as c:
+    with client(restored, expected_step=3) as c:  # a declared resume
         assert c.committed_step() == 3
         assert same_bits(c.lookup(torch.arange(30)), ref.lookup(list(range(30))))
         # Replaying a committed step is a no-op; the next one applies.

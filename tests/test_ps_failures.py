@@ -140,7 +140,7 @@ def test_failed_periodic_checkpoints_are_reported_to_the_clients(tmp_path: Path)
         # The shard recovers: the next checkpoint succeeds and the run of failures ends.
         blocker.unlink()
         with PSClient([server.address], table="t", dim=4, lr=0.5, init="zeros",
-                      job_token="tok") as c:
+                      job_token="tok", expected_step=5) as c:  # the job goes on
             for step in range(6, 8):
                 c.commit(step, torch.tensor([step]), torch.ones(1, 4))
             c.lookup(torch.tensor([0]))

@@ -154,7 +154,7 @@ def test_reopening_a_table_with_another_optimizer_is_refused(tmp_path) -> None:
     assert restored.table_optimizer("emb") == spec_of("adagrad")
     with pytest.raises(ValueError, match=r"table 'emb'.*optimizer\.kind 'rowwise_adagrad'"):
         client([restored], optimizer="rowwise_adagrad")
-    with client([restored], optimizer=spec_of("adagrad")) as c:
+    with client([restored], optimizer=spec_of("adagrad"), expected_step=0) as c:
         assert c.committed_step() == 0
         assert torch.equal(c.lookup(torch.arange(4), with_state=True), want)
     restored.close()

@@ -83,7 +83,7 @@ def reference(steps: int, world: int) -> np.ndarray:
 def read_table(addresses: list[str]) -> tuple[np.ndarray, list[int]]:
     """Rows of every key through a fresh one-rank session (the job's sessions have ended)."""
     with PSClient(addresses, table=TABLE, dim=DIM, lr=LR, world_size=1, job_token=TOKEN,
-                  session_id=1, timeout=20.0, **INIT, **CLIENT) as c:
+                  session_id=1, timeout=20.0, expected_step=None, **INIT, **CLIENT) as c:
         return c.lookup(torch.arange(KEYS)).numpy(), c.shard_committed_steps()
 
 

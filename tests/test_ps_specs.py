@@ -85,7 +85,7 @@ def test_spec_defaults_are_the_native_defaults(name: str) -> None:
 def test_every_native_field_is_a_spec_field() -> None:
     """A native option nobody can set from Python would be a default stated in C++ only."""
     renamed = {"grad_division": "gradient_division", "partition": "partitioner",
-               "session": "session_id", "expected_dim": "dim"}
+               "session": "session_id", "expected_dim": "dim", "start_step": "expected_step"}
     pairs = [(ClientSpec, C.ClientOptions), (ClientSpec, C.ConnectOptions),
              (ShardSpec, C.ShardOptions), (StoreSpec, C.StoreOptions),
              (TableSchema, C.TableSchema), (LoadSpec, C.LoadOverrides),
@@ -111,6 +111,25 @@ def test_shard_spec_takes_the_config_store_fields() -> None:
     assert spec == ShardSpec(1, 2, dim=8, store=StoreLayout(
         num_threads=3, memory_budget="64M", spill_dir="/tmp/spill", num_shards=4,
         page_rows=256))
+
+
+def test_shard_spec_takes_the_config_checkpoint_chain_fields() -> None:
+    """ps_checkpoint_* reach the shard's native options; their defaults are the spec's."""
+    default = shard_spec(BagPipeConfig(), 0, 1)
+    assert default == ShardSpec()
+    cfg = BagPipeConfig(ps_checkpoint_incremental=False, ps_checkpoint_full_every=3,
+                        ps_checkpoint_chain_fraction=0.25)
+    s = shard_spec(cfg, 0, 1, checkpoint_dir="/tmp/ck", checkpoint_every=2).native()
+    assert (s.checkpoint_incremental, s.checkpoint_full_every,
+            s.checkpoint_chain_fraction) == (False, 3, 0.25)
+    with pytest.raises(TypeError, match="come from the BagPipeConfig"):
+        shard_spec(cfg, 0, 1, checkpoint_full_every=2)
+    with pytest.raises(ValueError, match="checkpoint_full_every"):
+        ShardSpec(checkpoint_full_every=0)
+    with pytest.raises(ValueError, match="checkpoint_chain_fraction"):
+        ShardSpec(checkpoint_chain_fraction=0.0)
+    with pytest.raises(ValueError, match="ps_checkpoint_full_every"):
+        BagPipeConfig(ps_checkpoint_full_every=0)
 
 
 # ---- checks name the field -----------------------------------------------------------------------

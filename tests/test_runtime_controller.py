@@ -392,8 +392,8 @@ def test_steps_follow_the_start_step_of_the_ps_table() -> None:
         with PSClient([shard], **spec) as warm:  # the PS already committed steps 0..start
             for t in range(start + 1):
                 warm.commit(t, torch.zeros(0, dtype=torch.int64), torch.zeros(0, DIM))
-        client = PSClient([shard], **spec)
-        assert client.start_step(start) == start
+        client = PSClient([shard], **spec, expected_step=start)  # the shard checks it
+        assert client.opened_steps == [start]
         group = ThreadGroup(1, timeout=2.0)
         ctl = BagPipeController(cfg, rank=0, world_size=1, dim=DIM, num_keys=10, lr=LR,
                                 ps=client, collectives=group.collectives(0), start_step=start)

@@ -223,9 +223,13 @@ UNIVERSE = 160
 
 
 class MetadataMachine(RuleBasedStateMachine):
-    @initialize(units=st.sampled_from([1, 2]), policy=st.sampled_from(["lru", "oracle"]))
-    def setup(self, units: int, policy: str) -> None:
-        self.native = C.BagPipeCacheMetadata(units, policy)
+    @initialize(units=st.sampled_from([1, 2]), policy=st.sampled_from(["lru", "oracle"]),
+                direct=st.booleans())
+    def setup(self, units: int, policy: str, direct: bool) -> None:
+        # direct: key_bound = the universe (the direct key index); else the hash index.
+        bound = UNIVERSE if direct else -1
+        self.native = C.BagPipeCacheMetadata(units, policy, key_bound=bound)
+        assert self.native.direct_index == direct
         self.model = ModelMetadata(units, policy)
         self.step = 0
         self.native.advance(0)
@@ -364,3 +368,22 @@ def test_metadata_argument_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="is free"):
         m.pin(a64([3]), 1)
     assert len(m) == 0  # nothing changed
+
+
+@pytest.mark.parametrize("bound", [1000, 1 << 40])  # the direct index, then the hash index
+def test_metadata_key_bound_rejects_keys_outside_the_table(bound: int) -> None:
+    m = C.BagPipeCacheMetadata(1, "oracle", key_bound=bound)
+    assert m.key_bound == bound
+    assert m.direct_index == (bound == 1000)
+    assert not C.BagPipeCacheMetadata(1, "oracle").direct_index  # no bound: hash index
+    m.advance(0)
+    m.admit(a64([3, bound - 1]), a64([-1, -1]), a64([-1, -1]))
+    for call in (lambda k: m.query(k, a64([-1, -1]), a64([-1, -1])),
+                 lambda k: m.admit(k, a64([-1, -1]), a64([-1, -1])),
+                 m.lookup, lambda k: m.resident(k, a64([-1, -1])),
+                 lambda k: m.note_uses(k, 2), m.invalidate):
+        with pytest.raises(ValueError, match=rf"keys\[1\] = {bound} is outside the key bound"):
+            call(a64([5, bound]))
+    assert len(m) == 2  # nothing changed
+    hit_pos, _, miss_pos, _ = m.query(a64([3, 5]), a64([-1, -1]), a64([-1, -1]))
+    assert hit_pos.tolist() == [0] and miss_pos.tolist() == [1]

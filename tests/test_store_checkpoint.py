@@ -41,7 +41,7 @@ def test_round_trip_with_meta_and_layout_overrides(tmp_path: Path) -> None:
     s = _filled(num_shards=8)
     s.save(tmp_path / "ck", meta={"committed_step": "41", "job": 'ü\n"quoted"'})
     info = EmbeddingStore.checkpoint_info(tmp_path / "ck")
-    assert info["rows"] == len(s) and info["dim"] == 8 and info["version"] == 2
+    assert info["rows"] == len(s) and info["dim"] == 8 and info["version"] == 3
     assert info["optimizer"] == "sgd" and info["state_dim"] == 0
     assert info["meta"] == {"committed_step": "41", "job": 'ü\n"quoted"'}
     for overrides in ({}, {"num_shards": 1, "num_threads": 2}, {"num_shards": 64, "page_rows": 16}):
@@ -150,8 +150,8 @@ def test_missing_data_file_is_refused(tmp_path: Path) -> None:
 
 def test_unknown_version_and_bad_fields_are_refused(tmp_path: Path) -> None:
     ck = _checkpoint(tmp_path)
-    rewrite_manifest(str(ck / "MANIFEST"), lambda t: t.replace('"version": 2', '"version": 3'))
-    with pytest.raises(ValueError, match="unknown checkpoint version 3"):
+    rewrite_manifest(str(ck / "MANIFEST"), lambda t: t.replace('"version": 3', '"version": 4'))
+    with pytest.raises(ValueError, match="unknown checkpoint version 4"):
         EmbeddingStore.load(ck)
     ck2 = _checkpoint(tmp_path / "b")
     rewrite_manifest(str(ck2 / "MANIFEST"), lambda t: t.replace('\n  "rows": ', '\n  "rows": 1'))
@@ -241,7 +241,8 @@ def test_version_1_sgd_checkpoints_still_load(tmp_path: Path) -> None:
     s.save(tmp_path / "ck")
 
     def to_v1(text: str) -> str:
-        text = text.replace('"version": 2', '"version": 1')
+        text = text.replace('"version": 3', '"version": 1')
+        text = text[: text.index(',\n  "chain": ')] + "\n}\n"  # chains came with version 3
         at = text.index(', "eps_bits"')
         return text[:at] + text[text.index("}", at) :]
 

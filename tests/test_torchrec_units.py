@@ -96,11 +96,10 @@ def test_planner_charges_only_cache_and_metadata():
     # ~85 rows, far below the table itself.
     assert big.ddr < full_table / 100
     assert big.hbm == 0
-    # The stock planner cannot estimate the BagPipe kernel at all.
-    with pytest.raises(ValueError, match="customized_kernel"):
-        EmbeddingShardingPlanner(topology=topo).plan(
-            _ebc(), [BagPipeEmbeddingBagCollectionSharder(config, {"learning_rate": 1.0})]
-        )
+    # TorchRec's own planner plans the BagPipe kernel too (issue 21; tests/test_planner_swap.py).
+    plan = EmbeddingShardingPlanner(topology=topo).plan(
+        _ebc(), [BagPipeEmbeddingBagCollectionSharder(config, {"learning_rate": 1.0})])
+    assert all(ps.compute_kernel == BAGPIPE_KERNEL for ps in plan.plan[""].values())
 
 
 def test_bagpipe_plan_by_hand():

@@ -23,6 +23,7 @@ _LAZY = {
     "ShardedBagPipeEmbeddingBagCollection": "torchrec_bagpipe.distributed.embeddingbag",
     "ShardedBagPipeEmbeddingCollection": "torchrec_bagpipe.distributed.embedding",
     "bagpipe_plan": "torchrec_bagpipe.distributed.sharding_planner",
+    "bagpipe": "torchrec_bagpipe.distributed.plan_helpers",
     "PowerLawCriteoDataset": "torchrec_bagpipe.datasets.synthetic",
     "SessionError": "torchrec_bagpipe._native",
     "ShuttingDownError": "torchrec_bagpipe._native",

@@ -127,16 +127,19 @@ class BagPipeConfig:
     placement_min_rows: int | None = field(
         default=None,
         metadata=_help(
-            "BagPipeShardingPlanner: tables with at least this many rows go to BagPipe (0: "
-            "every table); unset: the size rule of placement_memory_fraction alone"
+            "placement (both planners): tables with at least this many rows go to BagPipe, "
+            "smaller ones keep TorchRec's stock sharding (0: every table); unset (and "
+            "placement_memory_fraction unset): every table a BagPipe sharder can serve goes "
+            "to BagPipe"
         ),
     )
-    placement_memory_fraction: float = field(
-        default=0.01,
+    placement_memory_fraction: float | None = field(
+        default=None,
         metadata=_help(
-            "BagPipeShardingPlanner: tables larger than this fraction of one rank's device "
+            "placement (both planners): tables larger than this fraction of one rank's device "
             "memory (the topology's HBM on CUDA, DDR on CPU) go to BagPipe; smaller tables "
-            "keep TorchRec's stock sharding (ParameterConstraints force either side)"
+            "keep TorchRec's stock sharding (ParameterConstraints force either side); unset: "
+            "no size rule"
         ),
     )
     gradient_division: bool | None = field(
@@ -221,6 +224,25 @@ class BagPipeConfig:
             "in a row on one shard raise PSCheckpointError (0: never)"
         ),
     )
+    ps_checkpoint_incremental: bool = field(
+        default=True,
+        metadata=_help(
+            "PS shards' periodic checkpoints are chains (Check-N-Run): each one writes only "
+            "the rows changed since the previous one, with their optimizer state, linked to a "
+            "full base; restoring replays base and increments, bitwise the full checkpoint"
+        ),
+    )
+    ps_checkpoint_full_every: int = field(
+        default=8,
+        metadata=_help("a PS checkpoint chain writes a full base after this many increments"),
+    )
+    ps_checkpoint_chain_fraction: float = field(
+        default=0.5,
+        metadata=_help(
+            "a PS checkpoint chain writes a full base once its increments would pass this "
+            "fraction of the base's bytes"
+        ),
+    )
     checkpoint_dir: str | None = field(
         default=None,
         metadata=_help(
@@ -281,7 +303,8 @@ class BagPipeConfig:
             raise ValueError(
                 f"BagPipeConfig.placement_min_rows must be >= 0, got {self.placement_min_rows}"
             )
-        if not 0.0 <= self.placement_memory_fraction <= 1.0:
+        if (self.placement_memory_fraction is not None
+                and not 0.0 <= self.placement_memory_fraction <= 1.0):
             raise ValueError(
                 "BagPipeConfig.placement_memory_fraction must be in [0, 1], got "
                 f"{self.placement_memory_fraction}"
@@ -309,6 +332,10 @@ class BagPipeConfig:
             raise ValueError("BagPipeConfig.checkpoint_every must be >= 0 (0: only when asked)")
         if self.ps_checkpoint_max_failures < 0:
             raise ValueError("BagPipeConfig.ps_checkpoint_max_failures must be >= 0 (0: never)")
+        if self.ps_checkpoint_full_every < 1:
+            raise ValueError("BagPipeConfig.ps_checkpoint_full_every must be >= 1")
+        if not 0.0 < self.ps_checkpoint_chain_fraction < float("inf"):
+            raise ValueError("BagPipeConfig.ps_checkpoint_chain_fraction must be > 0")
 
     # ---- derived values ---------------------------------------------------------------------
     def memory_budget_bytes(self) -> int | None:

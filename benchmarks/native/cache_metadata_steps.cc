@@ -20,6 +20,10 @@
 // Build: cmake --build build/dev --target bagpipe_cache_metadata_steps
 // Run:   build/dev/bagpipe_cache_metadata_steps [--rows N] [--ids N] [--steps S] [--warmup W]
 //                                               [--lookahead L] [--cache-pct P]
+//                                               [--index direct|hash]
+// --index: the key -> slot index. direct (default): key_bound = rows, as the controller
+// passes the table's rows (the direct index when cache_metadata.h's rule allows it); hash:
+// no key bound, the hash index.
 #include <algorithm>
 #include <ctime>
 #include <cmath>
@@ -50,6 +54,7 @@ struct Args {
   int warmup = 10;
   int64_t lookahead = 8;
   double cache_pct = 5.0;
+  bool hash_index = false;
 };
 
 Args Parse(int argc, char** argv) {
@@ -63,6 +68,7 @@ Args Parse(int argc, char** argv) {
     else if (k == "--warmup") a.warmup = std::atoi(v);
     else if (k == "--lookahead") a.lookahead = std::atoll(v);
     else if (k == "--cache-pct") a.cache_pct = std::atof(v);
+    else if (k == "--index") a.hash_index = std::string(v) == "hash";
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       std::exit(2);
@@ -119,7 +125,8 @@ int main(int argc, char** argv) {
   }
   const int64_t units =
       std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(a.rows) * a.cache_pct / 100 / 64));
-  CacheMetadata meta(units, EvictionPolicy::kOracle);
+  CacheMetadata meta(units, EvictionPolicy::kOracle,
+                     a.hash_index ? bagpipe::cache::kUnboundedKeys : a.rows);
 
   std::vector<double> t_adv, t_note, t_query, t_admit, t_update, keys_q;
   int64_t hits = 0, accesses = 0;
@@ -201,11 +208,12 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"bench\":\"cache_metadata_steps\",\"metric\":\"query_admit_ids_per_s\",\"value\":%.4g,"
       "\"unit\":\"ids/s\",\"ms_per_step\":%.4g,\"unique_per_step\":%.0f,\"ids_per_step\":%lld,"
-      "\"hit_rate\":%.4f,\"rows\":%lld,\"cache_rows\":%lld,\"lookahead\":%lld,\"threads\":1}\n",
+      "\"hit_rate\":%.4f,\"rows\":%lld,\"cache_rows\":%lld,\"lookahead\":%lld,\"threads\":1,"
+      "\"index\":\"%s\"}\n",
       1.0 / per_key, per_key * unique * 1e3, unique, static_cast<long long>(a.ids),
       static_cast<double>(hits) / static_cast<double>(std::max<int64_t>(accesses, 1)),
       static_cast<long long>(a.rows), static_cast<long long>(meta.capacity_rows()),
-      static_cast<long long>(a.lookahead));
+      static_cast<long long>(a.lookahead), meta.direct_index() ? "direct" : "hash");
   std::printf(
       "{\"bench\":\"cache_metadata_steps\",\"metric\":\"ms_per_step\",\"advance\":%.3f,"
       "\"note_uses\":%.3f,\"query\":%.3f,\"admit\":%.3f,\"lookup_set_version\":%.3f,"

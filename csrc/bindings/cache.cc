@@ -158,10 +158,18 @@ py::dict PlanDict(const RankPlan& p) {
 
 // Construction, its properties and moving to a step.
 void BindMetadataState(MetadataClass& cls) {
-  cls.def(py::init([](int64_t capacity_units, const std::string& policy) {
-            return new CacheMetadata(capacity_units, cache::ParseEvictionPolicy(policy));
+  cls.def(py::init([](int64_t capacity_units, const std::string& policy, int64_t key_bound) {
+            return new CacheMetadata(capacity_units, cache::ParseEvictionPolicy(policy),
+                                     key_bound);
           }),
-          py::arg("capacity_units"), py::arg("policy") = "oracle");
+          py::arg("capacity_units"), py::arg("policy") = "oracle",
+          py::arg("key_bound") = cache::kUnboundedKeys,
+          "key_bound: every key lies in [0, key_bound) (the table's rows; -1: unbounded); "
+          "a small bound indexes keys directly (see direct_index), a key outside it is a "
+          "ValueError");
+  cls.def_property_readonly("key_bound", &CacheMetadata::key_bound);
+  cls.def_property_readonly("direct_index", &CacheMetadata::direct_index,
+                            "whether keys index the slots directly (else a hash map)");
   cls.def_property_readonly("capacity_rows", &CacheMetadata::capacity_rows);
   cls.def_property_readonly("policy", [](const CacheMetadata& c) {
     return c.policy() == cache::EvictionPolicy::kLru ? "lru" : "oracle";

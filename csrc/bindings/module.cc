@@ -23,7 +23,9 @@ PYBIND11_MODULE(_C, m) {
   py::exception<SessionError> session(m, "SessionError", PyExc_RuntimeError);
   py::exception<TransportError> transport(m, "TransportError", PyExc_ConnectionError);
   py::exception<ShuttingDownError> shutting_down(m, "ShuttingDownError", transport);
-  Classes() = {session.release().ptr(), transport.release().ptr(), shutting_down.release().ptr()};
+  py::exception<StartStepError> start_step(m, "StartStepError", PyExc_ValueError);
+  Classes() = {session.release().ptr(), transport.release().ptr(), shutting_down.release().ptr(),
+               start_step.release().ptr()};
   py::register_exception_translator([](std::exception_ptr p) {
     if (p) TranslateError(p, Classes());
   });

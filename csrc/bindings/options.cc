@@ -97,7 +97,8 @@ void BindLoadOverrides(py::module_& m) {
       .def_readwrite("dim", &LoadOverrides::dim)
       .def_readwrite("init", &LoadOverrides::init)
       .def_readwrite("optimizer", &LoadOverrides::optimizer)
-      .def_readwrite("weights_only", &LoadOverrides::weights_only);
+      .def_readwrite("weights_only", &LoadOverrides::weights_only)
+      .def_readwrite("chain_links", &LoadOverrides::chain_links);
 }
 
 void BindTableSchema(py::module_& m) {
@@ -121,6 +122,9 @@ void BindShardOptions(py::module_& m) {
       .def_readwrite("expected_dim", &ShardOptions::expected_dim)
       .def_readwrite("checkpoint_dir", &ShardOptions::checkpoint_dir)
       .def_readwrite("checkpoint_every", &ShardOptions::checkpoint_every)
+      .def_readwrite("checkpoint_incremental", &ShardOptions::checkpoint_incremental)
+      .def_readwrite("checkpoint_full_every", &ShardOptions::checkpoint_full_every)
+      .def_readwrite("checkpoint_chain_fraction", &ShardOptions::checkpoint_chain_fraction)
       .def_readwrite("max_frame_bytes", &ShardOptions::max_frame_bytes);
 }
 
@@ -150,7 +154,10 @@ void BindClientOptions(py::module_& m) {
           "'modulo', 'hash' or 'fast_range'")
       .def_readwrite("max_packet_rows", &ClientOptions::max_packet_rows)
       .def_readwrite("inflight_packets", &ClientOptions::inflight_packets)
-      .def_readwrite("timeout", &ClientOptions::timeout);
+      .def_readwrite("timeout", &ClientOptions::timeout)
+      .def_readwrite("start_step", &ClientOptions::start_step,
+                     "the committed step the session starts after: -1 a new job, s >= 0 a "
+                     "resume, -2 attach without a check");
 }
 
 void BindConnectOptions(py::module_& m) {

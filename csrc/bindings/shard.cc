@@ -136,6 +136,10 @@ void BindShardAdmin(ShardClass& cls) {
     d["reads"] = c.reads;
     d["rows_read"] = c.rows_read;
     d["deferred_reads"] = c.deferred_reads;
+    d["checkpoints"] = c.checkpoints;
+    d["incremental_checkpoints"] = c.incremental_checkpoints;
+    d["checkpoint_bytes"] = c.checkpoint_bytes;
+    d["checkpoint_links"] = c.checkpoint_links;
     d["attached_ranks"] = t->attached_ranks();
     d["failed"] = t->failed();
     d["failure"] = t->failure();

@@ -236,6 +236,32 @@ void BindStoreMaintenance(StoreClass& cls) {
         h.store().Save(path, meta, weights_only);
       },
       py::arg("path"), py::arg("meta"), py::arg("weights_only"));
+  cls.def(
+      "checkpoint",
+      [](StoreHandle& h, const std::string& path, int64_t step,
+         const std::map<std::string, std::string>& meta, bool incremental, int full_every,
+         double chain_fraction) {
+        store::ChainPolicy policy;
+        policy.incremental = incremental;
+        policy.full_every = full_every;
+        policy.chain_fraction = chain_fraction;
+        store::CheckpointResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = h.store().Checkpoint(path, step, meta, policy);
+        }
+        py::dict d;
+        d["incremental"] = r.incremental;
+        d["links"] = r.links;
+        d["rows"] = r.rows;
+        d["deletions"] = r.deletions;
+        d["bytes"] = r.bytes;
+        d["base_bytes"] = r.base_bytes;
+        d["chain_bytes"] = r.chain_bytes;
+        return d;
+      },
+      py::arg("path"), py::arg("step"), py::arg("meta"), py::arg("incremental"),
+      py::arg("full_every"), py::arg("chain_fraction"));
   cls.def("stats", [](StoreHandle& h) {
     store::StoreStats s = h.store().Stats();
     py::dict d;
@@ -254,6 +280,7 @@ void BindStoreMaintenance(StoreClass& cls) {
     d["memory_budget"] = s.memory_budget;
     d["state_dim"] = s.state_dim;
     d["slot_bytes"] = s.slot_bytes;
+    d["dirty_rows"] = s.dirty_rows;
     return d;
   });
 }
@@ -293,8 +320,31 @@ void BindStoreCheckpoints(py::module_& m) {
         d["optimizer"] = store::OptimizerKindName(mf.optimizer.kind);
         d["optimizer_spec"] = OptimizerDict(mf.optimizer);
         d["state_dim"] = mf.state_dim;
-        d["rows"] = mf.rows;
+        // Rows stored at the last link (a chain's base holds mf.rows).
+        d["rows"] = mf.chain.increments.empty() ? mf.rows : mf.chain.increments.back().total_rows;
         d["meta"] = mf.meta;
+        // The chain's links, base first: step, rows written, data bytes, meta.
+        py::list links;
+        py::dict base;
+        base["link"] = store::LinkName(mf.chain.id, 0);
+        base["step"] = mf.chain.base_step;
+        base["rows"] = mf.rows;
+        base["bytes"] = store::SegmentBytes(mf.segments);
+        base["meta"] = mf.chain.base_meta;
+        links.append(base);
+        for (const store::IncrementEntry& inc : mf.chain.increments) {
+          py::dict l;
+          l["link"] = store::LinkName(mf.chain.id, inc.index);
+          l["parent"] = store::LinkName(mf.chain.id, inc.index - 1);
+          l["step"] = inc.step;
+          l["rows"] = inc.rows;
+          l["deletions"] = inc.deletion_count;
+          l["total_rows"] = inc.total_rows;
+          l["bytes"] = store::IncrementBytes(inc);
+          l["meta"] = inc.meta;
+          links.append(l);
+        }
+        d["chain"] = links;
         return d;
       },
       py::arg("path"));

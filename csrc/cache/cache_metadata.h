@@ -28,18 +28,27 @@
 //      would store a value outside [INT32_MIN, INT32_MAX) throws ValueError (invariant 6).
 //
 // Layout (what makes a step's metadata cost a few random memory accesses per key): a slot is
-// one 32-byte record; the key->slot map holds 8-byte tagged cells (slot_map.h); both live in
-// huge-page mappings. Eviction queues are lazy FIFOs (lazy_queue.h): a slot's generation
-// changes whenever it joins or leaves a queue or the pin list, so removal never touches a
-// neighbour. Batch calls probe the map in a software-pipelined loop (hash, prefetch the cell,
-// probe it and prefetch the record, verify) and validate in a first pass before mutating in
-// a second, into caller-provided output arrays; no call allocates once its scratch has grown.
+// one 32-byte record; the key->slot index is either a direct array indexed by the key
+// (direct_index.h: when the keys are known to lie in [0, key_bound) and key_bound is small,
+// see UsesDirectIndex) or a map of 8-byte tagged cells (slot_map.h); all live in huge-page
+// mappings. Eviction queues are lazy FIFOs (lazy_queue.h): a slot's generation changes
+// whenever it joins or leaves a queue or the pin list, so removal never touches a neighbour.
+// A batch call first validates its arguments, keys' uniqueness included (a bit per key with
+// the direct index, a scratch hash set otherwise), then probes the index in one
+// software-pipelined loop (prefetch the index cell, then the slot record, then act) that
+// writes into caller-provided output arrays; no call allocates once its scratch has grown.
+//
+// Files: cache_metadata.cc (construction, slot-level calls, inspection),
+// cache_metadata_queues.cc (eviction queues, pins, Advance, victims), cache_metadata_query.cc,
+// cache_metadata_admit.cc (the two batch calls of a step), cache_metadata_probe.h (the
+// pipelined probe both use), cache_metadata_checks.h (argument validation).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cache/direct_index.h"
 #include "cache/eviction_buckets.h"
 #include "cache/huge_array.h"
 #include "cache/key_set.h"
@@ -50,6 +59,11 @@ namespace bagpipe::cache {
 
 inline constexpr int64_t kRowsPerUnit = 64;
 inline constexpr int64_t kNever = INT64_MAX;  // next use: absent from the known window
+inline constexpr int64_t kUnboundedKeys = -1;  // key_bound: any key >= 0
+// The direct index is used when key_bound <= kDirectIndexMaxKeys, or key_bound <=
+// kDirectIndexKeysPerSlot * capacity_rows (its 4 bytes per key stay <= 128 per slot).
+inline constexpr int64_t kDirectIndexMaxKeys = int64_t{1} << 24;
+inline constexpr int64_t kDirectIndexKeysPerSlot = 32;
 
 enum class EvictionPolicy : uint8_t { kLru = 0, kOracle = 1 };
 
@@ -111,15 +125,26 @@ struct MetadataStats {
 
 class CacheMetadata {
  public:
-  // REQUIRES: 1 <= capacity_units, capacity_rows <= 2^31 - 1 (ValueError otherwise).
-  CacheMetadata(int64_t capacity_units, EvictionPolicy policy);
+  // key_bound: every key of every call lies in [0, key_bound) (the table's rows), or
+  // kUnboundedKeys. A call with a key outside it throws ValueError naming the key.
+  // REQUIRES: 1 <= capacity_units, capacity_rows <= 2^31 - 1; key_bound == kUnboundedKeys or
+  // key_bound >= 1 (ValueError otherwise).
+  CacheMetadata(int64_t capacity_units, EvictionPolicy policy,
+                int64_t key_bound = kUnboundedKeys);
+
+  // Whether a cache of capacity_rows over keys [0, key_bound) indexes keys directly.
+  static bool UsesDirectIndex(int64_t capacity_rows, int64_t key_bound);
 
   // Fixed at construction: capacity_units x 64 rows, and the eviction order.
   int64_t capacity_rows() const { return capacity_rows_; }
   EvictionPolicy policy() const { return policy_; }
+  int64_t key_bound() const { return key_bound_; }
+  bool direct_index() const { return direct_; }
   // The step of the last Advance (its initial value before any), and the resident keys.
   int64_t current_step() const { return step_; }
-  int64_t size() const { return static_cast<int64_t>(map_.size()); }
+  int64_t size() const {
+    return static_cast<int64_t>(direct_ ? direct_index_.size() : map_.size());
+  }
   // Entries of the pin list: an upper bound on the slots Advance unpins (its cost).
   int64_t pin_entries() const { return static_cast<int64_t>(pinned_.size()); }
 
@@ -130,7 +155,8 @@ class CacheMetadata {
   // Classifies n unique keys.  A slot whose version differs from versions[i] is stale: it is
   // freed and the key reported as a miss.  Hits are touched: their next use becomes
   // next_uses[i] (< 0 means kNever) and they become most recent.
-  // REQUIRES: keys unique and >= 0, next_uses < 2^31 - 1 (ValueError otherwise).
+  // REQUIRES: keys unique and in [0, key_bound), next_uses < 2^31 - 1 (ValueError
+  // otherwise).
   QueryResult Query(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
                     size_t n);
   // Query into caller-provided arrays (each with room for n); returns the counts.
@@ -139,7 +165,8 @@ class CacheMetadata {
 
   // Gives ready slots, pinned through the current step, to keys in input order, evicting per
   // policy; candidates that find no slot are bypassed (not in the result).
-  // REQUIRES: keys unique, >= 0 and not resident; versions in [INT32_MIN, INT32_MAX);
+  // REQUIRES: keys unique, in [0, key_bound) and not resident; versions in
+  // [INT32_MIN, INT32_MAX);
   // next_uses < 2^31 - 1 (ValueError otherwise).
   PlaceResult Admit(const int64_t* keys, const int64_t* versions, const int64_t* next_uses,
                     size_t n);
@@ -148,9 +175,11 @@ class CacheMetadata {
                         size_t n, const AdmitOut& out);
 
   // For each key: its slot, or -1.
+  // REQUIRES: with a key_bound, keys in [0, key_bound) (ValueError otherwise).
   void Lookup(const int64_t* keys, size_t n, int64_t* out_slots) const;
 
   // For each key: its slot if resident at versions[i], else -1 (no touch, no state change).
+  // REQUIRES: with a key_bound, keys in [0, key_bound) (ValueError otherwise).
   void Resident(const int64_t* keys, const int64_t* versions, size_t n,
                 int64_t* out_slots) const;
 
@@ -164,10 +193,12 @@ class CacheMetadata {
 
   // Oracle bookkeeping when a step enters the window: a resident key whose next use is later
   // than `step` (or kNever) gets next use `step`.  No-op under lru.
-  // REQUIRES: step in [INT32_MIN, INT32_MAX).
+  // REQUIRES: step in [INT32_MIN, INT32_MAX); with a key_bound, keys in [0, key_bound)
+  // (ValueError otherwise).
   void NoteUses(const int64_t* keys, size_t n, int64_t step);
 
   // Frees the slots of the given keys; returns them (absent keys are ignored).
+  // REQUIRES: with a key_bound, keys in [0, key_bound) (ValueError otherwise).
   std::vector<int64_t> Invalidate(const int64_t* keys, size_t n);
 
   // Frees every slot.
@@ -205,7 +236,7 @@ class CacheMetadata {
     int32_t next_use;   // kNever32: no known next use
     int32_t pin_step;   // pinned while pinned && pin_step >= step32_
     uint32_t gen;       // a new value each time the slot joins a queue or the pin list
-    uint32_t mark;      // scratch: the Query call that last saw the slot (duplicates)
+    uint32_t spare;
     SlotState state;
     bool queued;        // in the eviction bucket of its next use (resident and unpinned)
     bool pinned;
@@ -241,7 +272,41 @@ class CacheMetadata {
   }
   void SetNextUse(int32_t slot, int32_t next_use);  // a queued slot moves to the tail
   void PinSlot(int32_t slot, int32_t pin_step);
-  void FreeSlot(int32_t slot);
+  void FreeSlot(int32_t slot);  // erases its key from the index in use
+  // The index's hash of `key` (the key itself for the direct index).
+  uint64_t HashKey(int64_t key) const {
+    return direct_ ? DirectIndex::HashOf(key) : SlotMap::HashOf(key);
+  }
+  // fn(index) with the index in use (DirectIndex& or SlotMap&): one template per index.
+  template <typename Fn>
+  decltype(auto) WithIndex(Fn&& fn) {
+    return direct_ ? fn(direct_index_) : fn(map_);
+  }
+  template <typename Fn>
+  decltype(auto) WithIndex(Fn&& fn) const {
+    return direct_ ? fn(direct_index_) : fn(map_);
+  }
+  // Keys in [0, key_bound) (>= 0 without one); throws ValueError naming the first other.
+  void CheckKeys(const int64_t* keys, size_t n, const char* what) const;
+  // Marks keys[0, n) in the uniqueness scratch of `index` (hash path: hash_ gets each
+  // key's hash); returns n, or the earliest repeat (then nothing stays marked).
+  size_t MarkUnique(const SlotMap& index, const int64_t* keys, size_t n);
+  size_t MarkUnique(const DirectIndex& index, const int64_t* keys, size_t n);
+  // Unmarks every key of a call (the hash path's scratch needs no unmarking).
+  void UnmarkAll(const SlotMap&, const int64_t*, size_t) {}
+  void UnmarkAll(const DirectIndex&, const int64_t* keys, size_t n) { bits_.ClearAll(keys, n); }
+  template <typename Index>
+  QueryCounts QueryWith(Index& index, const int64_t* keys, const int64_t* versions,
+                        const int64_t* next_uses, size_t n, const QueryOut& out);
+  // Admit's validation: uniqueness, then no key resident (ValueError naming the first).
+  template <typename Index>
+  void ValidateAdmitKeys(const Index& index, const int64_t* keys, size_t n);
+  // Direct index: claims every key's cell (direct_index.h); false, with nothing claimed,
+  // when a key repeats or is resident.
+  bool ClaimAdmitKeys(DirectIndex& index, const int64_t* keys, size_t n);
+  template <typename Index>
+  AdmitCounts AdmitWith(Index& index, const int64_t* keys, const int64_t* versions,
+                        const int64_t* next_uses, size_t n, const AdmitOut& out);
   // Admit's victims: the live queue entries in victim order (buckets by descending key,
   // FIFO within), gathered ahead of their use in a streaming pass. Nothing is pushed to a
   // queue during Admit, so this order is fixed for the call; a placement consumes the next
@@ -257,25 +322,30 @@ class CacheMetadata {
   void GatherVictims(size_t want);  // until victims_.size() >= want or none are left
   void FinishVictims(size_t consumed);  // drops the consumed entries from their queues
 
-  // Probes the map for keys[0, n) in a software-pipelined loop and calls
-  // sink(i, slot or -1, hash) in input order; pre(hash) runs when a key is hashed, well
-  // before its sink call (prefetches of the caller's own tables).
-  template <typename Sink, typename Pre>
-  void Probe(const int64_t* keys, size_t n, Sink&& sink, Pre&& pre) const;
-  template <typename Sink>
-  void Probe(const int64_t* keys, size_t n, Sink&& sink) const {
-    Probe(keys, n, sink, [](uint64_t) {});
+  // Probes `index` for keys[0, n) in a software-pipelined loop and calls
+  // sink(i, slot or -1, hash) in input order; pre(i, hash) runs when a key is hashed, well
+  // before its sink call (prefetches of the caller's own tables). The sink may free slots
+  // of keys it has seen (later keys' answers stay right: keys are unique) but place none.
+  // Defined in cache_metadata_probe.h.
+  template <typename Index, typename Sink, typename Pre>
+  void Probe(const Index& index, const int64_t* keys, size_t n, Sink&& sink, Pre&& pre) const;
+  template <typename Index, typename Sink>
+  void Probe(const Index& index, const int64_t* keys, size_t n, Sink&& sink) const {
+    Probe(index, keys, n, sink, [](size_t, uint64_t) {});
   }
 
   const int64_t capacity_rows_;
   const EvictionPolicy policy_;
+  const int64_t key_bound_;
+  const bool direct_;
   int64_t step_ = -1;
   int32_t step32_ = -1;
   uint32_t gen_period_mask_ = (1u << 31) - 1;
 
   // Owned by this object; mutated only under the owner's serialization.
   HugeArray<SlotRec> slots_;
-  SlotMap map_;                          // key -> slot
+  SlotMap map_;                          // key -> slot, unless direct_ ...
+  DirectIndex direct_index_;             // ... then this
   std::vector<int32_t> free_;            // stack of free slots (top = back)
   EvictionBuckets buckets_;              // eviction queues by next use (lru: one bucket)
   std::vector<QueueEntry> pinned_;       // pin events, stale ones skipped (PinnedLive)
@@ -289,12 +359,10 @@ class CacheMetadata {
   LazyQueue* gather_queue_ = nullptr;    // the bucket GatherVictims scans ...
   int32_t gather_bucket_ = 0;            // ... its key ...
   size_t gather_pos_ = 0;                // ... and the next position to look at
-  uint32_t mark_ = 0;
-  KeySet seen_;
+  KeySet seen_;                          // uniqueness of a call's keys (hash path)
+  KeyBits bits_;                         // ... (direct path)
   std::vector<int32_t> found_;
   std::vector<uint64_t> hash_;
-  std::vector<int64_t> hits_;
-  std::vector<int64_t> stale_;
 };
 
 }  // namespace bagpipe::cache

@@ -35,6 +35,7 @@ namespace bagpipe::cache {
 class SlotMap {
  public:
   static constexpr size_t kWindow = kWindowCells;
+  static constexpr bool kExact = false;  // a Candidate shares a tag: the caller checks its key
 
   SlotMap() = default;
   // REQUIRES: 1 <= max_entries <= 2^31.

@@ -70,6 +70,9 @@ struct ClientOptions {
   uint32_t max_packet_rows = 4096;
   uint32_t inflight_packets = 8; // slots per shard channel (the in-flight window)
   double timeout = 120.0;        // seconds: bound on every internal wait
+  // The committed step the session starts after, checked by every shard at Open
+  // (wire::OpenBody::start_step): -1 a new job, s >= 0 a resume, wire::kAnyStartStep none.
+  int64_t start_step = -1;
 };
 
 // Bytes of the largest frame a client with these options sends (the slot size).

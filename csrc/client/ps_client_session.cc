@@ -60,6 +60,10 @@ PSClient::PSClient(const ClientOptions& options, std::vector<std::unique_ptr<Cha
       throw ValueError("lr must be finite and > 0, got " + std::to_string(options_.lr));
     }
     if (!(options_.timeout > 0)) throw ValueError("timeout must be > 0 seconds");
+    if (options_.start_step < wire::kAnyStartStep) {
+      throw ValueError("start_step must be >= -1 (or -2: attach without a check), got " +
+                       std::to_string(options_.start_step));
+    }
     store::ValidateOptimizerSpec(options_.optimizer);
     if (options_.init.bound_starts.size() != options_.init.bound_values.size() ||
         options_.init.bound_starts.size() > wire::kMaxBoundRanges) {
@@ -144,6 +148,7 @@ void PSClient::OpenSessions() {
     b.init_value = options_.init.value;
     b.init_seed = options_.init.seed;
     b.key_bound = options_.key_bound;
+    b.start_step = options_.start_step;
     const size_t r = options_.init.bound_starts.size();
     b.num_bound_ranges = static_cast<uint32_t>(r);
     const size_t len = kHeaderBytes + sizeof(b) + r * 12 + options_.table.size();

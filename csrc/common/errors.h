@@ -5,7 +5,7 @@
 // Invariants:
 //   1. Each type maps to exactly one Python class (bindings/errors.h), in every extension
 //      module; ShuttingDownError is a TransportError, so a caller catching TransportError
-//      sees a draining shard too.
+//      sees a draining shard too; StartStepError is a ValueError.
 #pragma once
 
 #include <stdexcept>
@@ -50,6 +50,14 @@ class TransportError : public std::runtime_error {
 class ShuttingDownError : public TransportError {
  public:
   using TransportError::TransportError;
+};
+
+// A session's declared start step is not its table's committed step on a shard: a new job
+// meeting a table that already committed steps (they would be acknowledged, not applied),
+// or a resume from another step (Python torchrec_bagpipe.ps.StartStepError, a ValueError).
+class StartStepError : public ValueError {
+ public:
+  using ValueError::ValueError;
 };
 
 // The disk tier or a checkpoint could not be read or written (Python OSError).

@@ -74,6 +74,7 @@ const char* StatusName(Status status) {
     case Status::kShuttingDown: return "shutting down";
     case Status::kInternal: return "internal error";
     case Status::kUnavailable: return "unavailable";
+    case Status::kStartStep: return "start step mismatch";
   }
   return "unknown status";
 }
@@ -216,6 +217,10 @@ bool ParseOpen(const uint8_t* body, size_t len, OpenView* out, std::string* why)
     return Fail(why, "Open: init_bound and init_value must be finite");
   }
   if (b.key_bound < -1) return Fail(why, "Open: key_bound must be >= -1");
+  if (b.start_step < kAnyStartStep) {
+    return Fail(why, "Open: start_step " + std::to_string(b.start_step) +
+                         " must be >= -1 (or -2: attach without a check)");
+  }
   return true;
 }
 

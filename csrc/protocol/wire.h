@@ -31,7 +31,8 @@ namespace bagpipe::protocol::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kMagic = 0x31535042;  // "BPS1"
-inline constexpr uint16_t kProtocolVersion = 2;  // 2: optimizers (spec, per-step lr, state)
+// 2: optimizers (spec, per-step lr, state); 3: Open states the session's start step.
+inline constexpr uint16_t kProtocolVersion = 3;
 inline constexpr size_t kHeaderBytes = 40;
 inline constexpr uint32_t kNoSlot = 0xFFFFFFFFu;  // notifications: not the reply to a slot
 inline constexpr size_t kMaxTokenBytes = 1024;
@@ -81,6 +82,8 @@ enum class Status : int32_t {
   kShuttingDown = 6,     // TransportError: the shard is draining
   kInternal = 7,         // RuntimeError on the shard (e.g. an I/O error while checkpointing)
   kUnavailable = 8,      // SessionError: too many pending requests
+  kStartStep = 9,        // StartStepError (a ValueError): Open's start_step is not the
+                         // table's committed step (the session would renumber its steps)
 };
 
 // Names for messages: "Hello", ... ("Unknown" for a type outside MsgType); "ok", ...
@@ -137,8 +140,13 @@ struct OpenBody {
   double beta2;
   double weight_decay;
   double initial_accumulator_value;
+  // The table's committed step the session starts after (its first step is start_step + 1):
+  // -1 a new job (the table must have no committed step), s >= 0 a declared resume (the
+  // table must be at committed step s), kAnyStartStep: attach with no check (tools).
+  int64_t start_step;
 };
-static_assert(sizeof(OpenBody) == 96);
+inline constexpr int64_t kAnyStartStep = -2;
+static_assert(sizeof(OpenBody) == 104);
 static_assert((kHeaderBytes + sizeof(OpenBody)) % 8 == 0);
 inline constexpr uint32_t kMaxBoundRanges = 1u << 16;
 

@@ -19,6 +19,25 @@ namespace {
 
 constexpr size_t kMaxWaiters = 1 << 16;
 
+// Why an Open declaring it starts after `start` is refused by a table at `committed`.
+std::string StartStepMismatch(int64_t start, int64_t committed) {
+  const std::string c = std::to_string(committed);
+  if (start == -1) {
+    return "a new job (start step -1: its first step is 0) opened it, but the table has "
+           "committed steps up to " + c + " (a restored shard, or a server of an earlier job "
+           "reached with the same or another token): steps 0.." + c + " would be acknowledged "
+           "without being applied. Resume from step " + c + " (ClientSpec.expected_step=" + c +
+           ", --resume), or start fresh shards";
+  }
+  const std::string s = std::to_string(start);
+  if (committed == -1) {
+    return "the session resumes after step " + s + ", but the table has no committed step "
+           "(a fresh shard, not restored from the checkpoint of step " + s + ")";
+  }
+  return "the session resumes after step " + s + ", but the table's committed step is " + c +
+         ": restore every shard from the same checkpoint set as the trainers";
+}
+
 }  // namespace
 
 CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableBackend> backend,
@@ -64,7 +83,7 @@ int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
                                 const std::shared_ptr<ServerLink>& link) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string where = "table '" + table_ + "': ";
-  if (shutting_down_) throw TransportError(where + "the shard is shutting down");
+  if (shutting_down_) throw TransportError(where + shutdown_why_);
   if (params.dim != schema_.dim) {
     throw ValueError(where + "dim " + std::to_string(params.dim) + " differs from the table's dim " +
                      std::to_string(schema_.dim));
@@ -75,6 +94,9 @@ int64_t CommitCoordinator::Open(const SessionParams& params, uint32_t rank,
   if (params.world_size == 0 || rank >= params.world_size) {
     throw ValueError(where + "rank " + std::to_string(rank) + " is not below world_size " +
                      std::to_string(params.world_size));
+  }
+  if (params.start_step != wire::kAnyStartStep && params.start_step != committed_) {
+    throw StartStepError(where + StartStepMismatch(params.start_step, committed_));
   }
   if (has_session_) {
     if (failed_) throw SessionError(failure_);
@@ -256,7 +278,7 @@ void CommitCoordinator::Get(int64_t at_step, const int64_t* keys, size_t n, uint
     return;
   }
   if (shutting_down_) {
-    link->SendError(tag, slot, Status::kShuttingDown, session, "the shard is shutting down");
+    link->SendError(tag, slot, Status::kShuttingDown, session, shutdown_why_);
     return;
   }
   if (dim != schema_.dim) {
@@ -324,7 +346,7 @@ int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n
     }
   }
   if (committed_ < at_step) {
-    throw SessionError(failed_ ? failure_ : "table '" + table_ + "': the shard is shutting down");
+    throw SessionError(failed_ ? failure_ : "table '" + table_ + "': " + shutdown_why_);
   }
   if (n > 0) backend_->Read(keys, n, out, with_state);
   ++stats_.reads;
@@ -342,10 +364,25 @@ void CommitCoordinator::CheckpointLocked(const std::string& dir) {
   auto meta = options_.checkpoint_meta;
   meta["committed_step"] = std::to_string(committed_);
   meta["table"] = table_;
-  backend_->Save(dir, meta);
+  std::string kind = "full";
+  if (!options_.checkpoint_dir.empty() && dir == options_.checkpoint_dir) {
+    const store::CheckpointResult r =
+        backend_->CheckpointChain(dir, committed_, meta, options_.checkpoint_chain);
+    ++stats_.checkpoints;
+    stats_.incremental_checkpoints += r.incremental ? 1 : 0;
+    stats_.checkpoint_bytes += static_cast<int64_t>(r.bytes);
+    stats_.checkpoint_links = r.links;
+    if (r.incremental) {
+      kind = "incremental (" + std::to_string(r.rows) + " rows, link " +
+             std::to_string(r.links) + ")";
+    }
+  } else {
+    backend_->Save(dir, meta);
+    ++stats_.checkpoints;
+  }
   if (log_) {
-    log_("table '" + table_ + "': checkpoint at committed step " + std::to_string(committed_) +
-         " written to " + dir);
+    log_("table '" + table_ + "': " + kind + " checkpoint at committed step " +
+         std::to_string(committed_) + " written to " + dir);
   }
 }
 
@@ -353,6 +390,7 @@ void CommitCoordinator::Shutdown(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (shutting_down_) return;
   shutting_down_ = true;
+  shutdown_why_ = why.empty() ? "the shard is shutting down" : why;
   for (const auto& w : waiters_) {
     w.link->SendError(w.tag, w.slot, Status::kShuttingDown, params_.session, why);
   }

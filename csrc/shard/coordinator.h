@@ -68,6 +68,9 @@ struct CoordinatorOptions {
   std::string checkpoint_dir;   // where the periodic checkpoint goes (empty: none)
   int64_t checkpoint_every = 0; // > 0: checkpoint after every step s with (s + 1) % N == 0
   std::map<std::string, std::string> checkpoint_meta;  // extra meta of every checkpoint
+  // How checkpoints into checkpoint_dir chain (increments of the rows changed since the
+  // previous one; store/embedding_store.h ChainPolicy). Checkpoints elsewhere are full.
+  store::ChainPolicy checkpoint_chain;
 };
 
 struct SessionParams {
@@ -75,6 +78,10 @@ struct SessionParams {
   uint32_t world_size = 1;
   uint32_t dim = 0;
   bool grad_division = true;
+  // The committed step this rank's Open declares it starts after (wire::OpenBody): -1 a new
+  // job, s >= 0 a resume from step s, wire::kAnyStartStep no check. Per Open, not fixed by
+  // the first one: each rank's declaration is checked against the table.
+  int64_t start_step = -1;
 };
 
 struct CoordinatorStats {
@@ -87,6 +94,10 @@ struct CoordinatorStats {
   int64_t reads = 0;
   int64_t rows_read = 0;
   int64_t deferred_reads = 0;
+  int64_t checkpoints = 0;              // checkpoints written (full and incremental)
+  int64_t incremental_checkpoints = 0;  // of which increments
+  int64_t checkpoint_bytes = 0;         // data bytes they wrote
+  int64_t checkpoint_links = 0;         // links of the chain in checkpoint_dir after the last
 };
 
 class CommitCoordinator {
@@ -106,8 +117,11 @@ class CommitCoordinator {
   // Attaches `link` as `rank` of the session described by params. `table_schema` must be
   // this table's (SchemaDifference). The first Open (no rank attached) fixes the parameters;
   // later ones must agree. Throws ValueError naming the table and the disagreeing field
-  // (dim, init, key_bound, optimizer.<field>, world_size, grad_division, session), or
-  // SessionError if the session is failed. Returns the committed step.
+  // (dim, init, key_bound, optimizer.<field>, world_size, grad_division, session),
+  // StartStepError naming the table and both steps if params.start_step is not the
+  // committed step (unless wire::kAnyStartStep): the session's steps would otherwise be
+  // renumbered (acknowledged, not applied), or SessionError if the session is failed.
+  // Returns the committed step.
   int64_t Open(const SessionParams& params, uint32_t rank, const TableSchema& table_schema,
                const std::shared_ptr<transport::ServerLink>& link);
 
@@ -152,11 +166,14 @@ class CommitCoordinator {
                  Deadline deadline, bool with_state = false);
 
   // Saves the table at its committed step into dir (meta: options' checkpoint_meta plus
-  // committed_step and table). Returns the step saved. Throws IOError / ValueError.
+  // committed_step and table): into options' checkpoint_dir as a chained checkpoint (an
+  // increment when checkpoint_chain allows), elsewhere a full one. Returns the step saved.
+  // Throws IOError / ValueError.
   int64_t Checkpoint(const std::string& dir);
 
   // Drain: fails every deferred read (kShuttingDown), tells every attached rank
-  // (wire::kNotifyShutdown with `why`), and refuses new work. Idempotent.
+  // (wire::kNotifyShutdown with `why`), and refuses new work, every refusal carrying `why`.
+  // Idempotent (the first reason stays).
   void Shutdown(const std::string& why);
 
   // Snapshots under the mutex: the committed step, whether the session failed and why (the
@@ -243,6 +260,7 @@ class CommitCoordinator {
   bool failed_ = false;
   std::string failure_;
   bool shutting_down_ = false;
+  std::string shutdown_why_;  // set with shutting_down_: every refusal after it names it
   std::vector<std::shared_ptr<transport::ServerLink>> attached_;  // by rank; null: absent
   std::vector<RankPending> pending_;  // by rank, for step committed_ + 1
   uint32_t ranks_complete_ = 0;

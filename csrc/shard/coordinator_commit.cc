@@ -65,7 +65,7 @@ CommitCoordinator::ChunkVerdict CommitCoordinator::AdmitChunkLocked(const wire::
                                                                     const std::string& what) {
   using V = ChunkVerdict;
   if (failed_) return V::Refuse(Status::kSessionFailed, failure_);
-  if (shutting_down_) return V::Refuse(Status::kShuttingDown, "the shard is shutting down");
+  if (shutting_down_) return V::Refuse(Status::kShuttingDown, shutdown_why_);
   if (!has_session_ || b.rank >= attached_.size() || attached_[b.rank].get() != link) {
     return V::Refuse(Status::kNotOpen, what + ": this connection has not opened table '" +
                                            table_ + "' as rank " + std::to_string(b.rank));

@@ -63,6 +63,11 @@ class EmbeddingStoreBackend : public TableBackend {
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta) override {
     store_->Save(dir, meta, /*weights_only=*/false);
   }
+  store::CheckpointResult CheckpointChain(const std::string& dir, int64_t step,
+                                          const std::map<std::string, std::string>& meta,
+                                          const store::ChainPolicy& policy) override {
+    return store_->Checkpoint(dir, step, meta, policy);
+  }
   std::map<std::string, int64_t> Stats() override {
     const auto s = store_->Stats();
     return {{"rows", s.rows},
@@ -77,7 +82,8 @@ class EmbeddingStoreBackend : public TableBackend {
             {"updates", s.updates},
             {"memory_budget", s.memory_budget},
             {"state_dim", s.state_dim},
-            {"slot_bytes", s.slot_bytes}};
+            {"slot_bytes", s.slot_bytes},
+            {"dirty_rows", s.dirty_rows}};
   }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -48,6 +49,11 @@ PSShard::PSShard(ShardOptions options, TableBackendFactory factory, TableBackend
                      " must be below num_shards " + std::to_string(options_.num_shards));
   }
   if (options_.checkpoint_every < 0) throw ValueError("checkpoint_every must be >= 0");
+  if (options_.checkpoint_full_every < 1) throw ValueError("checkpoint_full_every must be >= 1");
+  if (!(options_.checkpoint_chain_fraction > 0.0) ||
+      !std::isfinite(options_.checkpoint_chain_fraction)) {
+    throw ValueError("checkpoint_chain_fraction must be > 0 and finite");
+  }
   if (options_.max_frame_bytes < 4096) throw ValueError("max_frame_bytes must be >= 4096");
 }
 
@@ -62,6 +68,9 @@ CoordinatorOptions PSShard::MakeCoordinatorOptions(const std::string& name) cons
   o.log = log_;
   if (!options_.checkpoint_dir.empty()) o.checkpoint_dir = TableDir(options_.checkpoint_dir, name);
   o.checkpoint_every = options_.checkpoint_every;
+  o.checkpoint_chain.incremental = options_.checkpoint_incremental;
+  o.checkpoint_chain.full_every = options_.checkpoint_full_every;
+  o.checkpoint_chain.chain_fraction = options_.checkpoint_chain_fraction;
   o.checkpoint_meta = {{"shard_id", std::to_string(options_.shard_id)},
                        {"num_shards", std::to_string(options_.num_shards)}};
   return o;
@@ -96,6 +105,9 @@ CommitCoordinator* PSShard::CreateTable(const std::string& name, const TableSche
   auto coord = std::make_unique<CommitCoordinator>(name, std::move(backend), -1,
                                                    MakeCoordinatorOptions(name));
   auto* raw = coord.get();
+  // A table created while the shard drains (an Open that passed Dispatch just before the
+  // flag went up) drains too: BeginShutdown has already collected the tables it tells.
+  if (shutting_down_.load(std::memory_order_relaxed)) raw->Shutdown(shutdown_text_);
   tables_.emplace(name, std::move(coord));
   if (log_) {
     log_("table '" + name + "' created (dim " + std::to_string(schema.dim) + ", " +
@@ -214,9 +226,9 @@ bool PSShard::Dispatch(const Request& r) {
   if (h.job != r.link->job_digest) {
     return Reject(r, Status::kUnauthorized, "frame carries another job's token digest", false);
   }
-  if (shutting_down_.load() && type != MsgType::kClose && type != MsgType::kPing) {
-    return Reject(r, Status::kShuttingDown,
-                  "PS shard " + std::to_string(options_.shard_id) + " is shutting down", true);
+  if (shutting_down_.load(std::memory_order_acquire) && type != MsgType::kClose &&
+      type != MsgType::kPing) {
+    return Reject(r, Status::kShuttingDown, ShutdownText(), true);
   }
   switch (type) {
     case MsgType::kPing: return OnPing(r);
@@ -292,11 +304,14 @@ bool PSShard::OnOpen(const Request& r) {
   params.world_size = open.body.world_size;
   params.dim = open.body.dim;
   params.grad_division = open.body.grad_division != 0;
+  params.start_step = open.body.start_step;
   int64_t committed;
   CommitCoordinator* table;
   try {
     table = CreateTable(name, schema);
     committed = table->Open(params, open.body.rank, schema, r.link);
+  } catch (const StartStepError& e) {
+    return Reject(r, Status::kStartStep, e.what(), true);
   } catch (const ValueError& e) {
     return Reject(r, Status::kInvalidArgument, e.what(), true);
   } catch (const SessionError& e) {
@@ -506,15 +521,26 @@ std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
 }
 
 void PSShard::BeginShutdown(const std::string& why) {
-  if (shutting_down_.exchange(true)) return;
   std::vector<CommitCoordinator*> coords;
+  std::string text;
   {
+    // The reason is in place before the flag is up (both under mu_, the flag released after
+    // it): every refusal that sees the flag names the reason (ShutdownText).
     std::lock_guard<std::mutex> lock(mu_);
+    if (shutting_down_.load(std::memory_order_relaxed)) return;
+    shutdown_text_ = "PS shard " + std::to_string(options_.shard_id) +
+                     " is shutting down: " + why;
+    text = shutdown_text_;
+    shutting_down_.store(true, std::memory_order_release);
     for (auto& [_, c] : tables_) coords.push_back(c.get());
   }
-  for (auto* c : coords) c->Shutdown("PS shard " + std::to_string(options_.shard_id) +
-                                     " is shutting down: " + why);
+  for (auto* c : coords) c->Shutdown(text);
   if (log_) log_("shutting down: " + why);
+}
+
+std::string PSShard::ShutdownText() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return shutdown_text_;
 }
 
 }  // namespace bagpipe::shard

@@ -19,6 +19,8 @@
 //      links stay valid.
 //   4. A table checkpoint lives in <dir>/table-<name>/ with meta committed_step, table,
 //      shard_id and num_shards; Restore refuses a checkpoint of another shard id/count.
+//      Those into checkpoint_dir (periodic, drain, unlabelled requests) are chains
+//      (store/embedding_store_incremental.cc); labelled ones are full.
 #pragma once
 
 #include <atomic>
@@ -43,6 +45,12 @@ struct ShardOptions {
   uint32_t expected_dim = 0;          // > 0: refuse tables of another dim
   std::string checkpoint_dir;         // default directory of Checkpoint() and periodic saves
   int64_t checkpoint_every = 0;       // > 0: checkpoint each table every N committed steps
+  // Checkpoints into checkpoint_dir chain (store/embedding_store.h ChainPolicy): an increment
+  // of the rows changed since the previous one, a full base every checkpoint_full_every
+  // increments or once the increments pass checkpoint_chain_fraction of the base's bytes.
+  bool checkpoint_incremental = true;
+  int checkpoint_full_every = 8;             // REQUIRES: >= 1
+  double checkpoint_chain_fraction = 0.5;    // REQUIRES: > 0, finite
   size_t max_frame_bytes = wire::kDefaultMaxFrameBytes;  // announced in HelloOk
 };
 
@@ -55,7 +63,8 @@ struct ShardStats {
 class PSShard : public transport::FrameHandler {
  public:
   // `log`: one line per session event; may be empty.
-  // REQUIRES: shard_id < num_shards, checkpoint_every >= 0, max_frame_bytes >= 4096
+  // REQUIRES: shard_id < num_shards, checkpoint_every >= 0, checkpoint_full_every >= 1,
+  // checkpoint_chain_fraction > 0, max_frame_bytes >= 4096
   // (ValueError naming the field).
   PSShard(ShardOptions options, TableBackendFactory factory, TableBackendLoader loader,
           LogFn log = nullptr);
@@ -100,6 +109,8 @@ class PSShard : public transport::FrameHandler {
   std::map<std::string, int64_t> Restore(const std::string& dir);
 
   // Drain: new work is refused with kShuttingDown, deferred reads fail; Close still works.
+  // Every refusal from then on (and the kNotifyShutdown notices) says "PS shard <id> is
+  // shutting down: <why>". The first call wins; later ones do nothing.
   void BeginShutdown(const std::string& why);
   bool shutting_down() const { return shutting_down_.load(); }
 
@@ -128,6 +139,8 @@ class PSShard : public transport::FrameHandler {
   bool Reject(const Request& r, wire::Status status, const std::string& text, bool keep_link);
   static LinkSession& SessionOf(transport::ServerLink& link);
   CoordinatorOptions MakeCoordinatorOptions(const std::string& name) const;
+  // The text refusals carry once shutting_down_ is set (it is in place before the flag).
+  std::string ShutdownText();
 
   const ShardOptions options_;
   const LogFn log_;
@@ -136,9 +149,10 @@ class PSShard : public transport::FrameHandler {
   const uint64_t instance_id_;
   std::atomic<bool> shutting_down_{false};
 
-  std::mutex mu_;  // guards tables_ and stats_
+  std::mutex mu_;  // guards tables_, stats_ and shutdown_text_
   std::map<std::string, std::unique_ptr<CommitCoordinator>> tables_;
   ShardStats stats_;
+  std::string shutdown_text_;  // set once, before shutting_down_ goes up
 };
 
 }  // namespace bagpipe::shard

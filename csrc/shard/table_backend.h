@@ -75,6 +75,12 @@ class TableBackend {
   virtual void Erase(const int64_t* keys, size_t n);
   // Crash-safe checkpoint into dir; `meta` round-trips through the loader.
   virtual void Save(const std::string& dir, const std::map<std::string, std::string>& meta) = 0;
+  // A chained checkpoint into dir at `step` (store::EmbeddingStore::Checkpoint: an increment
+  // of the rows changed since the previous one into dir when `policy` allows it). The
+  // default is a full Save (a backend without change tracking). Throws as Save.
+  virtual store::CheckpointResult CheckpointChain(const std::string& dir, int64_t step,
+                                                  const std::map<std::string, std::string>& meta,
+                                                  const store::ChainPolicy& policy);
   // Counters for stats() (rows, bytes_resident, ...).
   virtual std::map<std::string, int64_t> Stats() = 0;
 

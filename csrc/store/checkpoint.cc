@@ -180,12 +180,56 @@ CheckpointWriter::File CheckpointWriter::Create(const std::string& name) {
   return File(fd, path);
 }
 
-void CheckpointWriter::Commit(const Manifest& manifest) {
+void CheckpointWriter::Link(const std::string& from_dir, const FileEntry& entry) {
+  const std::string src = from_dir + "/" + entry.file;
+  const std::string dst = tmp_ + "/" + entry.file;
+  if (link(src.c_str(), dst.c_str()) == 0) return;
+  if (errno != EXDEV && errno != EPERM && errno != EMLINK && errno != ENOTSUP) {
+    ThrowIO("checkpoint: cannot link " + src + " into " + tmp_, errno);
+  }
+  // No hard links here: a copy, fsync'd like any file of the checkpoint.
+  const int in = open(src.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) ThrowIO("checkpoint: cannot open " + src, errno);
+  File out = Create(entry.file);
+  std::vector<char> buf(kWriteBuffer);
+  for (;;) {
+    const ssize_t r = read(in, buf.data(), buf.size());
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      const int err = errno;
+      close(in);
+      ThrowIO("checkpoint: reading " + src + " failed", err);
+    }
+    if (r == 0) break;
+    out.Write(buf.data(), static_cast<size_t>(r));
+  }
+  close(in);
+  out.Finish();
+}
+
+uint64_t ManifestDigest(const std::string& dir) {
+  const std::string path = dir + "/MANIFEST";
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  Checksum sum;
+  char buf[65536];
+  for (;;) {
+    const ssize_t r = read(fd, buf, sizeof(buf));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    sum.Update(buf, static_cast<size_t>(r));
+  }
+  close(fd);
+  return sum.Digest();
+}
+
+uint64_t CheckpointWriter::Commit(const Manifest& manifest) {
+  uint64_t digest = 0;
   {
     File f = Create("MANIFEST");
     const std::string text = EncodeManifest(manifest);
     f.Write(text.data(), text.size());
-    f.Finish();
+    digest = f.Finish().xxh64;
   }
   FsyncPath(tmp_);
   struct stat st;
@@ -206,16 +250,17 @@ void CheckpointWriter::Commit(const Manifest& manifest) {
       committed_ = true;
       FsyncPath(parent_);
       RemoveFlatDir(old);
-      return;
+      return digest;
     }
     committed_ = true;
     FsyncPath(parent_);
     RemoveFlatDir(tmp_);  // now holds the previous checkpoint
-    return;
+    return digest;
   }
   if (rename(tmp_.c_str(), dir_.c_str()) != 0) ThrowIO("checkpoint: cannot move " + tmp_ + " to " + dir_, errno);
   committed_ = true;
   FsyncPath(parent_);
+  return digest;
 }
 
 // ---- reader --------------------------------------------------------------------------------
@@ -249,6 +294,9 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
   }
   close(fd);
   manifest_ = DecodeManifest(text, path);
+  Checksum sum;
+  sum.Update(text.data(), text.size());
+  digest_ = sum.Digest();
 }
 
 CheckpointReader::File::File(int fd, FileEntry entry, std::string path)

@@ -8,6 +8,13 @@
 //   rows-SSSS.bin         float32 rows, count x dim, row-major, no padding
 //   state-SSSS.bin        float32 optimizer state, count x state_dim (absent for SGD and in
 //                         weights-only checkpoints)
+//   inc-IIII-*.bin        increment IIII of a chain (manifest.h version 3): its keys-, rows-
+//                         and state-SSSS.bin as above, and deleted.bin (int64 keys)
+//
+// An increment is committed like any checkpoint: the temp directory gets hard links to the
+// files of the chain it extends (Link; a copy where the file system has no hard links),
+// the new link's files and a MANIFEST naming them all, then replaces <name>. A linked file
+// is never opened for writing: new files have names no earlier link used.
 //
 // Crash safety: everything is written into a sibling temp directory ".<name>.tmp-<pid>-<n>",
 // each file and the directory are fsync'd, then the temp directory replaces <name> in one
@@ -68,11 +75,17 @@ class CheckpointWriter {
     Checksum sum_;
   };
 
-  // A new data file in the temp directory.
+  // A new data file in the temp directory. REQUIRES: no file of that name in it yet.
   File Create(const std::string& name);
 
+  // Puts the data file `entry` of the checkpoint in `from_dir` into the temp directory
+  // under its name, as a hard link (a copy where links fail). Throws IOError.
+  // REQUIRES: no file of that name in the temp directory yet.
+  void Link(const std::string& from_dir, const FileEntry& entry);
+
   // Writes the MANIFEST and swaps the temp directory into place (see the header comment).
-  void Commit(const Manifest& manifest);
+  // Returns the checksum of the MANIFEST file's bytes (ManifestDigest of the result).
+  uint64_t Commit(const Manifest& manifest);
 
  private:
   std::string dir_;     // final path
@@ -80,6 +93,10 @@ class CheckpointWriter {
   std::string tmp_;     // temp directory path
   bool committed_ = false;
 };
+
+// The checksum of the bytes of dir/MANIFEST as they are (not verified); 0 when it cannot be
+// read. A store compares it with its Commit's to know that dir still holds its own chain.
+uint64_t ManifestDigest(const std::string& dir);
 
 class CheckpointReader {
  public:
@@ -90,6 +107,8 @@ class CheckpointReader {
   // The verified manifest, and the checkpoint directory as given.
   const Manifest& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
+  // The checksum of the MANIFEST bytes read (as ManifestDigest).
+  uint64_t digest() const { return digest_; }
 
   class File {
    public:
@@ -117,6 +136,7 @@ class CheckpointReader {
  private:
   std::string dir_;
   Manifest manifest_;
+  uint64_t digest_ = 0;
 };
 
 }  // namespace bagpipe::store

@@ -141,14 +141,20 @@ size_t EmbeddingStore::Impl::Erase(const int64_t* keys, size_t n) {
   // Capacity first, so nothing below can fail halfway.
   free_slots_.reserve(free_slots_.size() + n);
   for (uint32_t s = 0; s < num_shards_; ++s) {
+    const uint32_t routed = shard_begin_[s + 1] - shard_begin_[s];
     shards_[s]->freed.clear();
-    shards_[s]->freed.reserve(shard_begin_[s + 1] - shard_begin_[s]);
+    shards_[s]->freed.reserve(routed);
+    if (chain_.open) shards_[s]->deleted.reserve(shards_[s]->deleted.size() + routed);
   }
+  const bool record = chain_.open;  // deletions matter to an open chain only
   RunShards([&](Shard& sh, uint32_t b, uint32_t e) {
     for (uint32_t p = b; p < e; ++p) {
       const uint32_t i = order_[p];
       const uint32_t slot = sh.map.Erase(keys[i], hashes_[i]);
-      if (slot != KeyMap::kNotFound) sh.freed.push_back(slot);
+      if (slot == KeyMap::kNotFound) continue;
+      sh.freed.push_back(slot);
+      ClearDirty(sh, slot);
+      if (record) sh.deleted.push_back(keys[i]);
     }
   });
   size_t erased = 0;
@@ -168,6 +174,7 @@ void EmbeddingStore::Impl::Reserve(size_t total_rows) {
   const size_t want_pages = index_.PagesFor(total_rows);
   page_addr_.reserve(want_pages);
   pages_.reserve(want_pages);
+  dirty_.reserve(want_pages);
   pool_.Run(num_shards_, [&](size_t s) { shards_[s]->map.Reserve(want); });
   ++mutations_;
 }
@@ -185,6 +192,7 @@ StoreStats EmbeddingStore::Impl::Stats() {
   for (auto& sh : shards_) {
     st.rows += static_cast<int64_t>(sh->map.size());
     st.bytes_maps += static_cast<int64_t>(sh->map.bytes());
+    st.dirty_rows += static_cast<int64_t>(sh->dirty);
   }
   const int64_t pb = static_cast<int64_t>(arena_.page_bytes());
   st.page_bytes = pb;
@@ -258,6 +266,12 @@ void EmbeddingStore::SetSpillCallback(SpillCallback cb) { impl_->SetSpillCallbac
 void EmbeddingStore::Save(const std::string& dir, const std::map<std::string, std::string>& meta,
                           bool weights_only) {
   impl_->Save(dir, meta, weights_only);
+}
+
+CheckpointResult EmbeddingStore::Checkpoint(const std::string& dir, int64_t step,
+                                            const std::map<std::string, std::string>& meta,
+                                            const ChainPolicy& policy) {
+  return impl_->Checkpoint(dir, step, meta, policy);
 }
 
 void EmbeddingStore::InitialRows(const InitSpec& init, int dim, const int64_t* keys, size_t n,

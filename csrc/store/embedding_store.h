@@ -30,6 +30,10 @@
 //      moving their addresses.
 //   6. An update touches only the rows of its keys: a NaN or inf gradient poisons its own
 //      row (and state) and no other.
+//   7. Change tracking (incremental checkpoints, embedding_store_incremental.cc): every row
+//      an op stores or changes (insert, Assign, update) is dirty until the next Checkpoint
+//      that commits; every key erased while a chain is open is a deletion until then. A
+//      Checkpoint that throws leaves both as they were.
 //
 // Update arithmetic (shared, bitwise, with the trainer caches, which run the same sequence
 // as separate torch ops, each rounding once in fp32; built with -ffp-contract=off). Per
@@ -103,6 +107,7 @@ struct StoreStats {
   int64_t memory_budget = 0;   // effective budget in bytes (0: unlimited)
   int64_t state_dim = 0;       // optimizer state floats per row
   int64_t slot_bytes = 0;      // arena bytes of one row: weights and state, with padding
+  int64_t dirty_rows = 0;      // rows changed since the last Checkpoint (invariant 7)
 };
 
 // Options of EmbeddingStore::Load. Unset fields come from the checkpoint (shards, page
@@ -126,6 +131,28 @@ struct LoadOverrides {
   std::optional<OptimizerSpec> optimizer;
   // Load weights only, ignoring any optimizer state (inference, or a new optimizer).
   bool weights_only = false;
+  // Links of a chained checkpoint to load (1: the base alone, 2: the base and its first
+  // increment, ...); unset: all. REQUIRES: in [1, links] (ValueError otherwise).
+  std::optional<int> chain_links;
+};
+
+// When EmbeddingStore::Checkpoint writes an increment rather than a full base.
+struct ChainPolicy {
+  bool incremental = true;      // false: every checkpoint is a full base
+  int full_every = 8;           // a full base after this many increments; REQUIRES: >= 1
+  double chain_fraction = 0.5;  // a full base once the chain's increments would pass this
+                                // fraction of the base's bytes; REQUIRES: > 0, finite
+};
+
+// What one EmbeddingStore::Checkpoint wrote.
+struct CheckpointResult {
+  bool incremental = false;  // an increment (false: a full base, the chain compacted)
+  int links = 1;             // links of the chain now in the directory (the base counts 1)
+  uint64_t rows = 0;         // rows written (an increment: those changed since its parent)
+  uint64_t deletions = 0;    // keys recorded as erased (increments only)
+  uint64_t bytes = 0;        // data bytes written (the MANIFEST not counted)
+  uint64_t base_bytes = 0;   // data bytes of the chain's base
+  uint64_t chain_bytes = 0;  // data bytes of the chain's increments, this one included
 };
 
 // One run of gradient rows for EmbeddingStore::ApplyGradientsSegments: keys[0..n) and their
@@ -217,9 +244,25 @@ class EmbeddingStore {
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
             bool weights_only);
 
-  // Opens a checkpoint written by Save (any version this build reads); fills *meta (if not
-  // null) with its meta strings. Throws ValueError for a torn, corrupt, mismatched (dim,
-  // init, optimizer: see LoadOverrides) or unknown-version checkpoint.
+  // Chained checkpoint into `dir` at `step` (the caller's count; recorded in the link):
+  // an increment holding only the rows changed and the keys erased since this store's
+  // previous Checkpoint into dir, when `policy` allows it and dir still holds that
+  // checkpoint's MANIFEST; otherwise a full base (which compacts the chain away). Same
+  // crash safety as Save: dir holds the previous complete checkpoint until the new one is
+  // durable. After it, the changed rows and deletions are clean (invariant 7).
+  // REQUIRES: policy valid; dir as for Save (ValueError otherwise); step >= the previous
+  // link's when an increment is written (a smaller one writes a full base).
+  CheckpointResult Checkpoint(const std::string& dir, int64_t step,
+                              const std::map<std::string, std::string>& meta,
+                              const ChainPolicy& policy);
+
+  // Opens a checkpoint written by Save or Checkpoint (any version this build reads: a chain
+  // is its base and then each increment, in order, bitwise the store that wrote the last
+  // one); fills *meta (if not null) with the meta strings of the last link loaded. A store
+  // that loaded a whole chain, with its optimizer and state, extends that chain on its next
+  // Checkpoint into dir. Throws ValueError for a torn, corrupt, mismatched (dim, init,
+  // optimizer: see LoadOverrides) or unknown-version checkpoint; for a corrupt increment
+  // the message names the links before it that load (chain_links).
   static std::unique_ptr<EmbeddingStore> Load(const std::string& dir,
                                               const LoadOverrides& overrides,
                                               std::map<std::string, std::string>* meta);

@@ -3,7 +3,8 @@
 // small ops and the public face), embedding_store_insert.cc (grouping each op's keys and
 // inserting the absent ones), embedding_store_read.cc (the read pipeline: Lookup, Contains),
 // embedding_store_update.cc (Assign and the optimizer updates), embedding_store_save.cc
-// (Export and Save) and embedding_store_load.cc (Load, through the public API).
+// (Export and Save), embedding_store_incremental.cc (change tracking's checkpoints: chained
+// increments) and embedding_store_load.cc (Load, through the public API).
 //
 // Thread safety: as EmbeddingStore (embedding_store.h): every batch op holds mu_ for its whole
 // run and fans out over the store's thread pool, one task per range of hash shards (or of
@@ -15,6 +16,10 @@
 //   2. A key in a map with KeyMap::kPendingSlot was inserted by the running op (Materialize)
 //      and gets its slot before the op returns (Publish), or leaves the map again on failure.
 //   3. Every op that may move map entries bumps mutations_ (an export in progress then fails).
+//   4. Change tracking: dirty_[page][row] is 1 for exactly the slots stored or changed since
+//      the last committed Checkpoint (MarkDirty in Publish, Assign and the updates; cleared
+//      by Erase and by a Checkpoint's commit); Shard::dirty counts those of the shard's keys.
+//      Shard::deleted lists keys erased since then, while chain_.open only.
 #pragma once
 
 #include <algorithm>
@@ -29,11 +34,14 @@
 #include "common/thread_pool.h"
 #include "store/embedding_store.h"
 #include "store/key_map.h"
+#include "store/manifest.h"
 #include "store/optimizer_kernels.h"
 #include "store/page_arena.h"
 #include "store/spill.h"
 
 namespace bagpipe::store {
+
+class CheckpointWriter;
 
 class EmbeddingStore::Impl {
  public:
@@ -114,6 +122,20 @@ class EmbeddingStore::Impl {
     std::vector<float> acc;                       // ApplyGradients: one group's gradient sum
     std::vector<float> scratch;                   // ApplyGradients: the row kernels' scratch
     std::vector<uint32_t> freed;                  // slots the current Erase released
+    uint64_t dirty = 0;                           // dirty slots of this shard's keys
+    std::vector<int64_t> deleted;                 // keys erased since the last Checkpoint
+  };
+
+  // The chain this store's last committed Checkpoint (or a whole-chain Load) left in dir.
+  struct ChainState {
+    bool open = false;
+    std::string dir;
+    uint64_t id = 0;
+    uint64_t digest = 0;       // ManifestDigest(dir) right after that commit
+    uint32_t increments = 0;
+    int64_t step = -1;         // the last link's step
+    uint64_t base_bytes = 0;
+    uint64_t chain_bytes = 0;  // data bytes of the increments
   };
 
   // REQUIRES: options valid (Resolve throws ValueError naming the field otherwise).
@@ -138,6 +160,12 @@ class EmbeddingStore::Impl {
   StoreStats Stats();
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta,
             bool weights_only);
+  CheckpointResult Checkpoint(const std::string& dir, int64_t step,
+                              const std::map<std::string, std::string>& meta,
+                              const ChainPolicy& policy);
+  // After a Load of the whole chain in dir (manifest m, MANIFEST checksum digest): nothing
+  // is dirty, and the next Checkpoint into dir may extend that chain.
+  void AdoptChain(const std::string& dir, const Manifest& m, uint64_t digest);
   void SetSpillCallback(SpillCallback cb) {
     std::lock_guard<std::mutex> lock(mu_);
     spill_.set_callback(std::move(cb));
@@ -161,6 +189,42 @@ class EmbeddingStore::Impl {
     std::fill(state, state + state_dim_, initial_state_);
   }
   void Touch(uint32_t slot, uint32_t epoch) const { pages_[index_.Page(slot)]->Touch(epoch); }
+  // Change tracking (invariant 4). REQUIRES: slot's page exists; sh is the shard whose key
+  // holds the slot (its task runs this).
+  void MarkDirty(Shard& sh, uint32_t slot) {
+    const uint32_t page = index_.Page(slot);
+    uint8_t& d = dirty_[page][index_.RowIn(slot, page)];
+    if (d == 0) {
+      d = 1;
+      ++sh.dirty;
+    }
+  }
+  void ClearDirty(Shard& sh, uint32_t slot) {
+    const uint32_t page = index_.Page(slot);
+    uint8_t& d = dirty_[page][index_.RowIn(slot, page)];
+    if (d != 0) {
+      d = 0;
+      --sh.dirty;
+    }
+  }
+  bool IsDirty(uint32_t slot) const {
+    const uint32_t page = index_.Page(slot);
+    return dirty_[page][index_.RowIn(slot, page)] != 0;
+  }
+  // Nothing dirty, no deletions (a commit of every change).
+  void ClearTracking();
+  // The manifest fields that describe this store (format head, layout, optimizer).
+  Manifest ManifestHead(bool weights_only) const;
+  // Writes `groups` segments into writer, each the rows of a contiguous range of hash shards
+  // in shard order, files "<prefix>keys-GGGG.bin" etc.: every stored row, or only the dirty
+  // ones; with their state when with_state. REQUIRES: 1 <= groups <= num_shards.
+  std::vector<SegmentEntry> WriteSegments(CheckpointWriter& writer, const std::string& prefix,
+                                          bool with_state, bool dirty_only, size_t groups);
+  // Checkpoint's two outcomes.
+  CheckpointResult WriteBase(const std::string& dir, int64_t step,
+                             const std::map<std::string, std::string>& meta);
+  CheckpointResult WriteIncrement(const std::string& dir, int64_t step,
+                                  const std::map<std::string, std::string>& meta);
   void CheckKeys(const int64_t* keys, size_t n) const;
   void Route(const int64_t* keys, size_t n);
   void RunShards(const std::function<void(Shard&, uint32_t begin, uint32_t end)>& fn);
@@ -204,6 +268,8 @@ class EmbeddingStore::Impl {
   // Slots are global to the store: slot -> page index_.Page(slot), row index_.RowIn(...).
   std::vector<char*> page_addr_;             // page -> first row address
   std::vector<PageArena::Page*> pages_;      // page -> arena page (for Touch)
+  std::vector<std::unique_ptr<uint8_t[]>> dirty_;  // page -> a dirty byte per row (inv. 4)
+  ChainState chain_;
   uint32_t next_slot_ = 0;                   // slots [0, next_slot_) have been handed out
   std::vector<uint32_t> free_slots_;         // erased slots, reused last-in first-out
   PageArena arena_;

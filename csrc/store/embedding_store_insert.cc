@@ -154,10 +154,13 @@ bool EmbeddingStore::Impl::GiveFreshSlots(size_t free_before) {
     spill_.MakeRoom(want - page_addr_.size());
     page_addr_.reserve(want);
     pages_.reserve(want);
+    dirty_.reserve(want);
     while (page_addr_.size() < want) {
+      auto dirty = std::make_unique<uint8_t[]>(index_.rows());  // zeroed: nothing dirty
       PageArena::Page* page = arena_.Allocate(epoch_);
       page_addr_.push_back(page->addr);
       pages_.push_back(page);
+      dirty_.push_back(std::move(dirty));
     }
   }
   free_slots_.resize(free_before - reused);
@@ -194,6 +197,7 @@ void EmbeddingStore::Impl::Publish(Shard& sh, bool init_rows, bool init_state, u
       InitRow(opt_.init, dim_, grp.key, grp.hash, reinterpret_cast<float*>(Row(grp.slot)));
     }
     if (init_state) FillInitialState(reinterpret_cast<float*>(State(grp.slot)));
+    MarkDirty(sh, grp.slot);
     if (track) Touch(grp.slot, epoch);
   }
 }

@@ -1,6 +1,7 @@
 // The store's rows walked out in a deterministic order (by hash shard, then key-map
 // position): the chunked Export and the crash-safe Save (checkpoint.h; Load is
-// embedding_store_load.cc).
+// embedding_store_load.cc), and the segment writer that Checkpoint's links share
+// (embedding_store_incremental.cc).
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -53,11 +54,7 @@ size_t EmbeddingStore::Impl::Export(int64_t* cursor, size_t max_rows, int64_t* k
   return written;
 }
 
-void EmbeddingStore::Impl::Save(const std::string& dir,
-                               const std::map<std::string, std::string>& meta,
-                               bool weights_only) {
-  std::lock_guard<std::mutex> lock(mu_);
-  CheckpointWriter writer(dir);
+Manifest EmbeddingStore::Impl::ManifestHead(bool weights_only) const {
   Manifest m;
   m.weights_only = weights_only;
   m.dim = dim_;
@@ -67,19 +64,24 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
   m.page_rows = opt_.page_rows;
   m.optimizer = opt_.optimizer;
   m.state_dim = state_dim_;
-  m.meta = meta;
-  const bool with_state = state_dim_ > 0 && !weights_only;
-  m.segments.resize(num_shards_);
-  pool_.Run(num_shards_, [&](size_t s) {
+  return m;
+}
+
+std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& writer,
+                                                              const std::string& prefix,
+                                                              bool with_state, bool dirty_only,
+                                                              size_t groups) {
+  std::vector<SegmentEntry> segments(groups);
+  pool_.Run(groups, [&](size_t g) {
     char name[32];
-    std::snprintf(name, sizeof(name), "keys-%04zu.bin", s);
-    CheckpointWriter::File keys = writer.Create(name);
-    std::snprintf(name, sizeof(name), "rows-%04zu.bin", s);
-    CheckpointWriter::File rows = writer.Create(name);
+    std::snprintf(name, sizeof(name), "keys-%04zu.bin", g);
+    CheckpointWriter::File keys = writer.Create(prefix + name);
+    std::snprintf(name, sizeof(name), "rows-%04zu.bin", g);
+    CheckpointWriter::File rows = writer.Create(prefix + name);
     std::optional<CheckpointWriter::File> state;
     if (with_state) {
-      std::snprintf(name, sizeof(name), "state-%04zu.bin", s);
-      state.emplace(writer.Create(name));
+      std::snprintf(name, sizeof(name), "state-%04zu.bin", g);
+      state.emplace(writer.Create(prefix + name));
     }
     // Stage rows in chunks so each file write is large.
     constexpr size_t kChunk = 4096;
@@ -97,23 +99,28 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
       rbuf.clear();
       sbuf.clear();
     };
-    const KeyMap& map = shards_[s]->map;
     uint64_t count = 0;
-    for (size_t b = 0; b < map.capacity(); ++b) {
-      const KeyMap::Entry& e = map.entries()[b];
-      if (e.tag == 0) continue;
-      kbuf.push_back(e.key);
-      const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
-      rbuf.insert(rbuf.end(), r, r + dim_);
-      if (with_state) {
-        const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
-        sbuf.insert(sbuf.end(), st, st + state_dim_);
+    const size_t first = num_shards_ * g / groups, last = num_shards_ * (g + 1) / groups;
+    for (size_t s = first; s < last; ++s) {
+      const KeyMap& map = shards_[s]->map;
+      if (dirty_only && shards_[s]->dirty == 0) continue;
+      for (size_t b = 0; b < map.capacity(); ++b) {
+        const KeyMap::Entry& e = map.entries()[b];
+        if (e.tag == 0) continue;
+        if (dirty_only && !IsDirty(e.tag - 1)) continue;
+        kbuf.push_back(e.key);
+        const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
+        rbuf.insert(rbuf.end(), r, r + dim_);
+        if (with_state) {
+          const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
+          sbuf.insert(sbuf.end(), st, st + state_dim_);
+        }
+        ++count;
+        if (kbuf.size() == kChunk) flush();
       }
-      ++count;
-      if (kbuf.size() == kChunk) flush();
     }
     flush();
-    SegmentEntry& seg = m.segments[s];
+    SegmentEntry& seg = segments[g];
     seg.count = count;
     seg.keys = keys.Finish();
     seg.rows = rows.Finish();
@@ -122,6 +129,18 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
       seg.state = state->Finish();
     }
   });
+  return segments;
+}
+
+void EmbeddingStore::Impl::Save(const std::string& dir,
+                               const std::map<std::string, std::string>& meta,
+                               bool weights_only) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckpointWriter writer(dir);
+  Manifest m = ManifestHead(weights_only);
+  m.meta = meta;
+  m.segments = WriteSegments(writer, "", state_dim_ > 0 && !weights_only, /*dirty_only=*/false,
+                             num_shards_);
   for (const auto& seg : m.segments) m.rows += seg.count;
   writer.Commit(m);
 }

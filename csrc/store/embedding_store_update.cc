@@ -32,6 +32,7 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
       const size_t last = order_[b + grp.last];
       std::memcpy(Row(grp.slot), rows + last * dim_, row_bytes_);
       if (state != nullptr) std::memcpy(State(grp.slot), state + last * state_dim_, state_bytes_);
+      MarkDirty(sh, grp.slot);
       if (track) Touch(grp.slot, epoch);
     }
   });
@@ -84,6 +85,7 @@ void EmbeddingStore::Impl::UpdateShard(Shard& sh, uint32_t b, const float* grads
       grad = acc;
     }
     kernels::UpdateRow<kDim, kKind>(w, state, grad, args, scratch);
+    MarkDirty(sh, grp.slot);
     if (track) Touch(grp.slot, epoch);
   }
 }

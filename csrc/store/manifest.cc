@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "store/checksum.h"
 #include "store/manifest_json.h"
+#include "store/manifest_parts.h"
 
 namespace bagpipe::store {
 
@@ -70,6 +71,10 @@ const char* KindName(InitKind k) {
   return "unknown";
 }
 
+}  // namespace
+
+namespace manifest_parts {
+
 void EncodeFile(std::ostringstream& os, const FileEntry& f) {
   os << "{\"file\": ";
   Quote(os, f.file);
@@ -87,7 +92,89 @@ FileEntry DecodeFile(const Reader& r) {
   return f;
 }
 
-}  // namespace
+void EncodeSegments(std::ostringstream& os, const std::vector<SegmentEntry>& segs, int indent) {
+  const std::string pad(static_cast<size_t>(indent), ' ');
+  os << "[";
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const SegmentEntry& s = segs[i];
+    os << (i ? "," : "") << "\n" << pad << "  {\"count\": " << s.count << ", \"keys\": ";
+    EncodeFile(os, s.keys);
+    os << ", \"rows\": ";
+    EncodeFile(os, s.rows);
+    if (s.has_state) {
+      os << ", \"state\": ";
+      EncodeFile(os, s.state);
+    }
+    os << "}";
+  }
+  os << "\n" << pad << "]";
+}
+
+std::vector<SegmentEntry> DecodeSegments(const Reader& r, const std::string& key,
+                                         const Manifest& m) {
+  std::vector<SegmentEntry> out;
+  const auto& segs = r.Arr(key);
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const Reader s(segs[i], r.Name(key) + "[" + std::to_string(i) + "]", r.what());
+    SegmentEntry e;
+    e.count = s.UInt("count");
+    e.keys = DecodeFile(s.Obj("keys"));
+    e.rows = DecodeFile(s.Obj("rows"));
+    if (s.Find("state") != nullptr) {
+      e.has_state = true;
+      e.state = DecodeFile(s.Obj("state"));
+    }
+    if (e.keys.bytes != e.count * 8 || e.rows.bytes != e.count * static_cast<uint64_t>(m.dim) * 4) {
+      s.Fail(s.Name("count"), "disagrees with the file sizes");
+    }
+    if (e.has_state != (m.state_dim > 0 && !m.weights_only)) {
+      s.Fail(s.Name("state"), "does not match optimizer.state_dim and contents");
+    }
+    if (e.has_state && e.state.bytes != e.count * static_cast<uint64_t>(m.state_dim) * 4) {
+      s.Fail(s.Name("state.bytes"), "disagrees with count and state_dim");
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+void EncodeStringMap(std::ostringstream& os, const std::map<std::string, std::string>& map) {
+  os << "{";
+  bool first = true;
+  for (const auto& [k, v] : map) {
+    os << (first ? "" : ", ");
+    first = false;
+    Quote(os, k);
+    os << ": ";
+    Quote(os, v);
+  }
+  os << "}";
+}
+
+std::map<std::string, std::string> DecodeStringMap(const Reader& r, const std::string& key) {
+  std::map<std::string, std::string> out;
+  for (const auto& [mk, mv] : r.Get(key, Json::kObject).fields) {
+    if (mv.kind != Json::kString) r.Fail(r.Name(key) + "." + mk, "is not a string");
+    out[mk] = mv.text;
+  }
+  return out;
+}
+
+}  // namespace manifest_parts
+
+std::string LinkName(uint64_t id, uint32_t index) {
+  return Checksum::Hex(id) + ":" + std::to_string(index);
+}
+
+uint64_t SegmentBytes(const std::vector<SegmentEntry>& segments) {
+  uint64_t b = 0;
+  for (const SegmentEntry& s : segments) b += s.keys.bytes + s.rows.bytes + s.state.bytes;
+  return b;
+}
+
+uint64_t IncrementBytes(const IncrementEntry& inc) {
+  return SegmentBytes(inc.segments) + inc.deletions.bytes;
+}
 
 std::string EncodeManifest(const Manifest& m) {
   std::ostringstream os;
@@ -113,30 +200,15 @@ std::string EncodeManifest(const Manifest& m) {
     os << ", \"" << f.name << "_bits\": " << DoubleBits(v) << ", \"" << f.name << "\": \""
        << Readable(v) << "\"";
   }
-  os << "},\n  \"rows\": " << m.rows
-     << ",\n  \"segments\": [";
-  for (size_t i = 0; i < m.segments.size(); ++i) {
-    const SegmentEntry& s = m.segments[i];
-    os << (i ? "," : "") << "\n    {\"count\": " << s.count << ", \"keys\": ";
-    EncodeFile(os, s.keys);
-    os << ", \"rows\": ";
-    EncodeFile(os, s.rows);
-    if (s.has_state) {
-      os << ", \"state\": ";
-      EncodeFile(os, s.state);
-    }
-    os << "}";
+  os << "},\n  \"rows\": " << m.rows << ",\n  \"segments\": ";
+  manifest_parts::EncodeSegments(os, m.segments, 2);
+  os << ",\n  \"meta\": ";
+  manifest_parts::EncodeStringMap(os, m.meta);
+  if (m.version >= 3) {
+    os << ",\n  \"chain\": ";
+    manifest_parts::EncodeChain(os, m);
   }
-  os << "\n  ],\n  \"meta\": {";
-  bool first = true;
-  for (const auto& [k, v] : m.meta) {
-    os << (first ? "" : ", ");
-    first = false;
-    Quote(os, k);
-    os << ": ";
-    Quote(os, v);
-  }
-  os << "}\n}\n";
+  os << "\n}\n";
   const std::string body = os.str();
   Checksum c;
   c.Update(body.data(), body.size());
@@ -245,48 +317,6 @@ void DecodeOptimizer(const Reader& opt, Manifest* m) {
   m->state_dim = static_cast<int>(state_dim);
 }
 
-// The "segments" array; their counts must add up to m->rows.
-// REQUIRES: m->dim, m->state_dim, m->weights_only and m->rows decoded.
-void DecodeSegments(const Reader& r, Manifest* m) {
-  uint64_t total = 0;
-  const auto& segs = r.Arr("segments");
-  for (size_t i = 0; i < segs.size(); ++i) {
-    const Reader s(segs[i], "segments[" + std::to_string(i) + "]", r.what());
-    SegmentEntry e;
-    e.count = s.UInt("count");
-    e.keys = DecodeFile(s.Obj("keys"));
-    e.rows = DecodeFile(s.Obj("rows"));
-    if (s.Find("state") != nullptr) {
-      e.has_state = true;
-      e.state = DecodeFile(s.Obj("state"));
-    }
-    if (e.keys.bytes != e.count * 8 || e.rows.bytes != e.count * static_cast<uint64_t>(m->dim) * 4) {
-      s.Fail(s.Name("count"), "disagrees with the file sizes");
-    }
-    if (e.has_state != (m->state_dim > 0 && !m->weights_only)) {
-      s.Fail(s.Name("state"), "does not match optimizer.state_dim and contents");
-    }
-    if (e.has_state && e.state.bytes != e.count * static_cast<uint64_t>(m->state_dim) * 4) {
-      s.Fail(s.Name("state.bytes"), "disagrees with count and state_dim");
-    }
-    total += e.count;
-    m->segments.push_back(std::move(e));
-  }
-  if (total != m->rows) r.Fail("rows", "is not the sum of the segment counts");
-}
-
-// The "meta" object: strings only.
-void DecodeMeta(const Json& doc, const Reader& r, Manifest* m) {
-  const Reader meta = r.Obj("meta");
-  for (const auto& [k, v] : doc.fields) {
-    if (k != "meta") continue;
-    for (const auto& [mk, mv] : v.fields) {
-      if (mv.kind != Json::kString) meta.Fail("meta." + mk, "is not a string");
-      m->meta[mk] = mv.text;
-    }
-  }
-}
-
 }  // namespace
 
 Manifest DecodeManifest(const std::string& text, const std::string& what) {
@@ -305,8 +335,12 @@ Manifest DecodeManifest(const std::string& text, const std::string& what) {
   m.page_rows = static_cast<uint32_t>(page_rows);
   DecodeOptimizer(r.Obj("optimizer"), &m);
   m.rows = r.UInt("rows");
-  DecodeSegments(r, &m);
-  DecodeMeta(doc, r, &m);
+  m.segments = manifest_parts::DecodeSegments(r, "segments", m);
+  uint64_t total = 0;
+  for (const SegmentEntry& e : m.segments) total += e.count;
+  if (total != m.rows) r.Fail("rows", "is not the sum of the segment counts");
+  m.meta = manifest_parts::DecodeStringMap(r, "meta");
+  manifest_parts::DecodeChain(r, &m);
   return m;
 }
 

@@ -51,11 +51,12 @@ FuzzFrame FrameFuzzer::BrokenOpen() {
   o.dim = 1 + static_cast<uint32_t>(U(64));
   o.init_kind = static_cast<uint8_t>(U(3));
   o.key_bound = -1;
+  o.start_step = -1;
   char name_buf[24];
   std::snprintf(name_buf, sizeof(name_buf), "t%u", static_cast<unsigned>(U(1000)));
   std::string name(name_buf);
   int extra_name = 0;
-  switch (U(10)) {
+  switch (U(11)) {
     case 0: extra_name = 1 + static_cast<int>(U(5)); break;  // name_len beyond the body
     case 1: o.world_size = 0; o.rank = 0; break;
     case 2: o.rank = o.world_size + static_cast<uint32_t>(U(10)); break;
@@ -71,6 +72,7 @@ FuzzFrame FrameFuzzer::BrokenOpen() {
       }
       break;
     case 8: o.num_bound_ranges = 1 + static_cast<uint32_t>(U(4)); break;  // ranges missing
+    case 9: o.start_step = wire::kAnyStartStep - 1 - static_cast<int64_t>(U(1000)); break;
     default: o.key_bound = -2 - static_cast<int64_t>(U(1000)); break;
   }
   o.name_len = static_cast<uint16_t>(name.size() + extra_name);

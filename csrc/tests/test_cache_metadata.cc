@@ -466,13 +466,20 @@ TEST_CASE(cache_metadata_matches_the_reference_call_by_call) {
     for (int64_t units : {1, 3, 16}) {
       // Generation periods 2 and 4 purge stale queue entries every few bumps; the default
       // almost never does: all three must answer alike.
+      // The hash index (no key bound) and the direct index (key_bound = the universe).
+      const int64_t universe = units * 64 * 3;
       CacheMetadata plain(units, policy);
       CacheMetadata period2(units, policy);
       CacheMetadata period4(units, policy);
+      CacheMetadata direct(units, policy, universe);
+      CacheMetadata direct2(units, policy, universe);
       period2.SetGenerationPeriodForTest(2);
       period4.SetGenerationPeriodForTest(4);
-      RunAgainstReference(policy, units, units * 64 * 3, 600, 7 + static_cast<uint64_t>(units),
-                          {&plain, &period2, &period4});
+      direct2.SetGenerationPeriodForTest(2);
+      CHECK(!plain.direct_index());
+      CHECK(direct.direct_index());
+      RunAgainstReference(policy, units, universe, 600, 7 + static_cast<uint64_t>(units),
+                          {&plain, &period2, &period4, &direct, &direct2});
     }
   }
 }
@@ -480,7 +487,8 @@ TEST_CASE(cache_metadata_matches_the_reference_call_by_call) {
 TEST_CASE(cache_metadata_keeps_the_reference_order_through_many_compactions) {
   // A cache of 4096 rows over many steps: the queues are compacted many times over.
   CacheMetadata m(64, EvictionPolicy::kOracle);
-  RunAgainstReference(EvictionPolicy::kOracle, 64, 64 * 64 * 4, 400, 99, {&m});
+  CacheMetadata direct(64, EvictionPolicy::kOracle, 64 * 64 * 4);
+  RunAgainstReference(EvictionPolicy::kOracle, 64, 64 * 64 * 4, 400, 99, {&m, &direct});
 }
 
 TEST_CASE(cache_metadata_rejects_values_beyond_32_bits_without_change) {

@@ -361,3 +361,39 @@ TEST_CASE(coordinator_read_at_times_out) {
   fx.Send(0, 0, 0, 1, {1}, {1.f, 1.f});
   CHECK_EQ(fx.coord->ReadAt(0, &key, 1, out, DeadlineAfter(1)), int64_t{0});
 }
+
+// The session's start step (wire::OpenBody::start_step): an Open that would renumber the
+// table's committed steps is refused naming the table and both steps, whichever rank and
+// session asks; a declared resume from the committed step opens, and kAnyStartStep attaches
+// without a check. A refused Open attaches nothing.
+TEST_CASE(coordinator_refuses_an_open_whose_start_step_is_not_the_committed_step) {
+  Fixture fx(1);
+  for (int64_t t = 0; t < 5; ++t) fx.Send(t, 0, 0, 1, {1}, {1.f, 1.f});
+  CHECK_EQ(fx.coord->committed_step(), int64_t{4});
+  fx.coord->Close(0, fx.links[0].get());
+  auto expect_refused = [&](int64_t start, uint64_t session, const char* why) {
+    auto p = fx.params;
+    p.session = session;
+    p.start_step = start;
+    try {
+      fx.coord->Open(p, 0, fx.spec, std::make_shared<RecordingLink>());
+      CHECK(false);
+    } catch (const StartStepError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("table 'emb'") != std::string::npos);
+      if (what.find(why) == std::string::npos) throw testing::CheckFailure(what);
+    }
+    CHECK_EQ(fx.coord->attached_ranks(), 0);
+  };
+  expect_refused(-1, 77, "committed steps up to 4");  // the same job's session id
+  expect_refused(-1, 99, "steps 0..4 would be acknowledged without being applied");
+  expect_refused(3, 77, "resumes after step 3, but the table's committed step is 4");
+  expect_refused(5, 77, "resumes after step 5");
+  auto p = fx.params;
+  p.start_step = 4;  // a declared resume
+  auto l = std::make_shared<RecordingLink>();
+  CHECK_EQ(fx.coord->Open(p, 0, fx.spec, l), int64_t{4});
+  fx.coord->Close(0, l.get());
+  p.start_step = wire::kAnyStartStep;
+  CHECK_EQ(fx.coord->Open(p, 0, fx.spec, l), int64_t{4});
+}

@@ -42,6 +42,9 @@ struct FrameHead {
   uint32_t reply_len;
   uint32_t fill;
 };
+// A frame whose fill is this makes EchoServer send a notice from another thread first.
+constexpr uint32_t kCrossThreadFill = 0xC0550001u;
+constexpr uint64_t kNoticeOffset = 1000000;
 struct ReplyHead {
   uint64_t id;
   uint64_t frame_len;
@@ -111,6 +114,15 @@ class EchoServer {
         self->Fail("frame in slot does not match its doorbell");
         return;
       }
+      if (fh.fill == kCrossThreadFill) {
+        // Another thread sends notice id + kNoticeOffset first, and its SendMessage returns
+        // (queued: this progress thread is busy here) before this reply is sent.
+        std::thread other([&] {
+          ReplyHead nh{fh.id + kNoticeOffset, 0, 0};
+          self->SendMessage(&nh, sizeof(nh), nullptr, 0, [](bool) {});
+        });
+        other.join();
+      }
       ReplyHead rh{fh.id, f.len, Checksum(f.data, f.len)};
       auto payload = std::make_shared<std::vector<uint8_t>>(fh.reply_len);
       for (size_t i = 0; i < payload->size(); ++i) (*payload)[i] = Pattern(fh.id, i);
@@ -176,9 +188,10 @@ class TestClient {
   }
 
   // Stages frame `id` into `slot` and posts it (no flush).
-  size_t Stage(uint32_t slot, uint64_t id, uint32_t reply_len, size_t frame_len) {
+  size_t Stage(uint32_t slot, uint64_t id, uint32_t reply_len, size_t frame_len,
+               uint32_t fill = 0) {
     auto& b = buffers_[slot];
-    FrameHead fh{id, reply_len, 0};
+    FrameHead fh{id, reply_len, fill};
     std::memcpy(b.data(), &fh, sizeof(fh));
     for (size_t i = sizeof(fh); i < frame_len; ++i) b[i] = static_cast<uint8_t>(id + i);
     sent_[id] = Checksum(b.data(), frame_len);
@@ -322,6 +335,26 @@ TEST_CASE(ucx_frames_land_in_ring_and_replies_in_order) {
     CHECK_EQ(server.frames(), uint64_t{24});
     auto eps = server.WaitEndpoints(1);
     CHECK_EQ(eps[0]->stats().ring_frames, uint64_t{24});
+  });
+}
+
+// A shard handler (on the progress thread) that answers right after another thread sent a
+// notice must not overtake it: messages leave in SendMessage call order across threads (a
+// drain notice, then the refusal of a request that saw the drain).
+TEST_CASE(ucx_sends_from_several_threads_keep_call_order) {
+  ForEachTls([](const std::string& tls) {
+    EchoServer server(tls);
+    TestClient client(tls, server.port(), 2, 4096);
+    std::vector<uint64_t> expect;
+    for (uint64_t id = 1; id <= 6; ++id) {
+      client.Stage(static_cast<uint32_t>(id % 2), id, id % 3 == 0 ? 100000 : 8, 64,
+                   id % 2 ? kCrossThreadFill : 0);
+      client.ep().FlushAndRing();
+      CHECK(client.WaitReply(id));
+      if (id % 2) expect.push_back(id + kNoticeOffset);
+      expect.push_back(id);
+    }
+    CHECK(client.Order() == expect);
   });
 }
 

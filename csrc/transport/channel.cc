@@ -24,6 +24,8 @@ ErrorKind KindOfStatus(Status status) {
       return ErrorKind::kTransport;
     case Status::kShuttingDown:
       return ErrorKind::kShuttingDown;
+    case Status::kStartStep:
+      return ErrorKind::kStartStep;
     case Status::kInternal:
     case Status::kOk:
       return ErrorKind::kInternal;
@@ -39,6 +41,7 @@ void ThrowError(const Error& error) {
     case ErrorKind::kTimeout: throw TimeoutError(error.message);
     case ErrorKind::kInternal: throw std::runtime_error(error.message);
     case ErrorKind::kShuttingDown: throw ShuttingDownError(error.message);
+    case ErrorKind::kStartStep: throw StartStepError(error.message);
   }
   throw std::runtime_error(error.message);
 }

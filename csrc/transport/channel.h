@@ -56,6 +56,7 @@ enum class ErrorKind : uint8_t {
   kTimeout = 3,    // TimeoutError
   kInternal = 4,   // RuntimeError
   kShuttingDown = 5,  // ShuttingDownError (a TransportError): the shard is draining
+  kStartStep = 6,     // StartStepError (a ValueError): the session's start step was refused
 };
 
 struct Error {

@@ -191,21 +191,49 @@ void Endpoint::FlushAndRing() {
 void Endpoint::SendMessage(const void* head, size_t head_len, const void* payload,
                            size_t payload_len, std::function<void(bool)> on_sent) {
   if (head_len > kMaxHeadBytes) throw ValueError("UCX message head larger than 4 KiB");
-  if (OnProgressThread()) {
+  const bool on_thread = OnProgressThread();
+  if (on_thread && !CommandsPending()) {
     DoSend(wire::kAmFrame, head, head_len, payload, payload_len, nullptr, std::move(on_sent));
     return;
   }
+  // Another thread, or the progress thread with commands queued before this call (a send
+  // from another thread not yet made): the message goes behind them, so messages leave in
+  // the order SendMessage was called, whichever threads called it.
   std::vector<uint8_t> head_copy(static_cast<const uint8_t*>(head),
                                  static_cast<const uint8_t*>(head) + head_len);
   auto cb = std::make_shared<std::function<void(bool)>>(std::move(on_sent));
+  auto send = [this, head_copy = std::move(head_copy), payload, payload_len, cb]() mutable {
+    DoSend(wire::kAmFrame, head_copy.data(), head_copy.size(), payload, payload_len, nullptr,
+           std::move(*cb));
+  };
+  if (on_thread) {
+    bool queued = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!closed_) {  // the thread runs every queued command before it stops (Step)
+        commands_.push_back(std::move(send));
+        queued = true;
+      }
+    }
+    if (!queued) {
+      send();  // closing: no later command will run, so send (or drop) it now
+      return;
+    }
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+    return;
+  }
   try {
-    Enqueue([this, head_copy = std::move(head_copy), payload, payload_len, cb]() mutable {
-      DoSend(wire::kAmFrame, head_copy.data(), head_copy.size(), payload, payload_len, nullptr,
-             std::move(*cb));
-    });
+    Enqueue(std::move(send));
   } catch (const TransportError&) {
     if (*cb) (*cb)(false);
   }
+}
+
+bool Endpoint::CommandsPending() {
+  if (batch_left_ > 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return !commands_.empty();
 }
 
 void Endpoint::Close(bool graceful) {

@@ -30,7 +30,8 @@
 //      completed, doorbells go out in flush order; kMessage lands the doorbell's payload in
 //      the slot first. Every active message carries a seq the receiver acts on strictly in
 //      order (UCP does not promise AM ordering across protocols or lanes).
-//   2. Messages reach on_message in send order and their Landing.done calls run in that
+//   2. Messages reach on_message in send order (SendMessage call order, whichever threads
+//      call it: invariant 7) and their Landing.done calls run in that
 //      order, each after its payload landed in Landing.dst (a rendezvous payload is received
 //      by UCX straight into dst, with no bounce buffer).
 //   2b. A handler sees a ring slot's frame until the shard answers it; the client reuses a
@@ -55,6 +56,9 @@
 //   6. An endpoint's progress thread is its own, or (shards: AcceptLimits::progress) the
 //      thread of a ProgressGroup shared with other endpoints (ucx_progress.h); either way
 //      every UCP call on its worker happens on that one thread.
+//   7. SendMessage calls leave in call order: one made on the progress thread while commands
+//      from other threads are queued (or later in the running batch) queues behind them
+//      instead of sending at once (a shard's refusal never overtakes a notice sent before it).
 //
 // The implementation is one file per phase (ucx_endpoint_internal.h lists them).
 #pragma once
@@ -216,6 +220,8 @@ class Endpoint {
   void FlushAndRing();
   // Sends head (copied; <= 4 KiB) and payload_len bytes at payload, which the caller keeps
   // unchanged until on_sent runs (true: sent; false: dropped because the endpoint failed).
+  // Messages leave in call order across threads: on the progress thread with no command
+  // queued it sends at once, otherwise it queues behind what is queued.
   void SendMessage(const void* head, size_t head_len, const void* payload, size_t payload_len,
                    std::function<void(bool sent)> on_sent);
   // Fails the endpoint (invariant 4). Thread-safe, idempotent (the first message wins).
@@ -251,6 +257,9 @@ class Endpoint {
   // Runs fn on the progress thread and waits for it (deadline); rethrows its exception.
   void RunOnThread(const std::function<void()>& fn, Deadline deadline);
   void Enqueue(std::function<void()> fn);
+  // Progress thread: whether commands queued earlier have not run yet (queued, or later in
+  // the batch RunCommands is running).
+  bool CommandsPending();
   // Hands the control connection to the endpoint and starts watching it (liveness). If the
   // endpoint already failed or was closed, shuts it down instead so the peer learns of it.
   void AdoptControl(Socket control);
@@ -367,6 +376,7 @@ class Endpoint {
   size_t outstanding_ = 0;                   // UCX requests whose callback has not run
   std::vector<Op*> live_ops_;                // every Op not yet deleted (freed at teardown)
   bool failure_handled_ = false;
+  size_t batch_left_ = 0;  // commands of the running RunCommands batch not yet started
   bool spinning_ = false;
   Clock::time_point spin_until_{};
   Clock::time_point next_liveness_check_{};

@@ -169,7 +169,13 @@ bool Endpoint::RunCommands() {
     std::lock_guard<std::mutex> lock(mu_);
     cmds.swap(commands_);
   }
-  for (auto& c : cmds) c();
+  // batch_left_: the commands of this batch after the running one (a SendMessage made by a
+  // command queues behind them, keeping call order).
+  batch_left_ = cmds.size();
+  for (auto& c : cmds) {
+    --batch_left_;
+    c();
+  }
   return !cmds.empty();
 }
 

@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
            "of the rows with label 0 and every row with label 1 (the same rows every pass). "
            "When not supplied, no undersampling occurs.")
     a("--seed", type=int, default=None,
-      help="Random seed for reproducibility: torch's generator (initial weights), the "
-           "synthetic data, TorchRec's shuffles and the undersampling draws.")
+      help="Random seed for reproducibility: torch's generator (initial weights), Python's "
+           "and NumPy's global generators, the synthetic data, TorchRec's shuffles and the "
+           "undersampling draws.")
     a("--pin_memory", dest="pin_memory", action="store_true",
       help="Use pinned memory when loading data (needs CUDA).")
     a("--mmap_mode", dest="mmap_mode", action="store_true",

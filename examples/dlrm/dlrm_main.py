@@ -26,11 +26,11 @@ Compared with TorchRec's script, the differences are the sharder
 (`BagPipeEmbeddingBagCollectionSharder`), the planner (`BagPipeShardingPlanner`) and the
 pipeline (`BagPipeTrainPipeline`, which adds a lookahead window); ``--sharder torchrec``
 runs the stock path (tables local to the trainers) for comparison. The planner places each
-table by size: tables over ``--placement-memory-fraction`` of a rank's memory (or with at
-least ``--placement-min-rows`` rows) go to BagPipe, the small ones keep TorchRec's stock
-sharding in the same EmbeddingBagCollection; rank 0 prints the placement (one line, and
-TorchRec's plan table with ``--print_sharding_plan``). ``--placement-min-rows 0`` puts
-every table on BagPipe.
+table by the placement rule (distributed/placement.py): every table BagPipe can serve goes
+to BagPipe unless ``--placement-min-rows`` / ``--placement-memory-fraction`` (opt-in size
+rule) keep the small ones on TorchRec's stock sharding in the same EmbeddingBagCollection;
+rank 0 prints the placement (one line, and the plan table with where and why with
+``--print_sharding_plan``). ``--placement-min-rows 0`` puts every table on BagPipe.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ import argparse
 import itertools
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection
@@ -54,10 +56,11 @@ from torchrec.distributed.model_parallel import (
     DistributedModelParallel,
     get_default_sharders,
 )
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.storage_reservations import (
-    HeuristicalStorageReservation,
+    FixedPercentageStorageReservation,
 )
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -79,6 +82,7 @@ from torchrec_bagpipe.distributed import (
     close_model,
     flush_model,
     load_job_checkpoint,
+    restore_rng_state,
     save_job_checkpoint,
 )
 from torchrec_bagpipe.metrics_table import format_table, summarize
@@ -92,10 +96,13 @@ from lr_scheduler import LRPolicyScheduler
 
 def configure_torch(args: argparse.Namespace) -> None:
     """Process-wide settings of the flags: TF32 matmuls (``--allow_tf32``) and the seed of
-    torch's generator (``--seed``: the dense layers' initial weights)."""
+    torch's generator (``--seed``: the dense layers' initial weights), and of Python's and
+    NumPy's global generators (a whole-job checkpoint saves and restores all three)."""
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.seed is not None:
         torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        np.random.seed(args.seed % (1 << 32))
 
 
 def build_model(args: argparse.Namespace, device: torch.device,
@@ -149,9 +156,11 @@ def shard(args: argparse.Namespace, train_model: DLRMTrain, device: torch.device
     apply_optimizer_in_backward(embedding_optimizer[0],
                                 train_model.model.sparse_arch.parameters(),
                                 dict(embedding_optimizer[1]))
-    topology = Topology(local_world_size=get_local_size(), world_size=dist.get_world_size(),
-                        compute_device=device.type)
-    reservation = HeuristicalStorageReservation(percentage=0.05)
+    # As TorchRec 1.9 asks: the topology through TopologyFactory, a fixed reservation.
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=dist.get_world_size(), local_world_size=get_local_size()),
+        kernel_config=KernelConfig(compute_device=device.type))
+    reservation = FixedPercentageStorageReservation(percentage=0.05)
     config: BagPipeConfig | None = None
     if args.sharder == "bagpipe":
         config = BagPipeConfig.from_args(args)
@@ -250,8 +259,11 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
 
     # A resumed job (--resume): the trainer state of the checkpoint's set, and the number of
     # training batches already done (skipped below, so the data continues where it stopped).
-    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer)
+    # Its random streams are restored once the data iterator is created and positioned (the
+    # iterator's creation draws from torch's generator), right before the first step.
+    resumed, extra = (load_job_checkpoint(model, optimizer=optimizer, restore_rng=False)
                       if config is not None else (0, None))
+    rng_held = config is not None and resumed > 0
     if extra is not None:
         lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
@@ -281,6 +293,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
             skip -= it
             if skip:
                 continue  # this whole epoch was trained before the checkpoint
+        if rng_held:
+            restore_rng_state()  # the stream the uninterrupted run drew from after its save
+            rng_held = False
         bar = tqdm(desc=f"Epoch {epoch}", total=args.limit_train_batches, disable=not show)
         start = time.perf_counter()
         for chunk in _chunks(batches, args.validation_freq_within_epoch):

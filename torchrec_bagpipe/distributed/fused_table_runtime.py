@@ -25,10 +25,11 @@ Invariants:
    `check_checkpoints` (after each finished step) once a shard has failed
    `ps_checkpoint_max_failures` in a row.
 5. The controller numbers its steps from 0; PS step = controller step + `start_step` + 1,
-   where `start_step` is the table's committed step when the session opened, checked to be
-   the job's expectation (-1 for a fresh job, the checkpoint's step for a resumed one;
-   `PSClient.start_step`) and given to the controller, which numbers the PS steps itself:
-   a fresh job never meets a table the PS already advanced.
+   where `start_step` is the job's expectation (-1 for a fresh job, the checkpoint's step
+   for a resumed one), declared to the shards when the session opens
+   (`ClientSpec.expected_step`: each shard refuses it unless the table is at that committed
+   step) and given to the controller, which numbers the PS steps itself: a fresh job never
+   meets a table the PS already advanced.
 6. Every finished step commits at the learning rate its `StepLearningRate` gives when it
    finishes (the fused optimizer's param group: an LR schedule's value, Adam's
    bias-corrected step size), and the source hears of every step whose commit was
@@ -273,7 +274,8 @@ def build_fused_table(
     table (deterministic, computed on the PS); tables with other initial weights are
     written by the caller right after (table_io.py). The table must be at the committed
     step the job expects (`BagPipeJob.expected_step`: -1, or the step of the checkpoint it
-    resumes from), else `ps.client.StartStepError` names the table and the steps; the
+    resumes from): the session declares it and every shard refuses it otherwise
+    (`ps.client.StartStepError` naming the table and the steps); the
     controller's steps follow it (invariant 5).
     """
     from torchrec_bagpipe.ps.client import PSClient
@@ -288,6 +290,7 @@ def build_fused_table(
             "evicts rows; resuming such a table from a whole-job checkpoint is not supported "
             "yet (the eviction rule's state is not checkpointed)"
         )
+    start = job.expected_step(spec.name)
     client = PSClient(job.endpoints, client_spec(
         config,
         table=spec.name,
@@ -300,9 +303,9 @@ def build_fused_table(
         init_bound=[(spec.offsets[t.name], t.init_max) for t in spec.tables],
         key_bound=spec.num_keys,
         optimizer=spec.optimizer,
+        expected_step=start,  # every shard refuses the session unless it is at this step
     ))
     try:
-        start = client.start_step(job.expected_step(spec.name))
         controller = BagPipeController(
             config,
             rank=job.rank,

@@ -107,6 +107,9 @@ class BagPipeJob:
         self.checkpoint_every: int = every if self.checkpoint_dir else 0
         self.resume_dir: str | None = resume
         self.resumed: Manifest | None = None
+        # The resumed set's random streams, held back by load_job_checkpoint(restore_rng=False)
+        # until restore_rng_state() (job_checkpoint.py).
+        self.held_rng: dict[str, Any] | None = None
         if resume is not None:
             self.resumed = read_manifest(resume)
             if self.resumed is None:

@@ -6,7 +6,8 @@ set (`checkpoint_manifest.py`: ``D/ps/shard-<i>/<label>/``, through the shards' 
 checkpoint writer), writes each trainer's state (``D/<label>/trainer-<rank>.pt``:
 `torch.save` of the model's state without the BagPipe tables, the optimizer's state
 without the PS-held part, every param group's learning rate, the BagPipe groups' step
-counts, the RNG states and the caller's `extra`, e.g. the data position and LR scheduler),
+counts, the random streams (torch CPU and CUDA, `random`, NumPy) and the caller's `extra`,
+e.g. the data position and LR scheduler),
 then rank 0 publishes the set by renaming ``D/MANIFEST.json`` into place and removes older
 sets. A crash (``kill -9`` of every process) at any moment leaves the previous complete set.
 
@@ -15,7 +16,9 @@ Resuming: start the job with `BagPipeConfig.resume` (``--resume D``; the launche
 ``--restore-from``), every fused table checks it opens at the set's step and numbers its
 steps after it (`fused_table_runtime.py`, invariant 5), no initial weights are written;
 then `load_job_checkpoint(model, optimizer=...)` restores the trainer state and returns
-(step, extra). Training continued from there is bitwise the run that never stopped.
+(step, extra); the random streams are restored with it, or (``restore_rng=False``) by
+`restore_rng_state()` once the data iterator is created and positioned. Training continued
+from there is bitwise the run that never stopped, random ops (dropout) included.
 Losing a shard is recovered the same way: every process rolls back to the last set.
 
 Thread-safety: the rank's training thread, between steps (no step running), every rank in
@@ -25,12 +28,14 @@ the same order (barriers on the job's control group).
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import shutil
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -46,7 +51,8 @@ from torchrec_bagpipe.distributed.fused_optimizer import BagPipeFusedOptimizer
 from torchrec_bagpipe.distributed.job import BagPipeJob
 from torchrec_bagpipe.distributed.utils import bagpipe_modules, flush_model
 
-__all__ = ["checkpoint_due", "load_job_checkpoint", "resumed_step", "save_job_checkpoint"]
+__all__ = ["checkpoint_due", "load_job_checkpoint", "restore_rng_state", "resumed_step",
+           "save_job_checkpoint"]
 
 _WRAPPERS = ("_dmp_wrapped_module.", "module.")
 _LABEL = re.compile(r"^step-\d+-[0-9a-f]+$")
@@ -159,10 +165,45 @@ def _trainer_state(model: nn.Module, optimizer: Any, step: int, extra: Any) -> d
         "lrs": ([_local(g["lr"]) for g in optimizer.param_groups]
                 if optimizer is not None else []),
         "bagpipe_steps": [list(o._steps) for o in _bagpipe_optimizers(model)],
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "rng": _rng_states(),
         "extra": extra,
     }
+
+
+# ---- the random streams ------------------------------------------------------------------------
+def _rng_states() -> dict[str, Any]:
+    """Every global random stream a training loop may draw from: torch's CPU generator, each
+    CUDA device's (if any), Python's `random` and NumPy's legacy global generator."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+            "numpy": np.random.get_state()}
+
+
+def _set_rng_states(rng: Mapping[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda"):
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "python" in rng:  # sets written before the Python and NumPy streams were saved
+        random.setstate(rng["python"])
+    if "numpy" in rng:
+        np.random.set_state(rng["numpy"])
+
+
+def restore_rng_state() -> None:
+    """Restores the random streams of the set the job resumed from, held back by
+    ``load_job_checkpoint(..., restore_rng=False)``. Call it once the data iterator is
+    created and positioned (creating a DataLoader iterator draws from torch's generator;
+    the uninterrupted run drew that before its checkpoint), right before the first training
+    step: the run continues the random stream it saved (dropout, random ops, `random`,
+    NumPy). Raises RuntimeError if nothing is held back."""
+    job = _job()
+    rng = job.held_rng
+    if rng is None:
+        raise RuntimeError("restore_rng_state: no random state is held back (call "
+                           "load_job_checkpoint(..., restore_rng=False) on a resumed job first)")
+    job.held_rng = None
+    _set_rng_states(rng)
 
 
 # ---- save ------------------------------------------------------------------------------
@@ -224,12 +265,19 @@ def _remove_older_sets(directory: str, keep: str) -> None:
 
 
 # ---- load ------------------------------------------------------------------------------
-def load_job_checkpoint(model: nn.Module, *, optimizer: Any = None) -> tuple[int, Any]:
+def load_job_checkpoint(model: nn.Module, *, optimizer: Any = None,
+                        restore_rng: bool = True) -> tuple[int, Any]:
     """Restores this trainer's state from the set the job resumed from (`BagPipeConfig.resume`;
     the PS tables were restored when the job started) and returns (step, extra). Call it after
     sharding the model and building `optimizer` as the checkpointed run did, before training.
     Without a resumed set: (0, None), also for a model without BagPipe tables (size-based
-    placement may leave every table stock), unless a resume was asked for."""
+    placement may leave every table stock), unless a resume was asked for.
+
+    The random streams (torch CPU and CUDA, `random`, NumPy) are restored now, or, with
+    `restore_rng=False`, held back until `restore_rng_state()`: a loop that creates or
+    positions its data iterator after loading (a DataLoader iterator draws from torch's
+    generator when it is created) restores them after that, so the resumed run draws
+    exactly what the uninterrupted one drew."""
     if BagPipeJob.current() is None and not os.environ.get("BAGPIPE_RESUME"):
         return 0, None
     job = _job()
@@ -261,8 +309,9 @@ def load_job_checkpoint(model: nn.Module, *, optimizer: Any = None) -> tuple[int
             g["lr"] = lr
     for o, steps in zip(_bagpipe_optimizers(model), state["bagpipe_steps"]):
         o._steps = list(steps)
-    torch.set_rng_state(state["rng"]["cpu"])
-    if state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if restore_rng:
+        _set_rng_states(state["rng"])
+    else:
+        job.held_rng = state["rng"]
     job.control.barrier()
     return int(state["step"]), state["extra"]

@@ -1,28 +1,32 @@
 """Per-table placement: which tables of a model go to BagPipe and which keep TorchRec's
-stock sharding, and how a plan shows it.
+stock sharding, why, and how a plan shows it.
 
-`BagPipeShardingPlanner` (sharding_planner.py) calls `decide_placement` before TorchRec's
-planner runs, then constrains each table to its side. For every table of every
-EmbeddingBagCollection / EmbeddingCollection that a BagPipe sharder serves:
+`place_table` is THE rule, used by both planners: `BagPipeShardingPlanner`
+(sharding_planner.py, through `decide_placement`, before TorchRec's planner runs) and
+TorchRec's own `EmbeddingShardingPlanner` (estimators.py, through the perf estimates of the
+sharding options). For every table of every EmbeddingBagCollection / EmbeddingCollection
+that a BagPipe sharder serves, in order:
 
-1. `ParameterConstraints` decide first, both ways: `compute_kernels` naming only
+1. constraint: `ParameterConstraints` decide first, both ways: `compute_kernels` naming only
    `customized_kernel` (with `sharding_types` allowing `data_parallel`) forces BagPipe;
    `compute_kernels` without it, or `sharding_types` without `data_parallel`, forces stock.
-   A table BagPipe cannot serve (not FP32; pooling other than SUM/MEAN) stays stock unless
-   forced, and forcing it is an error naming the table.
-2. Otherwise the table's size decides: BagPipe when it has at least
-   `BagPipeConfig.placement_min_rows` rows (when set), or when its weights exceed
-   `BagPipeConfig.placement_memory_fraction` of one rank's device memory (the topology's
-   smallest HBM on CUDA, DDR on CPU); small tables stay stock.
-3. When TorchRec's planner then finds the stock tables do not fit in the ranks' memory, the
-   planner moves the largest unforced stock tables to BagPipe and plans again
-   (`move_largest`).
+2. capability: a table TorchRec's stock fused kernels cannot train on the planned device
+   (capability.py: fused Adam on CPU, BF16 weights on CPU) goes to BagPipe when BagPipe can
+   serve it; when neither can, a ValueError names the table, the optimizer and the device.
+3. size (opt-in): with `BagPipeConfig.placement_min_rows` and/or
+   `placement_memory_fraction` set, a table with at least that many rows, or whose weights
+   exceed that fraction of one rank's device memory, goes to BagPipe; the others stay stock.
+4. BagPipe first: otherwise every table BagPipe can serve (FP32; SUM/MEAN pooling; an
+   optimizer the PS applies) goes to BagPipe; one it cannot serve stays stock.
+5. did not fit: when TorchRec's planner then finds the stock tables do not fit in the ranks'
+   memory, `BagPipeShardingPlanner` moves the largest unforced ones to BagPipe and plans
+   again (`move_largest`).
 
 Tables of modules no BagPipe sharder serves are not placed (TorchRec plans them); a
 constraint forcing BagPipe on one is an error naming the table and the sharder to pass.
 
-`BagPipeModuleShardingPlan` is TorchRec's per-module plan with a column saying where each
-table's rows live; `str(plan)` prints it in TorchRec's plan table.
+`BagPipeModuleShardingPlan` is TorchRec's per-module plan with columns saying where each
+table's rows live and why; `str(plan)` prints it in TorchRec's plan table.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +56,8 @@ from torchrec.modules.embedding_configs import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.capability import stock_cannot_train, table_emb_optimizer
+from torchrec_bagpipe.distributed.table_optimizer import UnsupportedOptimizerError, table_optimizer
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 from torchrec_bagpipe.distributed.virtual_tables import virtual_placement
 
@@ -60,6 +67,7 @@ __all__ = [
     "decide_placement",
     "embedding_modules",
     "move_largest",
+    "place_table",
     "placement_constraints",
     "table_configs",
 ]
@@ -134,31 +142,114 @@ def device_memory(topology: Topology) -> int:
     return min(int(getattr(d.storage, tier)) for d in topology.devices)
 
 
+def place_table(
+    cfg: BaseEmbeddingConfig,
+    constraint: ParameterConstraints | None,
+    config: BagPipeConfig,
+    device: str,
+    budget: int | None,
+    optimizer: str | None,
+    bagpipe_optimizer_error: str | None,
+    where: str,
+) -> tuple[bool, bool, str]:
+    """THE placement rule of one table a BagPipe sharder serves, for both planners:
+    (on BagPipe, forced by its constraint, reason). In order: constraints, capability, the
+    opt-in size rule, BagPipe first. `optimizer`: the EmbOptimType name the stock kernels
+    would build (capability.table_emb_optimizer); `bagpipe_optimizer_error`: why BagPipe
+    cannot apply the table's optimizer, or None; `budget`: one rank's device memory (the size
+    rule's fraction; None: no fraction rule). ValueError naming the table for a placement
+    that cannot be."""
+    bagpipe_ok, stock_ok = _sides(constraint)
+    if not bagpipe_ok and not stock_ok:
+        raise ValueError(
+            f"{where}: its ParameterConstraints allow no placement (the BagPipe kernel "
+            f"'{BAGPIPE_KERNEL}' is data-parallel, but sharding_types are "
+            f"{constraint.sharding_types})"  # type: ignore[union-attr]
+        )
+    unsupported = bagpipe_unsupported(cfg) or bagpipe_optimizer_error
+    virtual = virtual_placement(cfg, where, bagpipe_ok, unsupported)  # issue 22
+    if virtual is not None:
+        return virtual
+    cannot = stock_cannot_train(cfg, optimizer, device)
+    if not stock_ok:  # 1. constraints
+        if unsupported is not None:
+            raise ValueError(
+                f"{where}: its ParameterConstraints force the BagPipe kernel, but BagPipe "
+                f"cannot serve its {unsupported}; drop the constraint or change the table")
+        return True, True, "constraint: ParameterConstraints name the BagPipe kernel"
+    if cannot is not None:  # 2. capability
+        if not bagpipe_ok or unsupported is not None:
+            why = ("its ParameterConstraints exclude the BagPipe kernel" if not bagpipe_ok
+                   else f"BagPipe cannot serve its {unsupported}")
+            raise ValueError(
+                f"{where}: neither side can train it with optimizer "
+                f"{(optimizer or 'default').lower()} on {device}: {cannot}, and {why}")
+        return True, False, f"capability: {cannot}"
+    if not bagpipe_ok:
+        return False, True, "constraint: ParameterConstraints exclude the BagPipe kernel"
+    if unsupported is not None:
+        return False, False, f"BagPipe cannot serve its {unsupported}"
+    rows, size = int(cfg.num_embeddings), table_bytes(cfg)
+    min_rows, fraction = config.placement_min_rows, config.placement_memory_fraction
+    if fraction is not None and budget is None:
+        raise ValueError("placement_memory_fraction needs the ranks' device memory")
+    if min_rows is not None and rows >= min_rows:  # 3. size (opt-in)
+        return True, False, f"size: {rows} rows >= placement_min_rows {min_rows}"
+    if fraction is not None and size > fraction * budget:  # type: ignore[operator]
+        return True, False, (f"size: {size / budget:.2%} of a rank's device memory > "  # type: ignore[operator]
+                             f"placement_memory_fraction {fraction:.2%}")
+    if min_rows is not None or fraction is not None:
+        share = f", {size / budget:.2%} of a rank's device memory" if budget else ""
+        return False, False, f"size: {rows} rows{share} (below the size rule)"
+    return True, False, "BagPipe first (no size rule set)"  # 4. BagPipe
+
+
+def table_bytes(cfg: BaseEmbeddingConfig) -> int:
+    """The bytes of a table's weights."""
+    return (int(cfg.num_embeddings) * int(cfg.embedding_dim)
+            * torch.empty(0, dtype=data_type_to_dtype(cfg.data_type)).element_size())
+
+
+def module_table_facts(module: nn.Module, fused_params: Mapping[str, Any] | None
+                       ) -> dict[str, tuple[BaseEmbeddingConfig, str | None, str | None]]:
+    """Per table of an EmbeddingBagCollection / EmbeddingCollection: (config, the stock
+    kernels' optimizer name, why BagPipe cannot apply its optimizer or None)."""
+    params = dict(module.named_parameters())
+    prefix = "embedding_bags" if isinstance(module, EmbeddingBagCollection) else "embeddings"
+    out = {}
+    for cfg in table_configs(module):
+        param = params.get(f"{prefix}.{cfg.name}.weight")
+        try:
+            table_optimizer(param, fused_params, f"table {cfg.name!r}")
+            error = None
+        except UnsupportedOptimizerError as e:
+            error = f"optimizer ({e})"
+        except ValueError:  # no learning rate yet: BagPipe's check comes when sharding
+            error = None
+        out[cfg.name] = (cfg, table_emb_optimizer(param, fused_params), error)
+    return out
+
+
 def decide_placement(
     modules: Iterable[tuple[str, nn.Module]],
-    served: set[type[nn.Module]],
+    served: Mapping[type[nn.Module], Mapping[str, Any] | None],
     constraints: Mapping[str, ParameterConstraints],
     config: BagPipeConfig,
     topology: Topology,
 ) -> list[TablePlacement]:
     """The placement of every table of `modules` whose type a BagPipe sharder serves
-    (`served`), in model order (see module docstring). ValueError naming the table for a
-    placement the constraints force but that cannot be."""
+    (`served`: module type -> that sharder's fused_params), in model order (`place_table`).
+    ValueError naming the table for a placement that cannot be."""
     budget = device_memory(topology)
     out: list[TablePlacement] = []
     for path, module in modules:
+        facts = (module_table_facts(module, served[type(module)])
+                 if type(module) in served else {})
         for cfg in table_configs(module):
             c = constraints.get(cfg.name)
-            bagpipe_ok, stock_ok = _sides(c)
             where = f"table {cfg.name!r} of {type(module).__name__} {path or '<root>'}"
-            if not bagpipe_ok and not stock_ok:
-                raise ValueError(
-                    f"{where}: its ParameterConstraints allow no placement (the BagPipe kernel "
-                    f"'{BAGPIPE_KERNEL}' is data-parallel, but sharding_types are "
-                    f"{c.sharding_types})"  # type: ignore[union-attr]
-                )
             if type(module) not in served:
-                if not stock_ok:
+                if not _sides(c)[1]:
                     raise ValueError(
                         f"{where}: its ParameterConstraints name the BagPipe kernel, but no "
                         f"BagPipe sharder serves {type(module).__name__}: pass "
@@ -166,37 +257,13 @@ def decide_placement(
                         "to the planner and to DistributedModelParallel"
                     )
                 continue
-            rows, dim = int(cfg.num_embeddings), int(cfg.embedding_dim)
-            size = rows * dim * torch.empty(0, dtype=data_type_to_dtype(cfg.data_type)
-                                            ).element_size()
-            unsupported = bagpipe_unsupported(cfg)
-            virtual = virtual_placement(cfg, where, bagpipe_ok, unsupported)  # issue 22
-            if virtual is not None:
-                placed, forced, reason = virtual
-            elif not stock_ok:
-                if unsupported is not None:
-                    raise ValueError(
-                        f"{where}: its ParameterConstraints force the BagPipe kernel, but "
-                        f"BagPipe cannot serve its {unsupported}; drop the constraint or "
-                        "change the table"
-                    )
-                placed, forced, reason = True, True, "ParameterConstraints"
-            elif not bagpipe_ok:
-                placed, forced, reason = False, True, "ParameterConstraints"
-            elif unsupported is not None:
-                placed, forced, reason = False, False, unsupported
-            elif config.placement_min_rows is not None and rows >= config.placement_min_rows:
-                placed, forced, reason = True, False, (
-                    f"{rows} rows >= placement_min_rows {config.placement_min_rows}")
-            elif size > config.placement_memory_fraction * budget:
-                placed, forced, reason = True, False, (
-                    f"{size / budget:.2%} of a rank's device memory > "
-                    f"placement_memory_fraction {config.placement_memory_fraction:.2%}")
-            else:
-                placed, forced, reason = False, False, (
-                    f"{size / budget:.2%} of a rank's device memory")
-            out.append(TablePlacement(path, cfg.name, rows, dim, size, placed, forced,
-                                      unsupported is None, reason))
+            _, optimizer, opt_error = facts[cfg.name]
+            placed, forced, reason = place_table(cfg, c, config, topology.compute_device,
+                                                 budget, optimizer, opt_error, where)
+            servable = bagpipe_unsupported(cfg) is None and opt_error is None
+            out.append(TablePlacement(path, cfg.name, int(cfg.num_embeddings),
+                                      int(cfg.embedding_dim), table_bytes(cfg), placed,
+                                      forced, servable, reason))
     return out
 
 
@@ -209,8 +276,8 @@ def move_largest(placements: list[TablePlacement], count: int) -> list[TablePlac
     )[:count]
     chosen = {(p.module, p.table) for p in movable}
     return [
-        dataclasses.replace(p, bagpipe=True, reason="the stock tables did not fit in the "
-                            "ranks' memory: moved to BagPipe, largest first")
+        dataclasses.replace(p, bagpipe=True, reason="did not fit: the stock tables did not "
+                            "fit in the ranks' memory, moved to BagPipe largest first")
         if (p.module, p.table) in chosen else p
         for p in placements
     ]
@@ -241,14 +308,20 @@ def placement_constraints(
 
 
 class BagPipeModuleShardingPlan(EmbeddingModuleShardingPlan):
-    """TorchRec's plan of one module, printed with a column saying where each table's rows
-    live: `BagPipe PS` (the BagPipe kernel) or `trainers` (a stock TorchRec sharding)."""
+    """TorchRec's plan of one module, printed with columns saying where each table's rows
+    live (`BagPipe PS`: the BagPipe kernel, `trainers`: a stock TorchRec sharding) and why
+    (`reasons`, table -> the placement rule's reason, when the planner placed it)."""
+
+    def __init__(self, *args: Any, reasons: Mapping[str, str] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reasons: dict[str, str] = dict(reasons or {})
 
     def __str__(self) -> str:
         params = [
             [name, ps.sharding_type, ps.compute_kernel,
              "BagPipe PS" if ps.compute_kernel == BAGPIPE_KERNEL else "trainers",
-             str(ps.ranks)]
+             str(ps.ranks), self.reasons.get(name, "plan")]
             for name, ps in self.items()
         ]
         shards = [
@@ -257,7 +330,8 @@ class BagPipeModuleShardingPlan(EmbeddingModuleShardingPlan):
             for shard in (getattr(ps.sharding_spec, "shards", None) or [])
         ]
         out = "\n\n" + _tabulate(
-            params, ["param", "sharding type", "compute kernel", "rows in", "ranks"])  # type: ignore[arg-type]
+            params, ["param", "sharding type", "compute kernel", "rows in", "ranks",  # type: ignore[arg-type]
+                     "why"])
         out += "\n\n" + _tabulate(
             shards, ["param", "shard offsets", "shard sizes", "placement"])  # type: ignore[arg-type]
         return out

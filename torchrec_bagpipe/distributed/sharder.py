@@ -41,6 +41,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed.embedding import ShardedBagPipeEmbeddingCollection
 from torchrec_bagpipe.distributed.embeddingbag import ShardedBagPipeEmbeddingBagCollection
+from torchrec_bagpipe.distributed.estimators import METADATA_BYTES_PER_ROW, register_tables
 from torchrec_bagpipe.distributed.table_optimizer import state_floats
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
 
@@ -50,9 +51,6 @@ __all__ = [
     "BagPipeEmbeddingCollectionSharder",
     "bagpipe_sharders",
 ]
-
-# Key -> slot map entry, LRU/oracle bookkeeping and the previous-update step of a cached row.
-METADATA_BYTES_PER_ROW = 32
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -119,6 +117,9 @@ class _BagPipeSharder(BaseEmbeddingSharder[M], Generic[M]):
         return {}
 
     def shardable_parameters(self, module: M) -> dict[str, nn.Parameter]:
+        # TorchRec's planner calls this before it builds the module's sharding options: the
+        # tables' facts reach the placement rule in its perf estimates (estimators.py).
+        register_tables(module, self.fused_params, self._config)
         return self._stock().shardable_parameters(module)
 
     def shard(

@@ -2,25 +2,25 @@
 
 * `BagPipeShardingPlanner` is a drop-in for `EmbeddingShardingPlanner` (same constructor,
   `plan`, `collective_plan`). It first places every table of every EmbeddingBagCollection /
-  EmbeddingCollection a BagPipe sharder serves (placement.py: `ParameterConstraints` force
-  either side; otherwise tables over `BagPipeConfig.placement_min_rows` rows or
-  `placement_memory_fraction` of a rank's device memory go to BagPipe, the rest keep stock
-  TorchRec sharding), then runs TorchRec's planner with each table constrained to its side:
-  BagPipe tables data-parallel on the BagPipe kernel, stock tables on the stock kernels
-  (what TorchRec's own planner would choose for them). When the stock tables do not fit,
-  the largest unforced ones move to BagPipe and it plans again. Its estimators accept the
-  BagPipe kernel and charge only the cache and its metadata to device memory (the rows live
-  in the PS); every other sharding option goes to TorchRec's own estimators. The plan's
-  module plans print where each table's rows live (`str(plan)`, TorchRec's plan table);
-  `last_placements` says why.
+  EmbeddingCollection a BagPipe sharder serves by the placement rule (placement.py
+  `place_table`, the rule TorchRec's own planner follows too: constraints, capability, the
+  opt-in size rule, BagPipe first), then runs TorchRec's planner with each table constrained
+  to its side: BagPipe tables data-parallel on the BagPipe kernel, stock tables on the stock
+  kernels (what TorchRec's own planner would choose for them). When every table is on
+  BagPipe it writes the plan itself (nothing to choose) after checking the caches fit. When
+  the stock tables do not fit, the largest unforced ones move to BagPipe and it plans again.
+  Its estimators (estimators.py) charge a BagPipe table only its cache and metadata (the
+  rows live in the PS); every other sharding option goes to TorchRec's own estimators. The
+  plan's module plans print where each table's rows live and why (`str(plan)`, TorchRec's
+  plan table); `last_placements` holds the same.
 * `bagpipe_plan(module, world_size, stock=...)` builds a plan by hand, without the planner:
   every table on BagPipe, except those `stock` maps to one of TorchRec's
-  `ParameterShardingGenerator`s (`table_wise(rank=0)`, `row_wise()`, `data_parallel()`...).
+  `ParameterShardingGenerator`s (`table_wise(rank=0)`, `row_wise()`, `data_parallel()`...);
+  plan_helpers.py's `bagpipe()` is the generator for TorchRec's own helpers.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 from collections.abc import Mapping
 
@@ -29,18 +29,11 @@ from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
-from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.shard_estimators import (
-    EmbeddingPerfEstimator,
-    EmbeddingStorageEstimator,
-)
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
-    Perf,
     PlannerError,
     PlannerErrorType,
-    ShardEstimator,
     ShardingOption,
     Storage,
     Topology,
@@ -56,6 +49,10 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_bagpipe.config import BagPipeConfig
+from torchrec_bagpipe.distributed.estimators import (
+    BagPipePerfEstimator,
+    BagPipeStorageEstimator,
+)
 from torchrec_bagpipe.distributed.placement import (
     BagPipeModuleShardingPlan,
     TablePlacement,
@@ -65,10 +62,8 @@ from torchrec_bagpipe.distributed.placement import (
     placement_constraints,
     table_configs,
 )
-from torchrec_bagpipe.distributed.sharder import METADATA_BYTES_PER_ROW, _BagPipeSharder
-from torchrec_bagpipe.distributed.table_optimizer import state_floats
+from torchrec_bagpipe.distributed.sharder import _BagPipeSharder
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
-from torchrec_bagpipe.distributed.virtual_tables import planned_rows
 
 __all__ = [
     "BagPipeParameterSharding",
@@ -160,130 +155,6 @@ def bagpipe_plan(
     return ShardingPlan(plan)  # type: ignore[arg-type]
 
 
-class _SplitEstimator(ShardEstimator):
-    """Runs TorchRec's `_STOCK` estimator on stock sharding options and `_estimate` on
-    BagPipe ones."""
-
-    _STOCK: type[ShardEstimator]
-
-    def __init__(
-        self,
-        topology: Topology,
-        constraints: dict[str, ParameterConstraints] | None = None,
-        config: BagPipeConfig | None = None,
-        bagpipe_tables: set[str] | None = None,
-    ) -> None:
-        self._topology = topology
-        self._config = config if config is not None else BagPipeConfig()
-        self._stock = self._STOCK(topology, constraints)
-        # The tables placed on BagPipe (None: every table), which fuse by dim.
-        self._bagpipe_tables = bagpipe_tables
-
-    @abc.abstractmethod
-    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
-        """Fills `so`'s shards' estimate (storage or perf) for a BagPipe table."""
-
-    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:  # type: ignore[override]
-        rest = [so for so in sharding_options if so.compute_kernel != BAGPIPE_KERNEL]
-        if rest:
-            self._stock.estimate(rest, sharder_data_map=sharder_data_map)
-        for so in sharding_options:
-            if so.compute_kernel == BAGPIPE_KERNEL:
-                self._estimate(so, sharder_data_map)
-
-
-def _fused_rows(so: ShardingOption, bagpipe_tables: set[str] | None) -> int:
-    """Rows of the fused table `so`'s table joins (its module's same-dim BagPipe tables)."""
-    dim = int(so.tensor.shape[1])
-    try:
-        configs = table_configs(so.module[1])
-    except AssertionError:  # not a collection: the table alone
-        return int(so.tensor.shape[0])
-    return sum(
-        planned_rows(c) for c in configs
-        if int(c.embedding_dim) == dim
-        and (bagpipe_tables is None or c.name in bagpipe_tables or c.name == so.name)
-    )
-
-
-def _cache_rows(so: ShardingOption, config: BagPipeConfig,
-                bagpipe_tables: set[str] | None) -> float:
-    """This table's share of its fused table's cache rows."""
-    fused = max(1, _fused_rows(so, bagpipe_tables))
-    rows = min(fused, config.cache_rows(fused))
-    own = next((planned_rows(c) for c in _configs_of(so) if c.name == so.name),
-               int(so.tensor.shape[0]))
-    return rows * own / fused
-
-
-def _configs_of(so: ShardingOption) -> list:
-    try:
-        return list(table_configs(so.module[1]))
-    except AssertionError:
-        return []
-
-
-def _lookups(so: ShardingOption) -> float:
-    """Ids one rank looks up per batch for this table."""
-    return float(so.batch_size) * float(sum(so.input_lengths))
-
-
-class BagPipeStorageEstimator(_SplitEstimator):
-    """Device memory of a BagPipe table: its cache share, metadata and batch tensors."""
-
-    _STOCK = EmbeddingStorageEstimator
-
-    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
-        dim = int(so.tensor.shape[1])
-        # A cached row holds its optimizer state too (the sharder's fused_params or the
-        # table's in-backward optimizer say which).
-        sharder_data = (sharder_data_map or {}).get(so.module_type_key)
-        fused_params = getattr(sharder_data, "fused_params", None)
-        state = state_floats(so.tensor, fused_params, dim, f"BagPipe table {so.name!r}")
-        cache = (_cache_rows(so, self._config, self._bagpipe_tables)
-                 * ((dim + state) * _FP32_BYTES + METADATA_BYTES_PER_ROW))
-        lookups = _lookups(so)
-        # Ids in, the gathered unique rows (at most one per id) and the pooled output.
-        batch = lookups * (_ID_BYTES + dim * _FP32_BYTES) + so.batch_size * dim * _FP32_BYTES
-        # The prepared-batch queue holds that many batches' gathered rows.
-        total = int(cache + batch * (1 + self._config.prepared_batches))
-        on_hbm = self._topology.compute_device == "cuda"
-        for shard in so.shards:
-            shard.storage = Storage(hbm=total if on_hbm else 0, ddr=0 if on_hbm else total)
-
-
-class BagPipePerfEstimator(_SplitEstimator):
-    """Per-batch time of a BagPipe table: pooling on the device plus the row traffic to the
-    PS for the expected misses (prefetch overlaps it with compute; charged as comms)."""
-
-    _STOCK = EmbeddingPerfEstimator
-
-    def _estimate(self, so: ShardingOption, sharder_data_map=None) -> None:
-        dim = int(so.tensor.shape[1])
-        lookups = _lookups(so)
-        bw = (
-            self._topology.hbm_mem_bw
-            if self._topology.compute_device == "cuda"
-            else self._topology.ddr_mem_bw
-        )
-        compute = lookups * dim * _FP32_BYTES / bw
-        fraction = min(1.0, _cache_rows(so, self._config, self._bagpipe_tables)
-                       / max(1, int(so.tensor.shape[0])))
-        misses = lookups * (1.0 - fraction)
-        row_traffic = misses * (dim * _FP32_BYTES + _ID_BYTES)
-        fwd_comms = row_traffic / CROSS_NODE_BANDWIDTH
-        # Backward sends each unique row's gradient once (bounded by the lookups).
-        bwd_comms = lookups * (dim * _FP32_BYTES + _ID_BYTES) / CROSS_NODE_BANDWIDTH
-        perf = Perf(
-            fwd_compute=compute,
-            fwd_comms=fwd_comms,
-            bwd_compute=compute * self._topology.bwd_compute_multiplier,
-            bwd_comms=bwd_comms,
-        )
-        for shard in so.shards:
-            shard.perf = perf
-
-
 # TorchRec's planner errors that mean the stock tables did not fit in the ranks' memory.
 _NO_FIT = (PlannerErrorType.INSUFFICIENT_STORAGE, PlannerErrorType.STRICT_CONSTRAINTS,
            PlannerErrorType.PARTITION)
@@ -344,7 +215,7 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
         ours = [s for s in sharders if isinstance(s, _BagPipeSharder)]
         config = self._bagpipe_config or (ours[0].config if ours else BagPipeConfig())
         placements = decide_placement(
-            embedding_modules(module), {s.module_type for s in ours},
+            embedding_modules(module), {s.module_type: s.fused_params for s in ours},
             self._user_constraints, config, self._topology,
         )
         moved = 0
@@ -379,6 +250,9 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
                                             on_bagpipe),
                 ],
             )
+        options = self._enumerator.enumerate(module, sharders)  # cached for super().plan
+        if options and all(so.compute_kernel == BAGPIPE_KERNEL for so in options):
+            return self._bagpipe_only(module, sharders, options, placements)
         plan = super().plan(module, sharders)
         served = {p.module for p in placements}
         for path, module_plan in list(plan.plan.items()):
@@ -388,7 +262,43 @@ class BagPipeShardingPlanner(EmbeddingShardingPlanner):
                 for name, ps in module_plan.items()  # type: ignore[attr-defined]
             }
             if path in served:
-                plan.plan[path] = BagPipeModuleShardingPlan(fixed)
+                reasons = {p.table: p.reason for p in placements if p.module == path}
+                plan.plan[path] = BagPipeModuleShardingPlan(fixed, reasons=reasons)
             else:
                 module_plan.update(fixed)  # type: ignore[attr-defined]
         return plan
+
+    def _bagpipe_only(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]],
+                      options: list[ShardingOption], placements: list[TablePlacement]
+                      ) -> ShardingPlan:
+        """The plan when every table is on BagPipe: nothing for TorchRec's planner to choose
+        (each table is data-parallel on the BagPipe kernel), so it is written here, after
+        checking that the tables' caches fit in every rank's memory left by the storage
+        reservation (TorchRec's planner would also log a warning for each data-parallel
+        table: its plan has no sharding spec)."""
+        world = self._topology.world_size
+        left = self._storage_reservation.reserve(
+            topology=self._topology, batch_size=self._batch_size, module=module,
+            sharders=sharders, constraints=self._constraints)
+        used = [Storage(hbm=0, ddr=0) for _ in range(world)]
+        for so in options:
+            for rank, shard in enumerate(so.shards):
+                if shard.storage is not None:
+                    used[rank] = used[rank] + shard.storage
+        for rank, device in enumerate(left.devices):
+            if not used[rank].fits_in(device.storage):
+                raise PlannerError(
+                    error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
+                    message=f"BagPipe tables' caches need {used[rank]} on rank {rank}, which "
+                            f"has {device.storage} after the storage reservation")
+        for so in options:  # data-parallel: one shard per rank
+            for rank, shard in enumerate(so.shards):
+                shard.rank = rank
+        self._search_space = options
+        self._best_plan = options
+        plan: dict[str, EmbeddingModuleShardingPlan] = {}
+        for p in placements:
+            module_plan = plan.setdefault(p.module, BagPipeModuleShardingPlan())
+            module_plan[p.table] = bagpipe_parameter_sharding(world, list(range(world)), p.table)
+            module_plan.reasons[p.table] = p.reason  # type: ignore[attr-defined]
+        return ShardingPlan(plan)  # type: ignore[arg-type]

@@ -32,11 +32,12 @@ from torchrec_bagpipe.ps.shard import PSShard
 __all__ = ["PSClient", "PSHandle", "StartStepError", "default_session_id"]
 
 
-class StartStepError(ValueError):
-    """A table's committed step on the PS is not the step a job expects to start from: a
-    restored shard or a long-lived server reached by a fresh job (whose steps up to the
-    committed one would be acknowledged without being applied), or shards of one table at
-    different steps (not one consistent checkpoint)."""
+# A table's committed step on a PS shard is not the step a session declared it starts after
+# (`ClientSpec.expected_step`), refused by the shard when the session opens: a restored shard
+# or a long-lived server reached by a new job (whose steps up to the committed one would be
+# acknowledged without being applied), a resume from another step, or shards of one table at
+# different steps (not one consistent checkpoint). A ValueError; raised by the native core.
+StartStepError = C.StartStepError
 
 
 def _num_endpoints(endpoints: Any) -> int:
@@ -134,7 +135,10 @@ class PSClient:
     ``len(endpoints)`` shards). The session (`table`, `dim`, `world_size`,
     `gradient_division`, the init of rows never written, `key_bound`, the table's
     `optimizer`) opens on every shard at construction; a shard that holds the session or the
-    table with other values refuses with a ValueError naming the table and the field. `lr`
+    table with other values refuses with a ValueError naming the table and the field, and
+    one whose committed step is not the session's declared start (`expected_step`: -1 for a
+    new job, the default; s for a resume from step s; None: no check) refuses with a
+    `StartStepError` naming the table and the steps. `lr`
     is the learning rate of a commit that passes none: each commit carries its step's (an LR
     schedule; for Adam the bias-corrected step size, `ps.optimizer_spec.adam_step_size`),
     and every rank must commit a step with the same one. Every wait is bounded by `timeout`
@@ -173,32 +177,15 @@ class PSClient:
         self.optimizer = spec.optimizer
         self.state_dim = self.optimizer.state_dim(self.dim)
         self._core = C.PSClientCore(eps, spec.native(), spec.native_connect())
-        # Each shard's committed step when the session opened (OpenOk): -1 for a new table.
+        # Each shard's committed step when the session opened (OpenOk): -1 for a new table;
+        # every shard checked it against `expected_step` (unless None).
         self.opened_steps: list[int] = list(self._core.shard_committed_steps())
 
-    def start_step(self, expected: int = -1) -> int:
-        """Checks that every shard held this table at committed step `expected` when the
-        session opened (-1: a fresh table; a resumed job: the step of the checkpoint it
-        resumes from) and returns it; the caller numbers its steps from `expected + 1`.
-        Raises StartStepError naming the table and the shards' steps otherwise."""
-        expected = int_arg(expected, "expected", minimum=-1)
-        steps = self.opened_steps
-        if all(s == expected for s in steps):
-            return expected
-        if len(set(steps)) > 1:
-            why = (f"its shards hold it at different committed steps {steps} (not one "
-                   "consistent checkpoint): restore every shard from one checkpoint set")
-        elif expected == -1:
-            why = (f"the PS already committed steps up to {steps[0]} (a restored shard, or a "
-                   "server of an earlier job with the same token), and this job starts at "
-                   f"step 0: the PS would acknowledge steps 0..{steps[0]} without applying "
-                   "them. Resume from that step's checkpoint (--resume), or start fresh "
-                   "shards")
-        else:
-            why = (f"the job resumes after step {expected}, but the shards hold it at "
-                   f"committed steps {steps}: restore every shard from the same checkpoint "
-                   "set as the trainers")
-        raise StartStepError(f"PS table {self.table!r}: {why}")
+    @property
+    def expected_step(self) -> int | None:
+        """The committed step the session declared it starts after (the shards checked it
+        when it opened; its first step is this + 1), None if it attached without a check."""
+        return self.spec.expected_step
 
     # ---- properties -----------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ from torchrec_bagpipe.ps.table_specs import TableSchema
 __all__ = ["ClientSpec", "default_session_id"]
 
 _PARTITIONERS: tuple[str, ...] = get_args(Partitioner)  # ps.partitioner.KINDS
+_ANY_START_STEP = -2  # wire::kAnyStartStep: Open with no start-step check
 
 
 def default_session_id(job_token: str, table: str) -> int:
@@ -46,6 +47,14 @@ class ClientSpec(TableSchema):
     remote shard may take `connect_timeout`; a TCP connection that sent nothing for
     `keepalive_interval` seconds sends a keep-alive Ping (0: never; keep it well below the
     servers' idle_timeout).
+
+    `expected_step`: the table's committed step the session starts after, which every shard
+    checks when the session opens (the protocol's start step, wire version 3): -1 (the
+    default) a new job, refused by a table that already committed steps (its steps 0..s
+    would be acknowledged without being applied); s >= 0 a declared resume from step s,
+    refused unless the table is at committed step s; None attaches with no check (tools and
+    inspection that commit nothing). A refusal raises `StartStepError` naming the table and
+    the steps.
     """
 
     table: str
@@ -61,6 +70,7 @@ class ClientSpec(TableSchema):
     timeout: float = 120.0
     connect_timeout: float = 30.0
     keepalive_interval: float = 30.0
+    expected_step: int | None = -1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -97,6 +107,8 @@ class ClientSpec(TableSchema):
         if keepalive < 0:
             raise ValueError(f"keepalive_interval must be >= 0 (0: never), got {keepalive}")
         set_(self, "keepalive_interval", keepalive)
+        if self.expected_step is not None:
+            set_(self, "expected_step", int_arg(self.expected_step, "expected_step", minimum=-1))
 
     @property
     def session(self) -> int:
@@ -119,6 +131,7 @@ class ClientSpec(TableSchema):
         c.max_packet_rows = self.max_packet_rows
         c.inflight_packets = self.inflight_packets
         c.timeout = self.timeout
+        c.start_step = _ANY_START_STEP if self.expected_step is None else self.expected_step
         return c
 
     def native_connect(self) -> Any:

@@ -50,10 +50,24 @@ def client_spec(config: BagPipeConfig, **fields: Any) -> ClientSpec:
 def shard_spec(config: BagPipeConfig, shard_id: int, num_shards: int, *,
                store: StoreLayout | None = None, **fields: Any) -> ShardSpec:
     """Shard `shard_id` of `num_shards` under `config`: the config gives its store's
-    threads, memory budget and spill directory; `store` the rest of the layout (hash
-    shards, page rows, watermarks); `fields` the other `ShardSpec` fields (dim,
-    checkpoint_dir, checkpoint_every, max_frame_bytes)."""
+    threads, memory budget and spill directory and how its checkpoints chain
+    (ps_checkpoint_incremental, ps_checkpoint_full_every, ps_checkpoint_chain_fraction);
+    `store` the rest of the layout (hash shards, page rows, watermarks); `fields` the other
+    `ShardSpec` fields (dim, checkpoint_dir, checkpoint_every, max_frame_bytes)."""
     layout = dataclasses.replace(store or StoreLayout(), num_threads=config.store_threads,
                                  memory_budget=config.memory_budget,
                                  spill_dir=config.spill_dir)
-    return ShardSpec(shard_id, num_shards, store=layout, **fields)
+    from_config = _config_shard_fields(config)
+    clash = sorted(set(fields) & set(from_config))
+    if clash:
+        raise TypeError(f"shard_spec: {clash} come from the BagPipeConfig")
+    return ShardSpec(shard_id, num_shards, store=layout, **from_config, **fields)
+
+
+def _config_shard_fields(config: BagPipeConfig) -> dict[str, Any]:
+    """ShardSpec field (besides the store's) -> its value under `config`."""
+    return {
+        "checkpoint_incremental": config.ps_checkpoint_incremental,
+        "checkpoint_full_every": config.ps_checkpoint_full_every,
+        "checkpoint_chain_fraction": config.ps_checkpoint_chain_fraction,
+    }

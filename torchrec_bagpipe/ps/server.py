@@ -40,6 +40,8 @@ _UCX = UcxServerSpec()
 CONFIG_FLAGS = {
     "network": ("job_token",),
     "store": ("memory_budget", "spill_dir", "store_threads"),
+    "checkpoints": ("ps_checkpoint_incremental", "ps_checkpoint_full_every",
+                    "ps_checkpoint_chain_fraction"),
 }
 
 EPILOG = """\
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=int, default=_SHARD.checkpoint_every,
                    help="checkpoint each table every N committed steps (default 0: only on "
                         "drain and on a client's request)")
+    BagPipeConfig.add_arguments(g, CONFIG_FLAGS["checkpoints"], group=None)
     g.add_argument("--restore", action=argparse.BooleanOptionalAction, default=None,
                    help="load the checkpoints in --checkpoint-dir at start (default: when "
                         "there are any)")

@@ -30,7 +30,11 @@ class ShardSpec:
     `num_shards`; `dim`, when given, the only row width it accepts; `store`, the layout of
     every table's store (dim, init, key bound and optimizer come from each table); with
     `checkpoint_dir` each table checkpoints itself every `checkpoint_every` committed steps
-    (0: only on request); frames above `max_frame_bytes` are refused."""
+    (0: only on request), with `checkpoint_incremental` as a chain: an increment of the rows
+    changed since the previous checkpoint, a full base every `checkpoint_full_every`
+    increments or once the increments pass `checkpoint_chain_fraction` of the base's bytes
+    (csrc/store/embedding_store_incremental.cc); frames above `max_frame_bytes` are
+    refused."""
 
     shard_id: int = 0
     num_shards: int = 1
@@ -39,6 +43,9 @@ class ShardSpec:
     store: StoreLayout = field(default_factory=StoreLayout)
     checkpoint_dir: str | os.PathLike[str] | None = None
     checkpoint_every: int = 0
+    checkpoint_incremental: bool = True
+    checkpoint_full_every: int = 8
+    checkpoint_chain_fraction: float = 0.5
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
@@ -59,6 +66,14 @@ class ShardSpec:
              optional_path(self.checkpoint_dir, "checkpoint_dir") or None)
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
+        if not isinstance(self.checkpoint_incremental, bool):
+            raise TypeError("checkpoint_incremental must be a bool")
+        set_(self, "checkpoint_full_every",
+             int_arg(self.checkpoint_full_every, "checkpoint_full_every", minimum=1))
+        fraction = float_arg(self.checkpoint_chain_fraction, "checkpoint_chain_fraction")
+        if not fraction > 0:
+            raise ValueError(f"checkpoint_chain_fraction must be > 0, got {fraction}")
+        set_(self, "checkpoint_chain_fraction", fraction)
         set_(self, "max_frame_bytes",
              int_arg(self.max_frame_bytes, "max_frame_bytes", minimum=4096))
 
@@ -70,6 +85,9 @@ class ShardSpec:
         s.expected_dim = 0 if self.dim is None else self.dim
         s.checkpoint_dir = self.checkpoint_dir or ""
         s.checkpoint_every = self.checkpoint_every
+        s.checkpoint_incremental = self.checkpoint_incremental
+        s.checkpoint_full_every = self.checkpoint_full_every
+        s.checkpoint_chain_fraction = self.checkpoint_chain_fraction
         s.max_frame_bytes = self.max_frame_bytes
         return s
 

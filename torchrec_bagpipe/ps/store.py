@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchrec_bagpipe._native import C
-from torchrec_bagpipe.ps._args import int_arg, path_arg, spec_arg, step_lr_arg
+from torchrec_bagpipe.ps._args import float_arg, int_arg, path_arg, spec_arg, step_lr_arg
 from torchrec_bagpipe.ps._tensor_args import keys_arg, out_arg, rows_arg
 from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 from torchrec_bagpipe.ps.table_specs import LoadSpec, StoreSpec, TableSchema
@@ -34,9 +34,12 @@ SpillWarning = C.SpillWarning
 
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The verified manifest of a checkpoint (dim, init, rows, meta, optimizer (its kind),
-    optimizer_spec (an OptimizerSpec), state_dim, contents, ...), without its data."""
+    optimizer_spec (an OptimizerSpec), state_dim, contents, chain (its links, base first:
+    link, step, rows, bytes, meta; increments also parent, deletions, total_rows), ...),
+    without its data."""
     info = dict(C.store_checkpoint_info(path_arg(path, "path")))
     info["meta"] = dict(info["meta"])
+    info["chain"] = [{**dict(link), "meta": dict(link["meta"])} for link in info["chain"]]
     info["optimizer_spec"] = OptimizerSpec.from_native(dict(info["optimizer_spec"]))
     return info
 
@@ -64,6 +67,19 @@ def initial_state(
     out = torch.empty((num_rows, spec.state_dim(dim)), dtype=torch.float32)
     C.store_initial_state(out.numpy(), dim, spec.native())
     return out
+
+
+def _meta_arg(meta: Any) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict of str to str, got {type(meta).__name__}")
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(
+                f"meta must map str to str, got {type(k).__name__} -> {type(v).__name__}"
+            )
+    return meta
 
 
 def _step_args(lr: Any, grad_divisor: Any) -> tuple[float, int]:
@@ -241,7 +257,8 @@ class EmbeddingStore:
     def stats(self) -> dict[str, int]:
         """rows, bytes_resident, bytes_maps, bytes_spilled, pages, pages_spilled, page_bytes,
         spill_count, swap_outs, swap_ins, lookups, updates, memory_budget, state_dim,
-        slot_bytes (arena bytes of one row: weights and optimizer state, with padding)."""
+        slot_bytes (arena bytes of one row: weights and optimizer state, with padding),
+        dirty_rows (rows changed since the last `checkpoint`)."""
         return dict(self._core.stats())
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -257,17 +274,36 @@ class EmbeddingStore:
         The manifest records the optimizer spec; ``weights_only=True`` leaves the optimizer
         state out (an inference export: loading it gives every row the initial state).
         """
-        path = path_arg(path, "path")
-        if meta is None:
-            meta = {}
-        if not isinstance(meta, dict):
-            raise TypeError(f"meta must be a dict of str to str, got {type(meta).__name__}")
-        for k, v in meta.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise TypeError(
-                    f"meta must map str to str, got {type(k).__name__} -> {type(v).__name__}"
-                )
-        self._core.save(path, meta, bool(weights_only))
+        self._core.save(path_arg(path, "path"), _meta_arg(meta), bool(weights_only))
+
+    def checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        step: int,
+        meta: dict[str, str] | None = None,
+        *,
+        incremental: bool = True,
+        full_every: int = 8,
+        chain_fraction: float = 0.5,
+    ) -> dict[str, Any]:
+        """Chained checkpoint into directory `path` at `step` (Check-N-Run style; see
+        csrc/store/embedding_store_incremental.cc): with `incremental`, only the rows stored or
+        changed (with their optimizer state) and the keys erased since this store's previous
+        `checkpoint` into `path`, linked to the chain there; a full base (which compacts the
+        chain away) the first time, after `full_every` increments, once the increments would
+        pass `chain_fraction` of the base's bytes, or when `path` holds another checkpoint.
+        Crash-safe as `save`. `load` gives back the last link, bitwise.
+
+        Returns what was written: incremental, links (of the chain now), rows, deletions,
+        bytes (data bytes written), base_bytes, chain_bytes.
+        """
+        step = int_arg(step, "step", minimum=-1)
+        full_every = int_arg(full_every, "full_every", minimum=1)
+        fraction = float_arg(chain_fraction, "chain_fraction")
+        if not fraction > 0:
+            raise ValueError(f"chain_fraction must be > 0, got {chain_fraction}")
+        return dict(self._core.checkpoint(path_arg(path, "path"), step, _meta_arg(meta),
+                                          bool(incremental), full_every, fraction))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], spec: LoadSpec | None = None, /,

@@ -305,6 +305,8 @@ class LoadSpec:
     optimizer and every row starts from its initial state). Overrides: `num_shards`,
     `page_rows`, `key_bound` (the layout) and `num_threads`, `memory_budget`, `spill_dir`, the
     watermarks (the runtime). Each field is checked as in `TableSchema` / `StoreLayout`.
+    `chain_links`: of a chained checkpoint (`EmbeddingStore.checkpoint`), load only the base
+    and its first ``chain_links - 1`` increments (an earlier complete point); None: all.
     """
 
     dim: int | None = None
@@ -322,9 +324,13 @@ class LoadSpec:
     low_watermark: float | None = None
     page_rows: int | None = None
     weights_only: bool = False
+    chain_links: int | None = None
 
     def __post_init__(self) -> None:
         _checked(self, {**_SCHEMA_CHECKS, "init_bound": _init_bound, **_LAYOUT_CHECKS})
+        if self.chain_links is not None:
+            object.__setattr__(self, "chain_links",
+                               int_arg(self.chain_links, "chain_links", minimum=1))
         if self.optimizer is not None:
             object.__setattr__(self, "optimizer", OptimizerSpec.of(self.optimizer))
         object.__setattr__(self, "weights_only", bool(self.weights_only))
@@ -371,4 +377,5 @@ class LoadSpec:
         o.high_watermark = self.high_watermark
         o.low_watermark = self.low_watermark
         o.weights_only = self.weights_only
+        o.chain_links = self.chain_links
         return o

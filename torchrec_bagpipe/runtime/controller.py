@@ -229,7 +229,10 @@ class BagPipeController:
             # row count instead (VIRTUAL_AUTO_CACHE_ROWS).
             rows = min(num_keys, VIRTUAL_AUTO_CACHE_ROWS) if virtual else num_keys
             units = config.cache_rows(rows) // ROWS_PER_CACHE_UNIT
-            self._meta = C.BagPipeCacheMetadata(units, config.eviction_policy)
+            # key_bound: the table's rows (a direct key index when small enough; an id
+            # outside the table is a ValueError instead of a silent cache entry).
+            self._meta = C.BagPipeCacheMetadata(units, config.eviction_policy,
+                                                key_bound=num_keys)
             capacity = self._meta.capacity_rows
         else:
             self._meta = None

@@ -44,11 +44,21 @@ from torchrec_bagpipe._native import C
 from torchrec_bagpipe.runtime.access_plans import OnlinePlanner, PrescanPlanner, StepPlan
 from torchrec_bagpipe.runtime.collectives import Collectives
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
-from torchrec_bagpipe.runtime.worker import MeteredWorker
+from torchrec_bagpipe.runtime.worker import MeteredWorker, wait_task
 
 __all__ = ["IdExchange"]
 
 _INT32_KEYS = (1 << 31) - 1  # fused keys below this travel as int32 in ID exchanges
+
+
+def _in_context(e: Exception, message: str) -> Exception:
+    """`e`'s class with `message` (callers catching a TimeoutError or CollectiveAborted
+    still do), or a RuntimeError where the class cannot be built from a message."""
+    try:
+        out = type(e)(message)
+    except Exception:
+        return RuntimeError(message)
+    return out if isinstance(out, Exception) and str(out) == message else RuntimeError(message)
 
 
 class PendingExchange(NamedTuple):
@@ -117,12 +127,45 @@ class IdExchange:
         self._prescan = planner
 
     def _collect(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs a collective on the worker and waits for it (bounded)."""
+        """Runs the prescan's collective on the worker and waits for it (bounded)."""
         t0 = time.perf_counter()
+        fut = self._worker.submit(fn, *args)
         try:
-            return self._worker.submit(fn, *args).result(timeout=self._timeout)
+            return wait_task(fut, self._timeout, lambda t: self._awaited(
+                "the prescan's ID exchange (an all_gather of every rank's whole trace)", fut, t))
         finally:
             self._metrics.add(collective_wait_s=time.perf_counter() - t0)
+
+    def _awaited(self, what: str, fut: Future, waited: float) -> str:
+        """The message of a wait for `fut` that timed out after `waited` seconds: this rank,
+        `what`, and the peers it awaits (a collective completes once every rank took part)."""
+        others = [q for q in range(self.world_size) if q != self.rank]
+        peers = (f"rank {others[0]}" if len(others) == 1 else f"ranks {others}")
+        culprit = f"rank {others[0]}" if len(others) == 1 else "one of them"
+        where = ("in the collective" if fut.running()
+                 else "still queued behind earlier collectives on the communication worker")
+        return (f"rank {self.rank} of {self.world_size}: {what} did not complete within "
+                f"{waited:g} s: it awaits {peers} ({where}); {culprit} died, hung or stopped "
+                "submitting batches")
+
+    def waiting_for(self, waited: float) -> str | None:
+        """The timeout message of the online exchange a step's preparation waits for (the
+        oldest one not done) after `waited` seconds, or None if none is outstanding."""
+        for pending in list(self._pending):
+            if not pending.future.done():
+                return self._awaited(self._exchange_name(pending.step), pending.future, waited)
+        return None
+
+    def _failed_exchange(self, step: int) -> str:
+        others = [q for q in range(self.world_size) if q != self.rank]
+        peers = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        return (f"rank {self.rank} of {self.world_size}: {self._exchange_name(step)} failed "
+                f"while awaiting {peers} (a peer that died or failed)")
+
+    @staticmethod
+    def _exchange_name(step: int) -> str:
+        return (f"the online ID exchange of step {step} (an all_gather of every rank's keys of "
+                f"batch {step})")
 
     # ---- per batch ----------------------------------------------------------------------
     def check(self, s: int, keys: np.ndarray) -> None:
@@ -152,7 +195,10 @@ class IdExchange:
         msg[0] = own.size
         msg[1:] = unique
         self._metrics.add(id_exchange_bytes=msg.nbytes, collectives_issued=1)
-        parts = self._coll.all_gather(torch.from_numpy(msg))
+        try:
+            parts = self._coll.all_gather(torch.from_numpy(msg))
+        except Exception as e:  # the process group's own error (a peer's connection reset)
+            raise _in_context(e, f"{self._failed_exchange(s)}: {e}") from e
         per_rank: list[np.ndarray] = []
         global_ids = 0
         for q, part in enumerate(parts):
@@ -172,9 +218,13 @@ class IdExchange:
         if self._prescan is not None:
             return
         while self._pending and self._pending[0].step <= upto:
+            step, fut = self._pending[0]
             t0 = time.perf_counter()
-            self._pending[0].future.result(timeout=self._timeout)
-            self._metrics.add(collective_wait_s=time.perf_counter() - t0)
+            try:
+                wait_task(fut, self._timeout,
+                          lambda t, s=step, f=fut: self._awaited(self._exchange_name(s), f, t))
+            finally:
+                self._metrics.add(collective_wait_s=time.perf_counter() - t0)
             self._pending.popleft()
         with self._plan_lock:
             self._online.release(t)

@@ -48,7 +48,7 @@ from torchrec_bagpipe.runtime.id_exchange import IdExchange
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
 from torchrec_bagpipe.runtime.prefetch import PrefetchScheduler
 from torchrec_bagpipe.runtime.step_assembly import PreparedStep, StepAssembler
-from torchrec_bagpipe.runtime.worker import CommWorker, MeteredWorker
+from torchrec_bagpipe.runtime.worker import CommWorker, MeteredWorker, wait_task
 
 __all__ = ["PreparedWork", "StepPreparer"]
 
@@ -117,8 +117,15 @@ class StepPreparer:
             s, fut = ahead
             if s != t:
                 raise RuntimeError(f"step {s} was prepared ahead, step {t} is next")
-            return fut.result(timeout=self._timeout)
+            return wait_task(fut, self._timeout, lambda w: self._stuck(t, w))
         return self.prepare(t, submitted)
+
+    def _stuck(self, t: int, waited: float) -> str:
+        """Why the preparation of step t did not finish within `waited` seconds: the ID
+        exchange it waits for, naming the ranks, or else the step itself."""
+        return self._plans.waiting_for(waited) or (
+            f"rank {self._plans.rank}: preparing step {t} ahead did not complete within "
+            f"{waited:g} s")
 
     def prepare(self, t: int, submitted: int) -> PreparedWork:
         """Prepares step t with the window of `submitted` batches (any thread)."""
@@ -172,7 +179,9 @@ class StepPreparer:
         tasks = self._tasks + ([ahead[1]] if ahead is not None else [])
         self._tasks = []
         for fut in tasks:
-            fut.result(timeout=self._timeout)
+            wait_task(fut, self._timeout, lambda w: self._plans.waiting_for(w) or (
+                f"rank {self._plans.rank}: a step preparation task did not complete within "
+                f"{w:g} s"))
 
     def close(self) -> None:
         """Waits for every task (bounded; errors are the caller's to ignore) and stops the

@@ -29,7 +29,20 @@ from typing import Any, NamedTuple
 
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
 
-__all__ = ["CommWorker", "MeteredWorker", "acquire_worker", "release_worker"]
+__all__ = ["CommWorker", "MeteredWorker", "acquire_worker", "release_worker", "wait_task"]
+
+
+def wait_task(future: Future, timeout: float, describe: Callable[[float], str]) -> Any:
+    """``future.result(timeout)``, except that a wait that times out raises a TimeoutError
+    whose message is ``describe(timeout)`` (naming the rank, the step and what was awaited,
+    where a bare wait says nothing). The task's own result or error (a TimeoutError it
+    raised included) comes back as is."""
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        if not future.done():
+            raise TimeoutError(describe(timeout)) from None
+    return future.result()  # done meanwhile, or its own TimeoutError
 
 
 class CommWorker:

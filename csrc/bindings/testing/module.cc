@@ -24,7 +24,8 @@ PYBIND11_MODULE(_C_testing, m) {
   m.doc() = "torchrec_bagpipe native test tools (not part of the installed package)";
   py::module_ core = py::module_::import("torchrec_bagpipe._C");
   auto cls = [&](const char* name) { return py::object(core.attr(name)).release().ptr(); };
-  Classes() = {cls("SessionError"), cls("TransportError"), cls("ShuttingDownError")};
+  Classes() = {cls("SessionError"), cls("TransportError"), cls("ShuttingDownError"),
+               cls("StartStepError")};
   py::register_local_exception_translator([](std::exception_ptr p) {
     if (p) TranslateError(p, Classes());
   });
