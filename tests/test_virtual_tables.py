@@ -87,12 +87,13 @@ def test_placement_puts_virtual_tables_on_bagpipe_and_refuses_stock_constraints(
         name="small", embedding_dim=4, num_embeddings=10, feature_names=["g"])],
         device=torch.device("meta"))
     topo = Topology(world_size=2, compute_device="cpu")
-    out = decide_placement([("ebc", ebc)], {EmbeddingBagCollection: None}, {}, BagPipeConfig(), topo)
+    served = {EmbeddingBagCollection: None}
+    out = decide_placement([("ebc", ebc)], served, {}, BagPipeConfig(), topo)
     by = {p.table: p for p in out}
     assert by["ids"].bagpipe and by["ids"].forced and "use_virtual_table" in by["ids"].reason
     stock = {"ids": ParameterConstraints(sharding_types=["table_wise"])}
     with pytest.raises(ValueError, match=r"'ids'.*use_virtual_table=True"):
-        decide_placement([("ebc", ebc)], {EmbeddingBagCollection: None}, stock, BagPipeConfig(), topo)
+        decide_placement([("ebc", ebc)], served, stock, BagPipeConfig(), topo)
 
 
 def _bad_ids(rank: int, world: int) -> list[str]:
