@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bindings/buffers.h"
+#include "bindings/eviction_options.h"
 #include "bindings/registry.h"
 #include "cache/cache_metadata.h"
 #include "cache/step_planner.h"
@@ -149,6 +150,7 @@ py::dict PlanDict(const RankPlan& p) {
   d["others"] = CopyArray(p.others);
   d["union_keys"] = CopyArray(p.union_keys);
   d["s_now"] = CopyArray(p.s_now);
+  d["evicted"] = CopyArray(p.evicted);
   d["global_ids"] = p.global_ids;
   d["union_size"] = p.union_size;
   return d;
@@ -261,8 +263,10 @@ void BindMetadataInspection(MetadataClass& cls) {
 // Construction and what the planner holds.
 void BindPlannerState(PlannerClass& cls) {
   cls.def(
-      py::init([](int world_size, int rank, int64_t lookahead, int64_t num_keys, bool collective) {
+      py::init([](int world_size, int rank, int64_t lookahead, int64_t num_keys, bool collective,
+                  const py::object& eviction) {
         cache::PlannerOptions o;
+        o.eviction = EvictionOptionsFrom(eviction);
         o.world_size = world_size;
         o.rank = rank;
         o.lookahead = lookahead;
@@ -271,8 +275,17 @@ void BindPlannerState(PlannerClass& cls) {
         return new StepPlanner(o);
       }),
       py::arg("world_size"), py::arg("rank"), py::arg("lookahead"), py::arg("num_keys"),
-      py::arg("collective") = false);
+      py::arg("collective") = false, py::arg("eviction") = py::none());
   cls.def_property_readonly("num_steps", &StepPlanner::num_steps);
+  cls.def("eviction_stats", [](const StepPlanner& p) {
+    const cache::EvictionRule& r = p.eviction();
+    py::dict d;
+    d["live_rows"] = r.live();
+    d["created_rows"] = r.created();
+    d["evicted_rows"] = r.evicted();
+    d["eviction_rounds"] = r.rounds();
+    return d;
+  }, "The virtual table's eviction rule: live, created and evicted rows, rounds run");
   cls.def_property_readonly("first_retained", &StepPlanner::first_retained);
   cls.def_property_readonly("distinct_keys", &StepPlanner::distinct_keys);
   cls.def("memory_bytes", &StepPlanner::MemoryBytes);

@@ -93,15 +93,19 @@ void BindClientOperations(ClientClass& cls) {
   cls.def_property_readonly("state_dim", &PSClient::state_dim);
   cls.def(
       "commit_async",
-      [](PSClient& c, int64_t step, const py::array& keys, const py::array& grads, float lr) {
+      [](PSClient& c, int64_t step, const py::array& keys, const py::array& grads, float lr,
+         const py::object& evict) {
         auto k = Vec<int64_t>(keys, "keys");
         auto g = Mat<float>(grads, "grads", static_cast<py::ssize_t>(k.size), c.options().dim);
         // The GIL stays held: enqueueing is microseconds of work (the client's worker
         // thread stages the packets), and releasing the GIL would hand it to another
         // Python thread of the trainer for longer than that.
-        return c.CommitAsync(step, k.data, k.size, g.data, nullptr, lr);
+        if (evict.is_none()) return c.CommitAsync(step, k.data, k.size, g.data, nullptr, lr);
+        auto e = Vec<int64_t>(py::cast<py::array>(evict), "evict");
+        return c.CommitAsync(step, k.data, k.size, g.data, nullptr, lr, e.data, e.size);
       },
-      py::arg("step"), py::arg("keys"), py::arg("grads"), py::arg("lr"));
+      py::arg("step"), py::arg("keys"), py::arg("grads"), py::arg("lr"),
+      py::arg("evict") = py::none());
   cls.def(
       "get_async",
       [](PSClient& c, const py::array& keys, int64_t at_step, const py::array& out,

@@ -18,10 +18,12 @@ int64_t VecBytes(const std::vector<T>& v) {
 int64_t RankPlan::MemoryBytes() const {
   return VecBytes(unique) + VecBytes(inverse) + VecBytes(dep) + VecBytes(next_use) +
          VecBytes(prev_use) + VecBytes(shared) + VecBytes(union_pos) + VecBytes(others) +
-         VecBytes(union_keys) + VecBytes(s_now) + static_cast<int64_t>(sizeof(RankPlan));
+         VecBytes(union_keys) + VecBytes(s_now) + VecBytes(evicted) +
+         static_cast<int64_t>(sizeof(RankPlan));
 }
 
-StepPlanner::StepPlanner(const PlannerOptions& options) : opt_(options) {
+StepPlanner::StepPlanner(const PlannerOptions& options)
+    : opt_(options), rule_(options.eviction) {
   if (opt_.world_size < 1) throw ValueError("world_size must be >= 1");
   if (opt_.rank < 0 || opt_.rank >= opt_.world_size) {
     throw ValueError("rank must lie in [0, world_size), got " + std::to_string(opt_.rank));
@@ -52,6 +54,7 @@ void StepPlanner::Release(int64_t upto) {
 
 int64_t StepPlanner::MemoryBytes() const {
   int64_t bytes = static_cast<int64_t>(state_.memory_bytes() + step_map_.memory_bytes());
+  bytes += rule_.MemoryBytes();
   bytes += VecBytes(scratch_) + VecBytes(union_scratch_);
   for (const auto& p : plans_) bytes += p.MemoryBytes();
   return bytes;
@@ -100,7 +103,12 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
       }
       const int64_t k = keys[i];
       auto [v, inserted] = step_map_.FindOrInsert(k, static_cast<int32_t>(uk.size()));
+      if (inserted && !rule_.Admit(k)) *v = -1;  // invariant 9: not trained at this step
       const int32_t idx = *v;
+      if (idx < 0) {
+        if (own) plan.inverse[static_cast<size_t>(i - own_begin)] = -1;
+        continue;
+      }
       if (inserted) {
         uk.push_back(k);
         scratch_.push_back(UnionScratch{1, q, -1});
@@ -136,7 +144,9 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
     const int64_t k = uk[idx];
     KeyState* st = state_.FindOrInsert(k, KeyState{}).first;
     const int64_t dep = st->last_step;
-    if (opt_.collective && dep == s - 1 && prev != nullptr) prev->s_now[st->union_idx] = 1;
+    if (opt_.collective && dep == s - 1 && prev != nullptr && st->union_idx >= 0) {
+      prev->s_now[st->union_idx] = 1;  // (union_idx < 0: evicted at s - 1, not trained)
+    }
     const int64_t own = scratch_[idx].own_local;
     const bool others_touch = scratch_[idx].nranks > (own >= 0 ? 1 : 0);
     if (own >= 0) {
@@ -160,6 +170,16 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
     st->union_idx = static_cast<int32_t>(idx);
   }
 
+  // Invariant 8: the keys evicted at this step's boundary act as a write at s.
+  if (opt_.eviction.tracks()) {
+    rule_.OnStep(s, uk.data(), n_union, &plan.evicted);
+    for (const int64_t k : plan.evicted) {
+      KeyState* st = state_.Find(k);  // live keys were trained, so seen
+      st->last_step = static_cast<int32_t>(s);
+      st->union_idx = -1;
+      if (st->own_step >= 0) st->own_idx = -2;
+    }
+  }
   plans_.push_back(std::move(plan));
   ++next_step_;
   return s;

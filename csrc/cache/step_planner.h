@@ -30,12 +30,20 @@
 //   6. A failing AddStep (a key outside [0, num_keys)) changes nothing.
 //   7. Memory: the retained plans (proportional to the retained trace) plus one entry per
 //      distinct key ever seen.
+//   8. Virtual tables (options.eviction enabled): evicted of step t lists the keys evicted at
+//      t's boundary (cache/eviction_rule.h, fed each step's union), the same on every rank.
+//      An eviction acts as a write at step t: a later read's dep is >= t, and r's copy of an
+//      evicted key is invalid from t on (no next_use reaches past it; r drops it after t).
+//   9. Admission (options.eviction.admit_after > 1): an id the rule does not admit at step t
+//      is in no key list of the plan (no read, write or dependency); its positions in r's
+//      batch have inverse -1 (they read as zeros, their gradient is dropped).
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <vector>
 
+#include "cache/eviction_rule.h"
 #include "cache/flat_map.h"
 
 namespace bagpipe::cache {
@@ -46,6 +54,7 @@ struct PlannerOptions {
   int64_t lookahead = 0;     // REQUIRES: >= 0
   int64_t num_keys = 0;      // keys must lie in [0, num_keys); REQUIRES: > 0
   bool collective = false;   // collective aggregation: keep the union + S_now, no invalidation
+  EvictionRuleOptions eviction;  // virtual tables: the eviction rule (default: none)
 };
 
 struct RankPlan {
@@ -61,6 +70,7 @@ struct RankPlan {
                                    // hold (invariant 5; ps only)
   std::vector<int64_t> union_keys; // every rank's keys, first occurrence in rank order (collective)
   std::vector<uint8_t> s_now;      // per union key: some rank reads it at step + 1 (collective)
+  std::vector<int64_t> evicted;    // keys evicted at this step's boundary (invariant 8)
   int64_t global_ids = 0;          // ids of every rank at this step (duplicates included)
   int64_t union_size = 0;
 
@@ -96,6 +106,8 @@ class StepPlanner {
   int64_t MemoryBytes() const;  // retained plans + per-key state + scratch
   // Keys seen in any step so far (the size of the per-key table).
   int64_t distinct_keys() const { return static_cast<int64_t>(state_.size()); }
+  // The virtual table's eviction rule (live rows, created, evicted; invariant 8).
+  const EvictionRule& eviction() const { return rule_; }
 
  private:
   // 16 bytes: the per-key table is the planner's largest random-access structure.
@@ -109,6 +121,7 @@ class StepPlanner {
   RankPlan* Retained(int64_t step);
 
   PlannerOptions opt_;
+  EvictionRule rule_;
   int64_t next_step_ = 0;
   int64_t first_step_ = 0;
   std::deque<RankPlan> plans_;           // steps [first_step_, next_step_)

@@ -94,7 +94,8 @@ std::shared_ptr<ClientOp> PSClient::Enqueue(std::shared_ptr<ClientOp> op) {
 
 std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* keys, size_t n,
                                                 const float* grads, std::function<void()> ready,
-                                                std::optional<float> lr) {
+                                                std::optional<float> lr, const int64_t* evict,
+                                                size_t nevict) {
   if (step < 0) throw ValueError("step must be >= 0, got " + std::to_string(step));
   const float step_lr = lr.value_or(options_.lr);
   if (!std::isfinite(step_lr) || step_lr < 0.0f) {
@@ -107,6 +108,11 @@ std::shared_ptr<ClientOp> PSClient::CommitAsync(int64_t step, const int64_t* key
   op->rows_ = grads;
   op->ready_ = std::move(ready);
   op->lr_ = step_lr;
+  if (nevict > 0) {
+    CheckKeys(evict, nevict, "evict");
+    op->evict_ = evict;
+    op->nevict_ = nevict;
+  }
   return Enqueue(std::move(op));
 }
 

@@ -117,6 +117,8 @@ class ClientOp {
   std::function<void()> ready_;   // runs on the worker before the inputs are read
   float* out_ = nullptr;         // get output (n x width)
   float lr_ = 0.0f;              // commit: the step's learning rate
+  const int64_t* evict_ = nullptr;  // commit: keys evicted at the step's boundary (virtual
+  size_t nevict_ = 0;               // tables), sent after the rows, each to its shard
   uint32_t state_dim_ = 0;       // get / assign: 0, or the table's state floats per row
   Deadline deadline_;
   std::vector<int64_t> order_;    // get: positions grouped by shard (owned for the replies)
@@ -180,7 +182,10 @@ class PSClient {
   std::shared_ptr<ClientOp> CommitAsync(int64_t step, const int64_t* keys, size_t n,
                                         const float* grads,
                                         std::function<void()> ready = nullptr,
-                                        std::optional<float> lr = std::nullopt);
+                                        std::optional<float> lr = std::nullopt,
+                                        const int64_t* evict = nullptr, size_t nevict = 0);
+  // (evict: virtual tables, the keys evicted at this step's boundary, erased by their shards
+  // once the step is applied; borrowed like keys. REQUIRES: within key_bound.)
   // Reads n rows into out once every shard committed at_step (-1: now): n x dim, or with
   // their optimizer state n x (dim + state_dim()) when with_state (wire.h invariant 5).
   std::shared_ptr<ClientOp> GetAsync(const int64_t* keys, size_t n, int64_t at_step, float* out,
@@ -235,9 +240,12 @@ class PSClient {
   // Partitioner::Split order); each shard gets ceil(rows / max_packet_rows) chunks (at least
   // one with `marker`), sent round-robin (chunk 0 of every shard, then chunk 1, ...) so the
   // shards' windows fill evenly; post_chunk stages and posts one chunk into an acquired slot.
+  // `extra` (commits with evicted keys): per shard, ceil(extra rows / max_packet_rows) more
+  // chunks after its row chunks, posted with begin = count = 0 (post_chunk finds them).
   template <typename PostChunk>
   void SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector<size_t>& off,
-                  bool marker, PostChunk&& post_chunk);
+                  bool marker, PostChunk&& post_chunk,
+                  const std::vector<size_t>* extra = nullptr);
   void OnAckReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r);
   void OnGetReply(const std::shared_ptr<ClientOp>& op, uint32_t shard, const transport::Reply& r,
                   const int64_t* positions, size_t count, bool direct);
@@ -264,6 +272,9 @@ class PSClient {
   std::vector<uint32_t> scratch_shards_;
   std::vector<int64_t> scratch_order_;
   std::vector<size_t> scratch_offsets_;
+  std::vector<uint32_t> evict_shards_;  // a commit's evicted keys split by shard
+  std::vector<int64_t> evict_order_;
+  std::vector<size_t> evict_offsets_;
 
   std::mutex mu_;  // guards everything below and the ClientOp fields it owns
   std::condition_variable work_cv_;   // the worker waits here for work / readiness

@@ -197,13 +197,18 @@ void PSClient::Stage(const std::shared_ptr<ClientOp>& op) {
 
 template <typename PostChunk>
 void PSClient::SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector<size_t>& off,
-                          bool marker, PostChunk&& post_chunk) {
+                          bool marker, PostChunk&& post_chunk,
+                          const std::vector<size_t>* extra) {
   const size_t maxr = options_.max_packet_rows;
   const uint32_t S = num_shards();
-  std::vector<uint32_t> chunks(S);
+  std::vector<uint32_t> chunks(S), row_chunks(S);
   uint32_t total = 0, max_chunks = 0;
   for (uint32_t j = 0; j < S; ++j) {
     uint32_t c = static_cast<uint32_t>((off[j + 1] - off[j] + maxr - 1) / maxr);
+    row_chunks[j] = c;
+    if (extra != nullptr) {
+      c += static_cast<uint32_t>(((*extra)[j + 1] - (*extra)[j] + maxr - 1) / maxr);
+    }
     if (marker && c == 0) c = 1;  // the marker: every shard hears from every rank
     chunks[j] = c;
     total += c;
@@ -217,8 +222,8 @@ void PSClient::SendChunks(const std::shared_ptr<ClientOp>& op, const std::vector
     for (uint32_t j = 0; j < S; ++j) {
       if (k >= chunks[j]) continue;
       if (abort_.load()) throw SessionError("the client failed while sending");
-      const size_t begin = off[j] + k * maxr;
-      const size_t count = std::min(maxr, off[j + 1] - begin);
+      const size_t begin = k < row_chunks[j] ? off[j] + k * maxr : 0;
+      const size_t count = k < row_chunks[j] ? std::min(maxr, off[j + 1] - begin) : 0;
       Channel& ch = *channels_[j];
       const uint32_t slot = ch.AcquireSlot(StagingDeadline(op), &abort_);
       post_chunk(ch, j, slot, k, chunks[j], begin, count);
@@ -235,11 +240,40 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
   partitioner_.Split(op->keys_, op->n_, &scratch_shards_, &scratch_order_, &scratch_offsets_);
   const int64_t* order = scratch_order_.data();
   const bool identity = num_shards() == 1;
+  const bool evicts = is_commit && op->nevict_ > 0;
+  if (evicts) {
+    partitioner_.Split(op->evict_, op->nevict_, &evict_shards_, &evict_order_, &evict_offsets_);
+  }
+  const size_t maxr = options_.max_packet_rows;
   SendChunks(op, scratch_offsets_, /*marker=*/is_commit,
              [&](Channel& ch, uint32_t shard, uint32_t slot, uint32_t k, uint32_t chunk_count,
                  size_t begin, size_t count) {
     uint8_t* f = ch.SlotBuffer(slot);
     size_t len, fixed;
+    // A commit's chunks after the shard's row chunks carry its evicted keys (<= maxr each).
+    const size_t row_chunks = (scratch_offsets_[shard + 1] - scratch_offsets_[shard] + maxr - 1) / maxr;
+    if (evicts && k >= row_chunks && evict_offsets_[shard + 1] > evict_offsets_[shard]) {
+      const size_t eb = evict_offsets_[shard] + (k - row_chunks) * maxr;
+      const size_t ec = std::min(maxr, evict_offsets_[shard + 1] - eb);
+      wire::CommitBody b{};
+      b.session = options_.session;
+      b.step = op->step_;
+      b.rank = options_.rank;
+      b.world_size = options_.world_size;
+      b.chunk_index = k;
+      b.chunk_count = chunk_count;
+      b.dim = options_.dim;
+      b.lr = op->lr_;
+      b.nrows = 0;
+      b.nevict = static_cast<uint32_t>(ec);
+      std::memcpy(f + kHeaderBytes, &b, sizeof(b));
+      len = wire::CommitFrameBytes(0, dim, ec);
+      WriteHeader(f, MsgType::kCommit, len);
+      auto* keys = reinterpret_cast<int64_t*>(f + kHeaderBytes + sizeof(b));
+      for (size_t i = 0; i < ec; ++i) keys[i] = op->evict_[evict_order_[eb + i]];
+      ch.Post(slot, len, std::make_shared<AckRequest>(this, op, shard));
+      return;
+    }
     if (is_commit) {
       wire::CommitBody b{};
       b.session = options_.session;
@@ -285,7 +319,7 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
       }
       ch.Post(slot, len, std::move(request));
     }
-  });
+  }, evicts ? &evict_offsets_ : nullptr);
 }
 
 void PSClient::StageGet(const std::shared_ptr<ClientOp>& op) {

@@ -229,7 +229,12 @@ bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* 
   out->body = Load<CommitBody>(body);
   const auto& b = out->body;
   if (!CheckDim(b.dim, "Commit", why)) return false;
-  if (!ExactPayload(len, sizeof(CommitBody), b.nrows, 8 + uint64_t{b.dim} * 4, "Commit", why)) {
+  if (b.nevict > kMaxChunkCount * 64ull) return Fail(why, "Commit: nevict is too large");
+  if (b.nevict != 0 && b.nrows != 0) {  // (keeps the keys 8-byte aligned: invariant 3)
+    return Fail(why, "Commit: a chunk carries gradient rows or evicted keys, not both");
+  }
+  if (!ExactPayload(len, sizeof(CommitBody) + uint64_t{b.nevict} * 8, b.nrows,
+                    8 + uint64_t{b.dim} * 4, "Commit", why)) {
     return false;
   }
   if (b.world_size == 0 || b.world_size > kMaxWorldSize) {
@@ -252,6 +257,8 @@ bool ParseCommit(const uint8_t* body, size_t len, CommitView* out, std::string* 
   out->payload_len = len - sizeof(CommitBody);
   out->keys = reinterpret_cast<const int64_t*>(out->payload);
   out->grads = reinterpret_cast<const float*>(out->payload + size_t{b.nrows} * 8);
+  out->evict = reinterpret_cast<const int64_t*>(out->payload + size_t{b.nrows} * 8 +
+                                                size_t{b.nrows} * b.dim * 4);
   return true;
 }
 

@@ -50,7 +50,7 @@ enum class MsgType : uint16_t {
   kHelloOk = 2,          // S->C  HelloOkBody
   kOpen = 3,             // C->S  OpenBody + int64 starts[r] + f32 bounds[r] + table name
   kOpenOk = 4,           // S->C  OpenOkBody
-  kCommit = 5,           // C->S  CommitBody + keys[nrows] + grads[nrows * dim]
+  kCommit = 5,           // C->S  CommitBody + keys[nrows] + grads[nrows * dim] + evict[nevict]
   kAck = 6,              // S->C  AckBody
   kGet = 7,              // C->S  GetBody + keys[nrows]
   kGetOk = 8,            // S->C  GetOkBody + rows[nrows * (dim + state_dim)]
@@ -168,7 +168,9 @@ struct CommitBody {
   float lr;          // the step's learning rate (Adam: its bias-corrected step size); finite,
                      // >= 0, the same in every chunk of the step (else the session fails)
   uint32_t nrows;
-  uint32_t reserved;
+  uint32_t nevict;   // virtual tables: keys evicted at this step's boundary, int64[nevict]
+                     // (erased once the step is applied; 0: none). A chunk carries rows or
+                     // evicted keys, never both (nevict > 0 requires nrows == 0)
 };
 static_assert(sizeof(CommitBody) == 48);
 static_assert((kHeaderBytes + sizeof(CommitBody)) % 8 == 0);
@@ -265,8 +267,8 @@ uint64_t TokenDigest(std::string_view token);
 
 // Bytes of whole frames (header included) of nrows rows: a Commit of dim floats per row, a
 // Get, an Assign.
-inline size_t CommitFrameBytes(size_t nrows, size_t dim) {
-  return kHeaderBytes + sizeof(CommitBody) + nrows * 8 + nrows * dim * 4;
+inline size_t CommitFrameBytes(size_t nrows, size_t dim, size_t nevict = 0) {
+  return kHeaderBytes + sizeof(CommitBody) + nrows * 8 + nrows * dim * 4 + nevict * 8;
 }
 inline size_t GetFrameBytes(size_t nrows) { return kHeaderBytes + sizeof(GetBody) + nrows * 8; }
 // `width`: dim + state_dim floats per row.
@@ -318,7 +320,8 @@ struct CommitView {
   CommitBody body;
   const int64_t* keys;   // may be unaligned only if the caller's buffer is: see invariant 3
   const float* grads;
-  const uint8_t* payload;  // keys followed by grads, payload_len bytes (for duplicate checks)
+  const int64_t* evict;    // nevict keys after the grads (virtual tables)
+  const uint8_t* payload;  // keys, grads, evicted keys: payload_len bytes (duplicate checks)
   size_t payload_len;
 };
 struct GetView {

@@ -196,8 +196,10 @@ class CommitCoordinator {
     size_t offset = 0;
     size_t len = 0;
     uint32_t nrows = 0;
+    uint32_t nevict = 0;  // virtual tables: evicted keys after the grads (erased after apply)
     const uint8_t* payload() const { return buf.data.get() + offset; }
   };
+  std::vector<int64_t> evict_scratch_;  // ApplyLocked: the step's evicted keys
   struct RankPending {
     uint32_t chunk_count = 0;  // 0: no chunk of this rank yet
     uint32_t received = 0;

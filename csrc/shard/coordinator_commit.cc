@@ -39,7 +39,8 @@ void CommitCoordinator::SubmitChunk(const wire::CommitView& chunk,
   ChunkVerdict v = AdmitChunkLocked(b, link.get(), what);
   if (v.kind == ChunkVerdict::kStore) v = SequenceChunkLocked(chunk, what);
   if (v.kind == ChunkVerdict::kStore) {
-    const std::string bad = CheckKeysLocked(chunk.keys, b.nrows);
+    std::string bad = CheckKeysLocked(chunk.keys, b.nrows);
+    if (bad.empty()) bad = CheckKeysLocked(chunk.evict, b.nevict);
     if (!bad.empty()) v = ChunkVerdict::Refuse(Status::kInvalidArgument, what + ": " + bad);
   }
   switch (v.kind) {
@@ -123,7 +124,7 @@ CommitCoordinator::ChunkVerdict CommitCoordinator::SequenceChunkLocked(
   }
   if (rp.chunk_count != 0 && rp.chunks[b.chunk_index].present) {
     const Chunk& c = rp.chunks[b.chunk_index];
-    if (c.nrows == b.nrows && c.len == chunk.payload_len &&
+    if (c.nrows == b.nrows && c.nevict == b.nevict && c.len == chunk.payload_len &&
         (chunk.payload_len == 0 ||
          std::memcmp(c.payload(), chunk.payload, chunk.payload_len) == 0)) {
       ++stats_.duplicate_chunks;
@@ -161,6 +162,7 @@ void CommitCoordinator::StoreChunkLocked(const wire::CommitView& chunk,
   }
   c.len = chunk.payload_len;
   c.nrows = b.nrows;
+  c.nevict = b.nevict;
   c.present = true;
   pending_has_lr_ = true;
   pending_lr_ = b.lr;
@@ -203,6 +205,28 @@ void CommitCoordinator::ApplyLocked() {
     } catch (const std::exception& e) {
       // The backend changed nothing (its invariant 3): the table stays at the committed step.
       FailLocked("applying step " + std::to_string(step) + " failed: " + e.what());
+      return;
+    }
+  }
+  // Virtual tables: the keys evicted at this step's boundary go, with their optimizer state,
+  // before any read of this step is served (a later touch recreates them as new).
+  evict_scratch_.clear();
+  for (const auto& rp : pending_) {
+    for (uint32_t i = 0; i < rp.chunk_count; ++i) {
+      const Chunk& c = rp.chunks[i];
+      if (c.nevict == 0) continue;
+      const size_t at = evict_scratch_.size();
+      evict_scratch_.resize(at + c.nevict);
+      std::memcpy(evict_scratch_.data() + at,
+                  c.payload() + size_t{c.nrows} * 8 + size_t{c.nrows} * schema_.dim * 4,
+                  size_t{c.nevict} * 8);  // (may be unaligned in the payload)
+    }
+  }
+  if (!evict_scratch_.empty()) {
+    try {
+      backend_->Erase(evict_scratch_.data(), evict_scratch_.size());
+    } catch (const std::exception& e) {
+      FailLocked("evicting rows at step " + std::to_string(step) + " failed: " + e.what());
       return;
     }
   }

@@ -59,6 +59,7 @@ class EmbeddingStoreBackend : public TableBackend {
     }
     store_->Assign(keys, n, weights_.data(), state_.data());
   }
+  void Erase(const int64_t* keys, size_t n) override { store_->Erase(keys, n); }
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta) override {
     store_->Save(dir, meta, /*weights_only=*/false);
   }

@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/errors.h"
+
 namespace bagpipe::shard {
 namespace {
 
@@ -97,6 +99,10 @@ void TableBackend::ApplyGradientsSegments(const store::GradSegment* segs, size_t
     at += segs[s].n;
   }
   ApplyGradients(concat_keys_.data(), n, concat_grads_.data(), lr, grad_divisor);
+}
+
+void TableBackend::Erase(const int64_t*, size_t n) {
+  if (n > 0) throw ValueError("this table backend cannot evict rows (virtual tables)");
 }
 
 }  // namespace bagpipe::shard

@@ -69,6 +69,10 @@ class TableBackend {
   // Bulk load; for duplicate keys the last occurrence wins. `rows` as Read's `out`; without
   // state, stored rows keep their state and new rows start from the initial state.
   virtual void Assign(const int64_t* keys, size_t n, const float* rows, bool with_state) = 0;
+  // Virtual tables: removes the rows of keys[0, n) and their optimizer state (absent keys are
+  // skipped); a later touch recreates a row from its initial value. The default refuses
+  // (ValueError). REQUIRES: keys within schema().key_bound (checked by the caller).
+  virtual void Erase(const int64_t* keys, size_t n);
   // Crash-safe checkpoint into dir; `meta` round-trips through the loader.
   virtual void Save(const std::string& dir, const std::map<std::string, std::string>& meta) = 0;
   // A chained checkpoint into dir at `step` (store::EmbeddingStore::Checkpoint: an increment

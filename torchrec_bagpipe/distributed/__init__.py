@@ -41,6 +41,8 @@ _LAZY = {
     "checkpoint_due": "torchrec_bagpipe.distributed.job_checkpoint",
     "resumed_step": "torchrec_bagpipe.distributed.job_checkpoint",
     "read_manifest": "torchrec_bagpipe.distributed.checkpoint_manifest",
+    "StepTTLEvictionPolicy": "torchrec_bagpipe.distributed.virtual_tables",
+    "AdmissionPolicy": "torchrec_bagpipe.distributed.virtual_tables",
 }
 
 

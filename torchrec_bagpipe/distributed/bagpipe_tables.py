@@ -241,9 +241,18 @@ class BagPipeTables:
             self.steps.close_forward("writing a BagPipe table's state (a load)")
 
     # ---- optimizer state (the fused optimizer's OptimizerStateIO) -------------------------------
+    @property
+    def virtual_tables(self) -> frozenset[str]:
+        """The virtual tables (use_virtual_table=True): no state-dict entries yet (their id
+        space is no tensor; docs/virtual_tables.md)."""
+        return frozenset(t.name for t in self.layout.tables if t.eviction is not None)
+
     def read_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
-        """The table's optimizer state in TorchRec's layout: live row-wise ShardedTensors."""
+        """The table's optimizer state in TorchRec's layout: live row-wise ShardedTensors
+        (none for a virtual table)."""
         self.check_open()
+        if table in self.virtual_tables:
+            return {}
         return dict(self.state.optimizer_state(table))
 
     def load_optimizer_state(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from torchrec_bagpipe.distributed.perf_model import DEFAULT_PS_LINK, Link, step_
 from torchrec_bagpipe.distributed.placement import module_table_facts, place_table, table_configs
 from torchrec_bagpipe.distributed.table_optimizer import state_floats
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
+from torchrec_bagpipe.distributed.virtual_tables import planned_rows
 
 __all__ = [
     "METADATA_BYTES_PER_ROW",
@@ -144,7 +146,7 @@ def _fused_rows(so: ShardingOption, bagpipe_tables: set[str] | None) -> int:
     except AssertionError:  # not a collection: the table alone
         return int(so.tensor.shape[0])
     return sum(
-        int(c.num_embeddings) for c in configs
+        planned_rows(c) for c in configs  # (a virtual table: a bounded row count)
         if int(c.embedding_dim) == dim
         and (bagpipe_tables is None or c.name in bagpipe_tables or c.name == so.name)
     )
@@ -155,7 +157,11 @@ def _cache_rows(so: ShardingOption, config: BagPipeConfig,
     """This table's share of its fused table's cache rows."""
     fused = max(1, _fused_rows(so, bagpipe_tables))
     rows = min(fused, config.cache_rows(fused))
-    return rows * int(so.tensor.shape[0]) / fused
+    own = int(so.tensor.shape[0])
+    with contextlib.suppress(AssertionError):  # (not a collection: the table alone)
+        own = next((planned_rows(c) for c in table_configs(so.module[1]) if c.name == so.name),
+                   own)
+    return rows * own / fused
 
 
 def _lookups(so: ShardingOption) -> float:

@@ -50,6 +50,7 @@ from torchrec_bagpipe.distributed.types import (
     SlotSpec,
     TableSpec,
 )
+from torchrec_bagpipe.distributed.virtual_tables import eviction_spec_of
 
 __all__ = [
     "FusedLayout",
@@ -129,6 +130,7 @@ def table_specs(configs: Sequence[BaseEmbeddingConfig],
             lr=optimizers[cfg.name].lr,
             init_max=float(cfg.get_weight_init_max()),
             optimizer=optimizers[cfg.name].spec,
+            eviction=eviction_spec_of(cfg, 1),
         )
         for cfg in configs
     ]
@@ -171,12 +173,13 @@ class FusedLayout:
             for feature, key in zip(t.feature_names, names):
                 self.slots.append(SlotSpec(len(self.slots), t.name, feature, key, t.dim))
 
-        # Tables of one dim, optimizer and learning rate share a key space (one param group).
-        by_group: dict[tuple[int, Any, float], list[TableSpec]] = {}
+        # Tables of one dim, optimizer and learning rate share a key space (one param group);
+        # virtual tables only with virtual tables of the same eviction rule.
+        by_group: dict[tuple[int, Any, float, Any], list[TableSpec]] = {}
         for t in self.tables:
-            by_group.setdefault((t.dim, t.optimizer, t.lr), []).append(t)
+            by_group.setdefault((t.dim, t.optimizer, t.lr, t.eviction), []).append(t)
         self.fused: list[FusedTableSpec] = []
-        for i, ((dim, optimizer, lr), members) in enumerate(by_group.items()):
+        for i, ((dim, optimizer, lr, eviction), members) in enumerate(by_group.items()):
             offsets: dict[str, int] = {}
             total = 0
             for t in members:
@@ -187,6 +190,7 @@ class FusedLayout:
                 name=session_table_name(session, module_fqn, i, dim),
                 dim=dim, lr=lr, tables=members, offsets=offsets, num_keys=total,
                 slots=[s for s in self.slots if s.table in names], optimizer=optimizer,
+                eviction=eviction,
             ))
         self._group_of_table = {
             t.name: g for g, spec in enumerate(self.fused) for t in spec.tables

@@ -59,6 +59,7 @@ from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed.capability import stock_cannot_train, table_emb_optimizer
 from torchrec_bagpipe.distributed.table_optimizer import UnsupportedOptimizerError, table_optimizer
 from torchrec_bagpipe.distributed.types import BAGPIPE_KERNEL
+from torchrec_bagpipe.distributed.virtual_tables import virtual_placement
 
 __all__ = [
     "BagPipeModuleShardingPlan",
@@ -166,6 +167,9 @@ def place_table(
             f"{constraint.sharding_types})"  # type: ignore[union-attr]
         )
     unsupported = bagpipe_unsupported(cfg) or bagpipe_optimizer_error
+    virtual = virtual_placement(cfg, where, bagpipe_ok, unsupported)  # issue 22
+    if virtual is not None:
+        return virtual
     cannot = stock_cannot_train(cfg, optimizer, device)
     if not stock_ok:  # 1. constraints
         if unsupported is not None:

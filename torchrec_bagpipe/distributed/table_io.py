@@ -116,6 +116,16 @@ class TableIO:
             return
         wrote = False
         for spec in self._layout.fused:
+            if spec.eviction is not None:
+                # Virtual tables: rows exist only once trained, from the PS's lazy init.
+                for t in spec.tables:
+                    if not default_uniform(init_fns[t.name], t):
+                        raise ValueError(
+                            f"virtual table {t.name!r} has a custom init_fn; its rows are "
+                            "created on the PS when first trained, uniform in "
+                            "±weight_init_max: drop init_fn (set weight_init_max instead)"
+                        )
+                continue
             lazy = all(weights[t.name].is_meta and default_uniform(init_fns[t.name], t)
                        for t in spec.tables)
             for t in spec.tables:

@@ -55,12 +55,17 @@ class PSTableView(nn.Module):
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
                             keep_vars: bool) -> None:
         # A row-wise ShardedTensor of live PS views (table_state.py): nothing is read here.
+        # A virtual table has none (its id space is no tensor): docs/virtual_tables.md.
+        if self._table in getattr(self._owner, "virtual_tables", ()):
+            return
         destination[prefix + "weight"] = self._owner.table_weight(self._table)
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
         key = prefix + "weight"
+        if self._table in getattr(self._owner, "virtual_tables", ()):
+            return  # no state-dict entry (above)
         if key not in state_dict:
             if strict:
                 missing_keys.append(key)

@@ -28,6 +28,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import Multistreamable
 
 from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
+from torchrec_bagpipe.runtime.eviction import EvictionSpec
 
 __all__ = [
     "BAGPIPE_KERNEL",
@@ -54,6 +55,9 @@ class TableSpec:
     lr: float  # the initial learning rate (an LR scheduler may change it every step)
     init_max: float  # TorchRec's default init bound: uniform in [-init_max, init_max]
     optimizer: OptimizerSpec = _SGD  # what the PS applies to its rows
+    # A virtual table's eviction rule (use_virtual_table=True; trigger_rows per trainer
+    # rank, as TorchRec counts it); None: an ordinary table (distributed/virtual_tables.py).
+    eviction: EvictionSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class FusedTableSpec:
     num_keys: int
     slots: list[SlotSpec] = field(default_factory=list)
     optimizer: OptimizerSpec = _SGD
+    eviction: EvictionSpec | None = None  # virtual tables: their rule (one per fused table)
 
 
 @dataclass(frozen=True)

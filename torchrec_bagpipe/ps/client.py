@@ -212,22 +212,29 @@ class PSClient:
 
     # ---- protocol -------------------------------------------------------------------------
     def commit_async(
-        self, step: int, keys: torch.Tensor, grads: torch.Tensor, lr: float | None = None
+        self, step: int, keys: torch.Tensor, grads: torch.Tensor, lr: float | None = None,
+        *, evict: torch.Tensor | None = None,
     ) -> PSHandle:
         """Commits this rank's gradient rows of `step` (keys: 1-D int64 on the CPU; grads:
         (n, dim) float32, on the CPU or in CUDA memory; n may be 0 — every rank commits every
         step) with the step's learning rate `lr` (finite, >= 0; None: the client's `lr`; for
         Adam the bias-corrected step size). Every rank must give a step the same lr (else the
         session fails: "conflicting lr"). The handle completes when every shard has committed
-        `step`."""
+        `step`. `evict` (virtual tables): keys evicted at this step's boundary, erased by
+        their shards with their optimizer state once the step is applied, before any read of
+        the step is served (one rank sends them; docs/virtual_tables.md)."""
         step = int_arg(step, "step", minimum=0)
         lr = self.lr if lr is None else step_lr_arg(lr)
+        e = None if evict is None or len(evict) == 0 else keys_arg(evict, "evict")
         if isinstance(grads, torch.Tensor) and grads.is_cuda:
-            return self._commit_async_device(step, keys, grads, lr)
+            if e is not None:
+                grads = grads.detach().to("cpu")  # evictions ride the host path
+            else:
+                return self._commit_async_device(step, keys, grads, lr)
         k = keys_arg(keys)
         g = rows_arg(grads, "grads", k.shape[0], self.dim)
-        op = self._live().commit_async(step, k, g, lr)
-        return self._track(PSHandle(op, "commit", None, (keys, grads, k, g), self))
+        op = self._live().commit_async(step, k, g, lr, e)
+        return self._track(PSHandle(op, "commit", None, (keys, grads, k, g, evict, e), self))
 
     def _commit_async_device(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
                              lr: float) -> PSHandle:

@@ -20,6 +20,7 @@ _LAZY = {
     "ThreadCollectives": "torchrec_bagpipe.runtime.collectives",
     "ThreadGroup": "torchrec_bagpipe.runtime.collectives",
     "DeviceCache": "torchrec_bagpipe.runtime.device_cache",
+    "EvictionSpec": "torchrec_bagpipe.runtime.eviction",
     "OnlinePlanner": "torchrec_bagpipe.runtime.access_plans",
     "PrescanPlanner": "torchrec_bagpipe.runtime.access_plans",
     "PlanMismatchError": "torchrec_bagpipe.runtime.access_plans",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -80,6 +80,9 @@ class StepPlan:
     s_now: np.ndarray        # bool [len(union_keys)]: read again at step + 1 (collective)
     global_ids: int          # ids of all ranks at this step, duplicates included
     union_size: int
+    evicted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # int64, sorted: keys evicted at this
+                             # step's boundary (virtual tables; the same on every rank)
 
     @property
     def keep(self) -> np.ndarray:
@@ -107,19 +110,22 @@ class StepPlan:
             s_now=d["s_now"].astype(bool),
             global_ids=int(d["global_ids"]),
             union_size=int(d["union_size"]),
+            evicted=d["evicted"],
         )
 
 
 class _PlannerBase:
     def __init__(
-        self, *, world_size: int, rank: int, lookahead: int, num_keys: int, collective: bool
+        self, *, world_size: int, rank: int, lookahead: int, num_keys: int, collective: bool,
+        eviction: dict | None = None,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
         self.lookahead = lookahead
         self.num_keys = num_keys
         self.collective = collective
-        self._native = C.StepPlanner(world_size, rank, lookahead, num_keys, collective)
+        self._native = C.StepPlanner(world_size, rank, lookahead, num_keys, collective,
+                                     eviction=eviction)
         self.plan_seconds = 0.0  # time spent in the native planner
 
     @property
@@ -131,6 +137,10 @@ class _PlannerBase:
 
     def memory_bytes(self) -> int:
         return int(self._native.memory_bytes())
+
+    def eviction_stats(self) -> dict[str, int]:
+        """Virtual tables: live, created and evicted rows and eviction rounds so far."""
+        return dict(self._native.eviction_stats())
 
     def add_step(self, per_rank: Sequence[np.ndarray], *, global_ids: int = -1) -> int:
         """Adds the next step from each rank's keys (rank order). -> the step.

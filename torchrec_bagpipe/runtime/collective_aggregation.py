@@ -211,16 +211,19 @@ class CollectiveAggregation(Aggregation):
                 return buf[:0].cpu()
             return (runs[0] if len(runs) == 1 else torch.cat(runs)).cpu()
 
-        fut = self._worker.submit(self._later_task, t, torch.from_numpy(p.keys), later_part, lr)
+        fut = self._worker.submit(self._later_task, t, torch.from_numpy(p.keys), later_part, lr,
+                                  plan.evicted)
         self._tasks.append(WorkerTask(t, fut))
         if later_slots.size:
             self._later_pins[t] = fut
 
     def _later_task(self, t: int, keys: torch.Tensor,
-                    produce: Callable[[], torch.Tensor], lr: float) -> None:
-        """Runs on the worker: the S_later reduce and update, then commit t at `lr`."""
+                    produce: Callable[[], torch.Tensor], lr: float,
+                    evicted: np.ndarray | None = None) -> None:
+        """Runs on the worker: the S_later reduce and update, then commit t at `lr` (with the
+        keys evicted at t's boundary: virtual tables)."""
         grads = produce()
-        self._port.commit(t, keys, grads, lr)
+        self._port.commit(t, keys, grads, lr, evicted)
 
     def _apply_now_update(self) -> None:
         """Waits for the last step's S_now all-reduce and applies it to the resident rows

@@ -96,6 +96,7 @@ from torchrec_bagpipe.runtime.aggregation import Aggregation
 from torchrec_bagpipe.runtime.collective_aggregation import CollectiveAggregation
 from torchrec_bagpipe.runtime.collectives import Collectives
 from torchrec_bagpipe.runtime.device_cache import DeviceCache
+from torchrec_bagpipe.runtime.eviction import VIRTUAL_AUTO_CACHE_ROWS, EvictionSpec
 from torchrec_bagpipe.runtime.id_exchange import IdExchange
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
 from torchrec_bagpipe.runtime.prefetch import PrefetchScheduler
@@ -158,6 +159,7 @@ class BagPipeController:
         device: torch.device | str | None = None,
         optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
         start_step: int = -1,
+        eviction: EvictionSpec | None = None,
     ) -> None:
         if not isinstance(config, BagPipeConfig):
             raise TypeError(f"config must be a BagPipeConfig, got {type(config).__name__}")
@@ -174,6 +176,10 @@ class BagPipeController:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < -1:
             raise ValueError(f"start_step must be an int >= -1, got {start_step!r}")
         spec = OptimizerSpec.of(optimizer)
+        if eviction is not None and not isinstance(eviction, EvictionSpec):
+            raise TypeError(f"eviction must be an EvictionSpec or None, got "
+                            f"{type(eviction).__name__}")
+        self.eviction = eviction  # a virtual table's rule (runtime/eviction.py); None: a table
         if getattr(collectives, "rank", rank) != rank or getattr(
             collectives, "world_size", world_size
         ) != world_size:
@@ -217,8 +223,12 @@ class BagPipeController:
         cached = config.read_mode == "bagpipe"
         self._lookahead = config.lookahead if cached else 0
         divide = config.resolved_gradient_division()
+        virtual = self.eviction is not None
         if cached:
-            units = config.cache_rows(num_keys) // ROWS_PER_CACHE_UNIT
+            # A virtual table's num_keys is an id space: the automatic size takes a bounded
+            # row count instead (VIRTUAL_AUTO_CACHE_ROWS).
+            rows = min(num_keys, VIRTUAL_AUTO_CACHE_ROWS) if virtual else num_keys
+            units = config.cache_rows(rows) // ROWS_PER_CACHE_UNIT
             # key_bound: the table's rows (a direct key index when small enough; an id
             # outside the table is a ValueError instead of a silent cache entry).
             self._meta = C.BagPipeCacheMetadata(units, config.eviction_policy,
@@ -231,12 +241,14 @@ class BagPipeController:
                                 optimizer=spec)
         self._cache_lock = threading.RLock()
         self._port = PSPort(ps, dim=dim, state_dim=spec.state_dim(dim), timeout=self._timeout,
-                            metrics=self.metrics_, start_step=start_step)
+                            metrics=self.metrics_, start_step=start_step,
+                            send_evictions=virtual and rank == 0)
         self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
             collective=collective, collectives=collectives, worker=self._worker,
             metrics=self.metrics_, timeout=self._timeout,
+            eviction=self.eviction.native() if virtual and self.eviction.tracks else None,
         )
         self._prefetch = PrefetchScheduler(
             meta=self._meta, port=self._port, metrics=self.metrics_, device=self.device,
@@ -353,6 +365,8 @@ class BagPipeController:
         n = step.plan.unique_keys.size
         if grad.dtype != torch.float32:
             raise TypeError(f"finish_step: grad must be float32, got {grad.dtype}")
+        if step.rows.shape[0] == n + 1 and tuple(grad.shape) == (n + 1, self.dim):
+            grad = grad[:n]  # admission: the zero row's gradient is dropped
         if tuple(grad.shape) != (n, self.dim):
             raise ValueError(
                 f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
@@ -392,6 +406,9 @@ class BagPipeController:
         except BaseException as e:
             self._failed = e
             raise
+        if self._preparer.ahead is None:
+            # Virtual tables: the last finished step's evictions leave the cache now too.
+            self._preparer.drop_evicted()
 
     def invalidate_all(self) -> None:
         """Forgets every cached and prefetched row (after an external write to the PS)."""
@@ -492,6 +509,9 @@ class BagPipeController:
             d["resident_rows"] = 0
             d["metadata_bytes"] = 0
         d["committed_step"] = self._port.committed()
+        if self.eviction is not None:
+            # As planned: up to the newest step in the window (ahead of the PS by it).
+            d.update(self._plans.eviction_stats())
         return d
 
     # ---- the step -----------------------------------------------------------------------
@@ -505,6 +525,11 @@ class BagPipeController:
         self._finish_plan = work.finish
         plan = prepared.plan
         inverse = torch.from_numpy(plan.inverse)
+        if inverse.numel() and int(inverse.min()) < 0:
+            # Admission: ids not admitted at this step read one zero row after the unique
+            # rows (their gradient row is dropped by finish_step).
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+            inverse = torch.where(inverse < 0, plan.unique_keys.size, inverse)
         if self.device.type != "cpu":
             inverse = inverse.to(self.device, non_blocking=True)
         rows.requires_grad_(True)

@@ -81,11 +81,12 @@ class IdExchange:
         worker: MeteredWorker,
         metrics: RuntimeMetrics,
         timeout: float,
+        eviction: dict | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._planner_kw = dict(world_size=world_size, rank=rank, lookahead=lookahead,
-                                num_keys=num_keys, collective=collective)
+                                num_keys=num_keys, collective=collective, eviction=eviction)
         self._coll = collectives
         self._worker = worker
         self._metrics = metrics
@@ -272,3 +273,11 @@ class IdExchange:
             return self._prescan.memory_bytes()
         with self._plan_lock:
             return self._online.memory_bytes()
+
+    def eviction_stats(self) -> dict[str, int]:
+        """Virtual tables: the eviction rule's live, created and evicted rows (as planned:
+        up to the newest step added, which runs ahead of training by the window)."""
+        if self._prescan is not None:
+            return self._prescan.eviction_stats()
+        with self._plan_lock:
+            return self._online.eviction_stats()

@@ -97,7 +97,7 @@ class PSAggregation(Aggregation):
             self._cache.apply_gradients_(planned.slots, grad, planned.grad_rows, lr=lr)
         # A private copy: the caller may reuse its gradient buffer before the commit runs.
         grads_cpu = grad.detach().to("cpu", copy=True)
-        self._port.commit(t, torch.from_numpy(plan.unique_keys), grads_cpu, lr)
+        self._port.commit(t, torch.from_numpy(plan.unique_keys), grads_cpu, lr, plan.evicted)
 
     def drain(self) -> None:
         self._port.drain_commits()

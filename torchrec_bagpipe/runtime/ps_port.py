@@ -64,6 +64,7 @@ class PSClientLike(Protocol):
 
     def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
                      lr: float | None = None) -> Handle: ...
+    # Virtual tables also pass `evict=` (keys evicted at the step's boundary).
 
     def committed_step(self) -> int: ...
 
@@ -76,8 +77,10 @@ FetchObserver = Callable[[str, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 class PSPort:
     def __init__(self, ps: PSClientLike, *, dim: int, state_dim: int, timeout: float,
-                 metrics: RuntimeMetrics, start_step: int = -1) -> None:
+                 metrics: RuntimeMetrics, start_step: int = -1,
+                 send_evictions: bool = False) -> None:
         self._ps = ps
+        self._send_evictions = send_evictions  # virtual tables: this rank sends them
         self._shift = start_step + 1  # invariant 4
         self._dim = dim
         self._state_dim = state_dim
@@ -120,11 +123,18 @@ class PSPort:
         return rows
 
     # ---- commits ------------------------------------------------------------------------
-    def commit(self, t: int, keys: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    def commit(self, t: int, keys: torch.Tensor, grads: torch.Tensor, lr: float,
+               evicted: np.ndarray | None = None) -> None:
         """Submits step t's commit at learning rate `lr`. The client starts it once its
-        previous commit completed (ARCHITECTURE §3, client rules), so nobody waits here."""
+        previous commit completed (ARCHITECTURE §3, client rules), so nobody waits here.
+        `evicted` (virtual tables: the keys evicted at t's boundary) rides the commit of the
+        one rank that sends them (`send_evictions`); the PS erases them as it applies t."""
         with self._client_lock:
-            handle = self._ps.commit_async(t + self._shift, keys, grads, lr=lr)
+            if self._send_evictions and evicted is not None and evicted.size:
+                handle = self._ps.commit_async(t + self._shift, keys, grads, lr=lr,
+                                               evict=torch.from_numpy(evicted))
+            else:
+                handle = self._ps.commit_async(t + self._shift, keys, grads, lr=lr)
         self._commits.append(handle)
         self._metrics.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
 

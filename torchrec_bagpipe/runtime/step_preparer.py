@@ -41,6 +41,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from torchrec_bagpipe.runtime.aggregation import Aggregation
 from torchrec_bagpipe.runtime.id_exchange import IdExchange
 from torchrec_bagpipe.runtime.metrics import RuntimeMetrics
@@ -80,12 +82,17 @@ class StepPreparer:
         self._agg = aggregation
         self._cache_lock = cache_lock
         self._lookahead = lookahead
+        self._metrics = metrics
         # The preparation waits for up to lookahead + 1 ID exchanges, each bounded.
         self._timeout = timeout * (lookahead + 2)
         self._thread = CommWorker(name)
         self._worker = MeteredWorker(self._thread, metrics)
         self._ahead: tuple[int, Future] | None = None  # the step prepared ahead
         self._tasks: list[Future] = []                 # other tasks not known to be done
+        # Virtual tables: the keys evicted at the previous prepared step's boundary, dropped
+        # from the cache when the next step is prepared, before its query (an eviction is a
+        # write at that step: docs/virtual_tables.md).
+        self._evicted = np.zeros(0, dtype=np.int64)
 
     @property
     def ahead(self) -> int | None:
@@ -127,11 +134,25 @@ class StepPreparer:
         with self._cache_lock:
             if self._meta is not None:
                 self._meta.advance(t)
+                if self._evicted.size:
+                    freed = self._meta.invalidate(self._evicted)
+                    self._metrics.add(invalidations=int(freed.size))
             self._prefetch.enter_window(t, upto, self._plans.plan)
             plan = self._plans.plan(t)
+            self._evicted = plan.evicted
             prepared = self._assembler.prepare(t, plan)
             finish = self._agg.plan_finish(t, plan)
         return PreparedWork(prepared, finish)
+
+    def drop_evicted(self) -> None:
+        """Drops the last prepared step's evicted keys from the cache now (flush: its commit
+        is done). REQUIRES: no preparation running."""
+        if self._meta is None or not self._evicted.size:
+            return
+        with self._cache_lock:
+            freed = self._meta.invalidate(self._evicted)
+            self._metrics.add(invalidations=int(freed.size))
+            self._evicted = self._evicted[:0]
 
     def issue_later(self) -> None:
         """Issues the prefetches whose dependency committed, on the preparer's thread."""

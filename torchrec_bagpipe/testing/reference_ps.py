@@ -16,7 +16,10 @@ It implements the semantics of ARCHITECTURE §1/§3 with the simplest possible c
     step that does not follow the rank's last commit is out of order);
   * ``get_async(keys, at_step)`` reads once ``committed_step >= at_step`` (immediately when it
     already is, otherwise as soon as the commit lands), bounded by a timeout;
-    ``with_state=True`` returns each row's optimizer state after its weights.
+    ``with_state=True`` returns each row's optimizer state after its weights;
+  * virtual tables: a commit may name keys evicted at its step's boundary (``evict=``); once
+    the step is applied those rows go back to their initial value and state (the rows a
+    fresh table holds: ``initial``), before any read of the step is served.
 
 `ReferencePSClient` (one per rank) satisfies the runtime's ``PSClientLike`` protocol. The
 server records every get (at_step and the committed step when it was issued) so tests can
@@ -195,6 +198,9 @@ class ReferencePS:
         else:
             rng = np.random.default_rng(seed)
             self.values = rng.uniform(-0.5, 0.5, size=(num_keys, dim)).astype(np.float32)
+        self.initial = self.values.copy()  # what an evicted row goes back to
+        self.evicted_rows = 0
+        self._pending_evict: dict[int, set[int]] = {}  # step -> keys evicted at its boundary
         self.num_keys = num_keys
         self.dim = dim
         self.optimizer = OptimizerSpec.of(optimizer)
@@ -266,8 +272,12 @@ class ReferencePS:
         return keys
 
     def commit(self, rank: int, step: int, keys: Any, grads: Any,
-               lr: float | None = None) -> _Handle:
+               lr: float | None = None, evict: Any = None) -> _Handle:
         keys = self._check_keys(keys, "commit")
+        if evict is not None:
+            ev = self._check_keys(evict, "commit evict")
+            with self._cv:
+                self._pending_evict.setdefault(int(step), set()).update(int(k) for k in ev)
         lr = self.lr if lr is None else float(lr)
         if not (np.isfinite(lr) and lr >= 0.0):
             raise ValueError(f"commit: lr must be finite and >= 0, got {lr}")
@@ -350,6 +360,12 @@ class ReferencePS:
             self.optimizer,
         )
         self.rows_committed += sum(payload[r][0].size for r in order)
+        gone = self._pending_evict.pop(step, None)
+        if gone:
+            idx = np.array(sorted(gone), dtype=np.int64)
+            self.values[idx] = self.initial[idx]
+            self.state[idx] = self.optimizer.initial_state(idx.size, self.dim).numpy()
+            self.evicted_rows += idx.size
         # Keep only what a retry of a recent step needs.
         for old in [s for s in self._history if s < step - 4]:
             del self._history[old]
@@ -453,8 +469,8 @@ class ReferencePSClient:
         return self.server.get(self.rank, keys, at_step, out, with_state)
 
     def commit_async(self, step: int, keys: torch.Tensor, grads: torch.Tensor,
-                     lr: float | None = None) -> _Handle:
-        return self.server.commit(self.rank, step, keys, grads, lr)
+                     lr: float | None = None, *, evict: torch.Tensor | None = None) -> _Handle:
+        return self.server.commit(self.rank, step, keys, grads, lr, evict)
 
     def committed_step(self) -> int:
         return self.server.committed_step()

@@ -36,6 +36,8 @@ from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.ps.optimizer_spec import OptimizerSpec
 from torchrec_bagpipe.runtime.collectives import CollectiveAborted, ThreadGroup
 from torchrec_bagpipe.runtime.controller import BagPipeController
+from torchrec_bagpipe.runtime.eviction import EvictionSpec
+from torchrec_bagpipe.testing.reference_eviction import ReferenceEvictionRule
 from torchrec_bagpipe.testing.reference_ps import ReferencePS, reference_optimizer_step
 
 __all__ = [
@@ -116,6 +118,7 @@ class SimulationSpec:
     progress: bool = False
     backend: BackendFactory | None = None
     submit_ahead: int = 0
+    eviction: EvictionSpec | None = None  # a virtual table's rule (None: an ordinary table)
 
     def __post_init__(self) -> None:
         for name in ("num_keys", "dim"):
@@ -195,7 +198,7 @@ def simulate(config: BagPipeConfig, trace: Trace, spec: SimulationSpec | None = 
             ctl = BagPipeController(
                 config, rank=r, world_size=W, dim=spec.dim, num_keys=spec.num_keys,
                 lr=lr_of(0), ps=clients[r], collectives=group.collectives(r),
-                device=spec.device, optimizer=spec.optimizer,
+                device=spec.device, optimizer=spec.optimizer, eviction=spec.eviction,
             )
             if spec.observer is not None:
                 observer = spec.observer
@@ -282,25 +285,43 @@ def reference_run_with_state(
     grad_fn: GradFn = default_grad,
     reads: dict[tuple[int, int], np.ndarray] | None = None,
     optimizer: OptimizerSpec | str | dict[str, Any] = "sgd",
+    eviction: EvictionSpec | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Synchronous training of the table with `optimizer` over the trace, step t at `lr(t)`
     (no cache, no PS, no threads): the final rows and their optimizer state.
 
     When `reads` is given, checks that every recorded read equals the reference values
     before that step bitwise (invariant 1), raising AssertionError naming step and rank.
+    With `eviction` (a virtual table), the keys the rule (`ReferenceEvictionRule`, fed every
+    rank's keys of each step) evicts at a step's boundary go back to their `init` rows and
+    initial state after that step's update: a read of an evicted row that is not its initial
+    value fails the freshness check.
     """
     spec = OptimizerSpec.of(optimizer)
     lr_of = _lr_of(lr)
     values = np.array(init, dtype=np.float32, copy=True)
+    initial = values.copy()
     state = spec.initial_state(values.shape[0], values.shape[1]).numpy()
+    rule = ReferenceEvictionRule(eviction) if eviction is not None else None
     for t, per_rank in enumerate(trace):
         W = len(per_rank)
         keys_by_rank, grads_by_rank = [], []
+        # Admission: the ids the rule trains at this step (each decided once per step, in
+        # rank order of first occurrence, as the planner); the others read a zero row.
+        admitted: dict[int, bool] = {}
+        for r in range(W):
+            for k in np.asarray(per_rank[r], dtype=np.int64).tolist():
+                if k not in admitted:
+                    admitted[k] = rule.admit(k) if rule is not None else True
         for r in range(W):
             keys = np.asarray(per_rank[r], dtype=np.int64)
             _, first = np.unique(keys, return_index=True)
             uniq = keys[np.sort(first)]  # first-occurrence order, as the planner
+            refused = np.array([not admitted[int(k)] for k in uniq], dtype=bool)
+            uniq = uniq[~refused]
             rows = values[uniq]
+            if refused.any():
+                rows = np.concatenate([rows, np.zeros((1, rows.shape[1]), np.float32)])
             if reads is not None:
                 got = reads[(t, r)]
                 if got.shape != rows.shape or not np.array_equal(
@@ -313,7 +334,13 @@ def reference_run_with_state(
                         f"{[int(uniq[i]) for i in bad[:5]]} differ from the PS after step {t - 1}"
                     )
             keys_by_rank.append(uniq)
-            grads_by_rank.append(grad_fn(t, r, uniq, rows))
+            grads_by_rank.append(grad_fn(t, r, uniq, rows)[:uniq.size])
         reference_optimizer_step(values, state, keys_by_rank, grads_by_rank, lr_of(t), W, divide,
                                  spec)
+        if rule is not None:
+            gone = rule.on_step(t, (int(k) for ks in keys_by_rank for k in ks))
+            if gone:
+                idx = np.asarray(gone, dtype=np.int64)
+                values[idx] = initial[idx]
+                state[idx] = spec.initial_state(idx.size, values.shape[1]).numpy()
     return values, state

@@ -1,0 +1,91 @@
+#include "cache/eviction_rule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common/errors.h"
+
+namespace bagpipe::cache {
+
+EvictionRule::EvictionRule(const EvictionRuleOptions& options) : opt_(options) {
+  if (!std::isfinite(opt_.threshold) || opt_.threshold < 0.0) {
+    throw ValueError("eviction threshold must be finite and >= 0, got " +
+                     std::to_string(opt_.threshold));
+  }
+  if (!(opt_.decay_rate > 0.0 && opt_.decay_rate <= 1.0)) {
+    throw ValueError("eviction decay_rate must lie in (0, 1], got " +
+                     std::to_string(opt_.decay_rate));
+  }
+  if (opt_.ttl_steps < 0) throw ValueError("eviction ttl_steps must be >= 0");
+  if (opt_.trigger_rows < 0) throw ValueError("eviction trigger_rows must be >= 0");
+  if (opt_.admit_after < 0) throw ValueError("admission admit_after must be >= 0");
+}
+
+int64_t EvictionRule::MemoryBytes() const {
+  return static_cast<int64_t>(rows_.capacity() * sizeof(Row) + index_.memory_bytes() +
+                              seen_.memory_bytes());
+}
+
+bool EvictionRule::Get(int64_t key, double* count, int64_t* last) const {
+  const int64_t* i = index_.Find(key);
+  if (i == nullptr) return false;
+  *count = rows_[static_cast<size_t>(*i)].count;
+  *last = rows_[static_cast<size_t>(*i)].last;
+  return true;
+}
+
+bool EvictionRule::Admit(int64_t key) {
+  if (!opt_.admits() || index_.Find(key) != nullptr) return true;
+  int64_t* n = seen_.FindOrInsert(key, 0).first;
+  if (++*n < opt_.admit_after) return false;
+  seen_.Erase(key);
+  return true;
+}
+
+void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
+                          std::vector<int64_t>* out) {
+  if (step <= last_step_) {
+    throw ValueError("eviction rule: step " + std::to_string(step) + " after step " +
+                     std::to_string(last_step_));
+  }
+  last_step_ = step;
+  if (!opt_.tracks()) return;  // nothing to track (invariant 3)
+  for (size_t i = 0; i < n; ++i) {
+    auto [pos, inserted] = index_.FindOrInsert(keys[i], static_cast<int64_t>(rows_.size()));
+    if (inserted) {
+      rows_.push_back(Row{keys[i], 1.0, step});
+      ++created_;
+    } else {
+      Row& r = rows_[static_cast<size_t>(*pos)];
+      r.count = r.count + 1.0;
+      r.last = step;
+    }
+  }
+  if (!opt_.enabled()) return;  // admission only: no rounds
+  if (opt_.trigger_rows > 0 && live() <= opt_.trigger_rows) return;
+  ++rounds_;
+  const size_t first = out->size();
+  const bool counts = opt_.threshold > 0.0;
+  for (Row& r : rows_) {
+    if (counts) r.count = r.count * opt_.decay_rate;
+    if (r.last == step) continue;  // trained at this step: kept at its boundary
+    if ((counts && r.count < opt_.threshold) ||
+        (opt_.ttl_steps > 0 && step - r.last >= opt_.ttl_steps)) {
+      out->push_back(r.key);
+    }
+  }
+  std::sort(out->begin() + static_cast<std::ptrdiff_t>(first), out->end());
+  for (size_t j = first; j < out->size(); ++j) {
+    const int64_t key = (*out)[j];
+    const int64_t pos = *index_.Find(key);
+    const Row moved = rows_.back();
+    rows_[static_cast<size_t>(pos)] = moved;
+    *index_.Find(moved.key) = pos;
+    rows_.pop_back();
+    index_.Erase(key);
+  }
+  evicted_ += static_cast<int64_t>(out->size() - first);
+}
+
+}  // namespace bagpipe::cache

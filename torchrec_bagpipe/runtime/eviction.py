@@ -1,0 +1,80 @@
+"""EvictionSpec: the eviction rule of a virtual table, as the runtime applies it.
+
+A virtual table (TorchRec's ``use_virtual_table=True``) holds a row on the PS only from the
+first step that trains it. Its eviction rule is decided at step boundaries from the keys each
+step trains (every rank's, which every rank knows from the id exchange), by the native step
+planner (``csrc/cache/eviction_rule.h``): so every rank, the PS and a single-process
+reference agree on it without any extra message. The rule (docs/virtual_tables.md):
+
+* ``count(k) += 1`` and ``last(k) = t`` for every key step t trains (once per step);
+* a round runs at the boundary of t when ``trigger_rows == 0`` or live rows > ``trigger_rows``;
+  in a round every live count is multiplied by ``decay_rate`` (float64), then a key not
+  trained at t is evicted when ``threshold > 0 and count < threshold`` or ``ttl_steps > 0 and
+  t - last >= ttl_steps``;
+* an evicted row leaves the PS with its optimizer state; the next step that trains it
+  recreates it from its initial value and zero state;
+* admission (``admit_after > 1``): an id not live is trained only from the step at which it
+  has been read in ``admit_after`` steps (since it last left); before, it is in no plan (no
+  fetch, commit or dependency), its rows read as zeros (one zero row after the step's
+  unique rows: ``Step.inverse`` points there) and its gradient is dropped.
+
+Rank 0 sends each step's evicted keys with its commit of the step (``PSClient.commit_async(...,
+evict=)``); the shards erase them before serving any read of the step. The planner treats an
+eviction as a write at step t (a later read depends on commit t; every cached copy is dropped),
+so no cache or prefetch buffer ever serves an evicted row.
+
+Thread safety: immutable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["VIRTUAL_AUTO_CACHE_ROWS", "EvictionSpec"]
+
+# The automatic cache size of a virtual table is taken from at most this many rows (its
+# `num_embeddings` is an id space, not a row count).
+VIRTUAL_AUTO_CACHE_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class EvictionSpec:
+    """The eviction rule of a virtual table (all zero: rows are never evicted)."""
+
+    threshold: float = 0.0    # count rule: evict below this decayed count (0: off)
+    decay_rate: float = 1.0   # count rule: factor applied to every count each round, (0, 1]
+    ttl_steps: int = 0        # step TTL: evict rows not trained for this many steps (0: off)
+    trigger_rows: int = 0     # rounds run only while live rows exceed this (0: every step)
+    admit_after: int = 0      # admission: an id is trained only once read in this many steps
+                              # (<= 1: at once); until then it reads zeros, its gradient dropped
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
+                and self.threshold >= 0):
+            raise ValueError(f"EvictionSpec.threshold must be finite and >= 0, got "
+                             f"{self.threshold!r}")
+        if not (isinstance(self.decay_rate, (int, float)) and 0 < self.decay_rate <= 1):
+            raise ValueError(f"EvictionSpec.decay_rate must lie in (0, 1], got "
+                             f"{self.decay_rate!r}")
+        for name in ("ttl_steps", "trigger_rows", "admit_after"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"EvictionSpec.{name} must be an int >= 0, got {v!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rows are ever evicted."""
+        return self.threshold > 0 or self.ttl_steps > 0
+
+    @property
+    def tracks(self) -> bool:
+        """Whether the planner keeps the rule (eviction or admission)."""
+        return self.enabled or self.admit_after > 1
+
+    def native(self) -> dict[str, Any]:
+        """The options of the native rule (``C.EvictionRule``, ``C.StepPlanner(eviction=)``)."""
+        return {"threshold": float(self.threshold), "decay_rate": float(self.decay_rate),
+                "ttl_steps": int(self.ttl_steps), "trigger_rows": int(self.trigger_rows),
+                "admit_after": int(self.admit_after)}

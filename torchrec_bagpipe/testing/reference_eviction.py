@@ -1,0 +1,81 @@
+"""The virtual tables' eviction rule in plain Python: the test oracle of the native rule.
+
+`ReferenceEvictionRule` is the rule of docs/virtual_tables.md (and of
+`torchrec_bagpipe.runtime.eviction`) written as simply as possible — a dict of live keys —
+so the tests compare the native `EvictionRule` / `StepPlanner` and the PS against it. The
+float64 arithmetic is the native rule's, operation for operation (``count + 1.0``,
+``count * decay_rate``), so decisions agree exactly.
+
+Thread safety: none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torchrec_bagpipe.runtime.eviction import EvictionSpec
+
+__all__ = ["ReferenceEvictionRule"]
+
+
+class ReferenceEvictionRule:
+    """Fed each step's trained keys (any iterable of ints, duplicates ignored), returns the
+    sorted keys evicted at the step's boundary."""
+
+    def __init__(self, spec: EvictionSpec | None) -> None:
+        self.spec = spec if spec is not None else EvictionSpec()
+        self.rows: dict[int, list[float | int]] = {}  # key -> [count, last step]
+        self.created = 0
+        self.evicted = 0
+        self.rounds = 0
+        self._last_step = -1
+        self.seen: dict[int, int] = {}  # admission: steps each not-live id was read in
+
+    @property
+    def live(self) -> int:
+        return len(self.rows)
+
+    def admit(self, key: int) -> bool:
+        """Admission (call once per key per step, before `on_step`): whether `key` is
+        trained at this step."""
+        if self.spec.admit_after <= 1 or key in self.rows:
+            return True
+        n = self.seen.get(key, 0) + 1
+        if n < self.spec.admit_after:
+            self.seen[key] = n
+            return False
+        self.seen.pop(key, None)
+        return True
+
+    def on_step(self, step: int, keys: Iterable[int]) -> list[int]:
+        if step <= self._last_step:
+            raise ValueError(f"step {step} after step {self._last_step}")
+        self._last_step = step
+        s = self.spec
+        if not s.tracks:
+            return []
+        for k in {int(k) for k in keys}:
+            row = self.rows.get(k)
+            if row is None:
+                self.rows[k] = [1.0, step]
+                self.created += 1
+            else:
+                row[0] = float(row[0]) + 1.0
+                row[1] = step
+        if not s.enabled or (s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows):
+            return []
+        self.rounds += 1
+        out = []
+        for k, row in self.rows.items():
+            if s.threshold > 0:
+                row[0] = float(row[0]) * float(s.decay_rate)
+            if row[1] == step:
+                continue
+            if (s.threshold > 0 and row[0] < s.threshold) or (
+                    s.ttl_steps > 0 and step - int(row[1]) >= s.ttl_steps):
+                out.append(k)
+        out.sort()
+        for k in out:
+            del self.rows[k]
+        self.evicted += len(out)
+        return out
