@@ -269,7 +269,7 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     results: dict[str, Any] = {"val_auroc": [], "steps": 0, "train_losses": [], "lrs": []}
     model.train()
     dist.barrier()
-    train_time = prescan_s = 0.0
+    train_time = prescan_s = emulated_s = 0.0
     samples = 0
     step_times: list[float] = []
     step = skip = resumed
@@ -292,6 +292,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
                     loss, _logits, labels = pipeline.progress(chunk)
                 except StopIteration:
                     break
+                if args.emulated_compute_ms:  # an accelerator's compute: the host is free
+                    time.sleep(args.emulated_compute_ms / 1e3)
+                    emulated_s += args.emulated_compute_ms / 1e3
                 # The first progress call may hand the whole trace to the planner.
                 spent = getattr(pipeline, "prescan_seconds", 0.0) - before
                 prescan_s += spent
@@ -331,6 +334,7 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     results["train_seconds"] = train_time
     results["samples_per_s"] = int(total) / train_time if train_time > 0 else 0.0
     results["prescan_seconds"] = prescan_s
+    results["emulated_compute_s"] = emulated_s
     results["step_times"] = step_times
     results["world_size"] = world
     return results
