@@ -188,6 +188,12 @@ def placement(plan: ShardingPlan) -> dict[str, list[str]]:
     return out
 
 
+def sharding_types(plan: ShardingPlan) -> dict[str, str]:
+    """Each table's sharding type in the plan (what its traffic between trainers is)."""
+    return {table: str(ps.sharding_type) for module_plan in plan.plan.values()
+            for table, ps in module_plan.items()}  # type: ignore[attr-defined]
+
+
 def placement_summary(plan: ShardingPlan) -> str:
     """One line: which tables are on BagPipe (rows in the PS) and which stay stock."""
     placed = placement(plan)
@@ -378,6 +384,7 @@ def main(argv: list[str], initial_state: Mapping[str, torch.Tensor] | None = Non
             model.load_state_dict(dict(initial_state))
         results = train_val_test(args, model, optimizer, lr_scheduler, loaders, device, config)
         results["placement"] = placement(model.plan)
+        results["sharding_types"] = sharding_types(model.plan)
         raw = bagpipe_metrics(model) if config is not None else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, raw)
