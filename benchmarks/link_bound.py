@@ -480,7 +480,9 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, 
                 emit("hit_rate", s.get("hit_rate", 0.0), "fraction", None,
                      served_from_cache=s.get("served_rate", 0.0),
                      runtime_critical_ms=s.get("runtime_critical_ms"),
-                     runtime_worker_ms=s.get("runtime_worker_ms"), **tag)
+                     runtime_worker_ms=s.get("runtime_worker_ms"),
+                     runtime_worker_cpu_ms=s.get("runtime_worker_cpu_ms"),
+                     wait_ms=1e3 * r["counters"].wait_s, **tag)
         if "online" in rows and "prescan" in rows:
             v = rows["online"]["sps"] / rows["prescan"]["sps"]
             emit("online_vs_prescan", v, "ratio", None, config="online", trainer_link=t,
