@@ -307,7 +307,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--dense-arch", default="64,128", help="dense arch layers (last = --dim)")
     a("--over-arch", default="64,32,1")
     args = p.parse_args(argv)
-    args.steps = args.steps or (30 if args.quick else 100)
+    args.steps = args.steps or (20 if args.quick else 100)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.num_embeddings = args.num_embeddings or (100_000 if args.quick else 400_000)
     args.compute_ms = args.compute_ms if args.compute_ms is not None else (

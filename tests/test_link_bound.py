@@ -149,7 +149,7 @@ def test_shaped_hosts_get_their_own_bucket():
 
 
 def test_drift_moves_the_hot_set():
-    base = ["--num_embeddings", "1000", "--batch_size", "4096", "--limit_train_batches", "4",
+    base = ["--num_embeddings", "100", "--batch_size", "512", "--limit_train_batches", "4",
             "--zipf_alpha", "1.5"]
     still = list(loader(base, "train", 0, 1))
     moving = list(loader([*base, "--zipf_drift", "0.5"], "train", 0, 1))
