@@ -306,6 +306,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--timeout", type=float, default=900.0, help="per run (s)")
     a("--dense-arch", default="64,128", help="dense arch layers (last = --dim)")
     a("--over-arch", default="64,32,1")
+    a("--save", default=None, help="write every run's results here (JSON) before reporting")
+    a("--report-from", default=None,
+      help="report a --save file again instead of running (e.g. after changing the model)")
     args = p.parse_args(argv)
     args.steps = args.steps or (20 if args.quick else 100)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -364,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = build_configs(sizes, args.cache_fraction, args.lookahead)
     common = common_argv(args, sizes)
     dense = dense_params(args.dim, args.dense_layers, args.over_layers, len(sizes))
+    if args.report_from:
+        with open(args.report_from, encoding="utf-8") as f:
+            saved = json.load(f)
+        runs_saved = {tuple(k.split("|")): v for k, v in saved["runs"].items()}
+        report(args, runs_saved, saved["compute_s"], saved["rate"], saved["measured_rate"],
+               saved["rtt_s"], world, dense, table_rows, saved["info"], saved["shaped_ok"])
+        return 0
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(world)]
     calib = free_port()
@@ -418,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
          f"{1e3 * gpu_s:.3f} ms GPU step", **info)
     stock = [calibration, *runs[("stock", "unshaped")]]
     compute_s = statistics.median(_mean_step(r) for r in stock)
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as f:
+            json.dump({"runs": {"|".join(k): v for k, v in runs.items()}, "info": info,
+                       "compute_s": compute_s, "rate": rate, "measured_rate": min(up, down),
+                       "rtt_s": rtt, "shaped_ok": bool(hosts)}, f, default=float)
     report(args, runs, compute_s, rate, min(up, down), rtt, world, dense, table_rows, info,
            bool(hosts))
     emit("load", f"{load_before} -> {loadavg()}", "loadavg", config="all", trainer_link="all")
