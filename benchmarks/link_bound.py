@@ -141,7 +141,7 @@ class Counters:
     demand_down: float         # per rank, bytes
     dependency_waits: float    # fraction of steps whose reads waited for a commit
     commit_up: float           # per rank, bytes
-    wait_s: float              # per rank: the training thread waiting for PS or peers
+    wait_s: float              # per rank: the training thread blocked inside the runtime
 
 
 def counters_of(result: dict[str, Any], world: int, batch: int, dim: int,
@@ -169,15 +169,16 @@ def counters_of(result: dict[str, Any], world: int, batch: int, dim: int,
         demand_down=down * demand_rows / max(1.0, rows) / (steps * world),
         dependency_waits=c.get("dependency_waits", 0.0) / max(1.0, c.get("steps", steps)),
         commit_up=c.get("gradient_payload_bytes", 0.0) / (steps * world),
-        wait_s=(c.get("fetch_wait_s", 0.0) + c.get("commit_wait_s", 0.0)
-                + c.get("collective_wait_s", 0.0)) / (steps * world),
+        wait_s=max(0.0, c.get("runtime_critical_s", 0.0) - c.get("runtime_critical_cpu_s", 0.0))
+        / (steps * world),
     )
 
 
 def compute_of(step_s: float, c: Counters, stock_step_s: float, has_runtime: bool) -> float:
     """A configuration's compute per step: its measured step less the time its training
-    thread waited for the network (the runtime's wait counters); stock TorchRec's is its
-    step with an unshaped trainer link (no counters; its all-to-alls then take ~nothing)."""
+    thread was blocked inside the runtime (waiting for rows, commits, peers: the runtime's
+    wall time there less its CPU time); stock TorchRec's is its step with an unshaped trainer
+    link (no counters; its all-to-alls then take ~nothing)."""
     if not has_runtime:
         return stock_step_s
     return max(0.0, step_s - c.wait_s)

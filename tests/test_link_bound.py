@@ -64,7 +64,7 @@ def test_counters_bound_cap_and_model_by_hand():
     r = _result(steps=10, demand_fetched=200, prefetched=800, fetched_bytes=1_000_000,
                 gradient_payload_bytes=600_000, allreduce_payload_bytes=400_000,
                 id_exchange_bytes=8_000, demand_gets=20, dependency_waits=5,
-                fetch_wait_s=0.2, commit_wait_s=0.1, collective_wait_s=0.1)
+                runtime_critical_s=0.5, runtime_critical_cpu_s=0.1)
     c = lb.counters_of(r, world=2, batch=8, dim=4, dense=10, sizes={"t_cat_0": 100})
     assert c.ps_down == 100_000                       # bytes per step, all ranks
     assert c.ps_up == (600_000 + 8 * 1000) / 10       # gradients + keys of the gets

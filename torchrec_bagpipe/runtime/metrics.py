@@ -44,6 +44,7 @@ class RuntimeMetrics:
     collectives_issued: int = 0
     planner_s: float = 0.0
     runtime_critical_s: float = 0.0  # training thread inside submit / next_step / finish_step
+    runtime_critical_cpu_s: float = 0.0  # ... its CPU time there (the rest is waiting)
     runtime_worker_s: float = 0.0    # this controller's tasks on its worker threads
     runtime_worker_cpu_s: float = 0.0  # ... the CPU time of those threads in them
     prescan_startup_s: float = 0.0
