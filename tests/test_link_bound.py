@@ -178,3 +178,21 @@ def test_emulated_compute_sleeps_in_every_step():
     r = run_dlrm(argv, 1, 300)[0]
     assert r["steps"] == 3 and r["emulated_compute_s"] == pytest.approx(3 * 2.5e-3)
     assert set(r["sharding_types"]) == {f"t_cat_{i}" for i in range(26)}
+
+
+def test_report_from_a_saved_run(tmp_path):
+    nocache = _result(fetched_bytes=4e6, gradient_payload_bytes=4e6, prefetched=1000)
+    saved = {"runs": {"stock|unshaped": [_result()], "ps_nocache|unshaped": [nocache]},
+             "info": {}, "compute_s": 0.1, "rate": 1e6, "measured_rate": 1e6, "rtt_s": 1e-4,
+             "shaped_ok": False}
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(saved))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert lb.main(["--report-from", str(path), "--configs", "stock,ps_nocache",
+                        "--trainer-links", "unshaped", "--batch-size", "8", "--dim", "4",
+                        "--dense-arch", "4"]) == 0
+    lines = [json.loads(ln) for ln in out.getvalue().splitlines()]
+    assert {(ln["metric"], ln["config"]) for ln in lines} >= {
+        ("bound_fraction", "stock"), ("bound_fraction", "ps_nocache")}
+    assert all(ln["trainer_link"] == "unshaped" for ln in lines)
