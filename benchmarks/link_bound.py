@@ -351,6 +351,14 @@ def common_argv(args: argparse.Namespace, sizes: list[int]) -> list[str]:
     ]
 
 
+def run_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings, carried by every line."""
+    return {"world_size": args.world_size, "batch_size": args.batch_size, "dim": args.dim,
+            "largest_table": args.num_embeddings, "steps": args.steps, "zipf": args.zipf,
+            "drift": args.drift, "cache_fraction": args.cache_fraction,
+            "emulated_compute_ms": args.compute_ms, "repeats": args.repeats}
+
+
 def _mean_step(r: dict[str, Any]) -> float:
     """A run's mean step per rank, as its samples/s counts it (flush included)."""
     if not r["samples_per_s"]:
@@ -378,10 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(world)]
     calib = free_port()
-    info = {"world_size": world, "batch_size": args.batch_size, "dim": args.dim,
-            "largest_table": args.num_embeddings, "steps": args.steps, "zipf": args.zipf,
-            "drift": args.drift, "cache_fraction": args.cache_fraction,
-            "compute_ms": args.compute_ms, "repeats": args.repeats}
+    info = run_info(args)
 
     def run(name: str, env: dict[str, str] | None) -> dict[str, Any]:
         extra = [] if name == "stock" else ["--ps-type", "tcp", "--job-token", token]

@@ -109,7 +109,8 @@ def test_report_lines_carry_the_issue_metrics():
         args.configs.remove(k)
     out = io.StringIO()
     with redirect_stdout(out):
-        lb.report(args, runs, 0.1, 1e6, 1e6, 1e-4, 2, 10, {"t_cat_0": 100}, {"x": 1}, True)
+        lb.report(args, runs, 0.1, 1e6, 1e6, 1e-4, 2, 10, {"t_cat_0": 100}, lb.run_info(args),
+                  True)
     lines = [json.loads(ln) for ln in out.getvalue().splitlines()]
     for ln in lines:
         assert {"bench", "metric", "value", "unit", "baseline", "ratio", "config",
@@ -183,8 +184,8 @@ def test_emulated_compute_sleeps_in_every_step():
 def test_report_from_a_saved_run(tmp_path):
     nocache = _result(fetched_bytes=4e6, gradient_payload_bytes=4e6, prefetched=1000)
     saved = {"runs": {"stock|unshaped": [_result()], "ps_nocache|unshaped": [nocache]},
-             "info": {}, "compute_s": 0.1, "rate": 1e6, "measured_rate": 1e6, "rtt_s": 1e-4,
-             "shaped_ok": False}
+             "info": lb.run_info(_args()), "compute_s": 0.1, "rate": 1e6, "measured_rate": 1e6,
+             "rtt_s": 1e-4, "shaped_ok": False}
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(saved))
     out = io.StringIO()
