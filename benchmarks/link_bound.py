@@ -174,14 +174,20 @@ def counters_of(result: dict[str, Any], world: int, batch: int, dim: int,
     )
 
 
-def compute_of(step_s: float, c: Counters, stock_step_s: float, has_runtime: bool) -> float:
+def compute_of(step_s: float, c: Counters, stock_step_s: float, has_runtime: bool,
+               link: Link | None = None) -> float:
     """A configuration's compute per step: its measured step less the time its training
     thread was blocked inside the runtime (waiting for rows, commits, peers: the runtime's
     wall time there less its CPU time); stock TorchRec's is its step with an unshaped trainer
-    link (no counters; its all-to-alls then take ~nothing)."""
+    link (no counters; its all-to-alls then take ~nothing). On a shaped trainer link the
+    stock-sharded tables' all-to-alls and the dense all-reduce (outside the runtime, on the
+    critical path: `link_model_step` adds them) are taken out too."""
     if not has_runtime:
         return stock_step_s
-    return max(0.0, step_s - c.wait_s)
+    critical = 0.0
+    if link is not None and link.trainer_rate is not None:
+        critical = c.trainer_critical / (link.world * link.trainer_rate)
+    return max(0.0, step_s - c.wait_s - critical)
 
 
 @dataclass(frozen=True)
@@ -464,7 +470,7 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, 
             cnt = counters_of(rs[-1], world, batch, args.dim, dense, sizes)
             sps = statistics.median(r["samples_per_s"] for r in rs)
             step_s = world * batch / sps
-            own = compute_of(step_s, cnt, compute_s, bool(rs[-1].get("bagpipe")))
+            own = compute_of(step_s, cnt, compute_s, bool(rs[-1].get("bagpipe")), link)
             b = bound_model(own, cnt, link)
             rows[c] = {"sps": sps, "step_s": step_s, "bound": b, "counters": cnt,
                        "model_s": link_model_step(own, cnt, link),

@@ -88,6 +88,9 @@ def test_counters_bound_cap_and_model_by_hand():
     # compute: the step less the waits; stock (no runtime): its unshaped step.
     assert lb.compute_of(0.1, c, 0.3, True) == pytest.approx(0.1 - 0.02)
     assert lb.compute_of(0.1, c, 0.3, False) == 0.3
+    # shaped trainer link: the dense all-reduce (80 bytes over 2 x 1e5 B/s) is not compute
+    assert lb.compute_of(0.1, c, 0.3, True, link) == pytest.approx(0.1 - 0.02 - 80 / 2e5)
+    assert lb.compute_of(0.1, c, 0.3, True, unshaped) == pytest.approx(0.1 - 0.02)
 
 
 def _args() -> Any:
