@@ -21,6 +21,11 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import link_bound as lb  # noqa: E402  (needs benchmarks/ on sys.path)
 import link_shaping as ls  # noqa: E402
 
+# test_link_shaping loads its own link_shaping and patches it into e2e_dlrm: leave it a
+# fresh import of the benchmark modules (ours keep the objects bound above).
+for _name in ("link_bound", "link_shaping", "e2e_dlrm", "dlrm_ranks"):
+    sys.modules.pop(_name, None)
+
 from torchrec_bagpipe.datasets import PowerLawCriteoDataset  # noqa: E402
 
 
