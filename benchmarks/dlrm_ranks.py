@@ -33,10 +33,11 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, argv: list[str], kwargs: dict[str, Any],
-               out: Any) -> None:
+               out: Any, env: dict[str, str] | None = None) -> None:
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        **(env or {}),
     })
     # The example prints its plan and metrics table; the benchmarks' stdout carries only
     # JSON lines, so the ranks' output goes to stderr.
@@ -71,13 +72,15 @@ class RankError(RuntimeError):
         self.message = message
 
 
-def run_dlrm(argv: list[str], world: int, timeout: float, **kwargs: Any) -> list[dict[str, Any]]:
-    """`dlrm_main.main(argv, **kwargs)` on `world` ranks; every rank's results, in rank
-    order. Raises RankError for the first rank that failed, TimeoutError after `timeout`."""
+def run_dlrm(argv: list[str], world: int, timeout: float, *,
+             env: dict[str, str] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    """`dlrm_main.main(argv, **kwargs)` on `world` ranks, with `env` added to each rank's
+    environment (e.g. ``GLOO_SOCKET_IFNAME``); every rank's results, in rank order. Raises
+    RankError for the first rank that failed, TimeoutError after `timeout`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, argv, kwargs, out),
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, argv, kwargs, out, env),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -3,7 +3,9 @@
 Used by `e2e_dlrm.py --shaped-link`: every PS shard server listens on its own port; traffic to
 the port (trainer -> shard: commits, requests) and from it (shard -> trainer: rows) each pass
 their own token bucket (tbf) at `rate` bytes/s, a full-duplex link per shard. Everything else
-on `lo` is classified into an unshaped band.
+on `lo` is classified into an unshaped band. Optionally (`hosts`, used by `link_bound.py`)
+traffic to given local addresses (e.g. the trainers' collectives, bound to 127.0.0.x through
+``GLOO_SOCKET_IFNAME``) passes one more tbf per address at its own rate (`host_rate`).
 
 Recipes, the first the kernel accepts is used:
   * ``prio``: root ``prio`` qdisc (all priorities to band 1:1, unshaped), one band per shaped
@@ -74,41 +76,50 @@ def _rate(rate_bytes_per_s: float) -> str:
     return f"{int(rate_bytes_per_s * 8)}bit"
 
 
-def plan_commands(recipe: str, ports: Sequence[int],
-                  rate_bytes_per_s: float) -> list[list[str]]:
-    """The `tc` argument lists (without the leading ``tc``) that install the shaping."""
+def plan_commands(recipe: str, ports: Sequence[int], rate_bytes_per_s: float,
+                  hosts: Sequence[str] = (), host_rate: float | None = None) -> list[list[str]]:
+    """The `tc` argument lists (without the leading ``tc``) that install the shaping: each
+    port at `rate_bytes_per_s` per direction, then traffic to each of `hosts` (IPv4
+    addresses) at `host_rate`."""
     if not ports:
         raise ValueError("no ports to shape")
     if rate_bytes_per_s <= 0:
         raise ValueError(f"rate must be > 0 bytes/s, got {rate_bytes_per_s}")
-    if recipe == "prio" and 2 * len(ports) + 1 > 16:
-        raise ValueError("prio has at most 16 bands: at most 7 shaped ports")
-    rate = _rate(rate_bytes_per_s)
-    burst = str(tbf_burst(rate_bytes_per_s))
+    if hosts and not (host_rate is not None and host_rate > 0):
+        raise ValueError(f"shaped hosts need a host_rate > 0 bytes/s, got {host_rate}")
+    n_classes = 2 * len(ports) + len(hosts)
+    if recipe == "prio" and n_classes + 1 > 16:
+        raise ValueError("prio has at most 16 bands: 2 per shaped port + 1 per host <= 15")
     cmds: list[list[str]] = []
     if recipe == "prio":
-        bands = 2 * len(ports) + 1
+        bands = n_classes + 1
         cmds.append(["qdisc", "add", "dev", DEV, "root", "handle", "1:", "prio", "bands",
                      str(bands), "priomap", *(["0"] * 16)])
-        classes = [f"1:{2 + k}" for k in range(2 * len(ports))]
+        classes = [f"1:{2 + k}" for k in range(n_classes)]
     elif recipe == "htb":
         cmds.append(["qdisc", "add", "dev", DEV, "root", "handle", "1:", "htb", "default", "1"])
         cmds.append(["class", "add", "dev", DEV, "parent", "1:", "classid", "1:1", "htb",
                      "rate", "100gbit"])
-        classes = [f"1:{10 + k}" for k in range(2 * len(ports))]
+        classes = [f"1:{10 + k}" for k in range(n_classes)]
         for c in classes:
             cmds.append(["class", "add", "dev", DEV, "parent", "1:", "classid", c, "htb",
                          "rate", "100gbit"])
     else:
         raise ValueError(f"unknown recipe {recipe!r}")
     for k, c in enumerate(classes):
+        r = host_rate if k >= 2 * len(ports) and host_rate is not None else rate_bytes_per_s
         cmds.append(["qdisc", "add", "dev", DEV, "parent", c, "handle", f"{100 + k}:", "tbf",
-                     "rate", rate, "burst", burst, "limit", str(_QUEUE_LIMIT)])
+                     "rate", _rate(r), "burst", str(tbf_burst(r)), "limit",
+                     str(_QUEUE_LIMIT)])
     for i, port in enumerate(ports):
         for k, field in ((2 * i, "dport"), (2 * i + 1, "sport")):
             cmds.append(["filter", "add", "dev", DEV, "parent", "1:", "protocol", "ip", "prio",
                          "1", "u32", "match", "ip", field, str(port), "0xffff", "flowid",
                          classes[k]])
+    for i, host in enumerate(hosts):
+        cmds.append(["filter", "add", "dev", DEV, "parent", "1:", "protocol", "ip", "prio",
+                     "1", "u32", "match", "ip", "dst", f"{host}/32", "flowid",
+                     classes[2 * len(ports) + i]])
     return cmds
 
 
@@ -130,9 +141,12 @@ class ShapedLink:
     """
 
     def __init__(self, ports: Sequence[int], rate_bytes_per_s: float, *,
-                 runner: TcRunner | None = None, check_root: bool = True) -> None:
+                 runner: TcRunner | None = None, check_root: bool = True,
+                 hosts: Sequence[str] = (), host_rate: float | None = None) -> None:
         self.ports = list(ports)
         self.rate = float(rate_bytes_per_s)
+        self.hosts = list(hosts)
+        self.host_rate = host_rate
         self.recipe: str | None = None
         self._run = runner or _run_tc
         self._check_root = check_root
@@ -160,7 +174,7 @@ class ShapedLink:
             raise ShapingUnavailable(f"lo already has a root qdisc ({kind}): not replacing it")
         errors = []
         for recipe in ("prio", "htb"):
-            cmds = plan_commands(recipe, self.ports, self.rate)
+            cmds = plan_commands(recipe, self.ports, self.rate, self.hosts, self.host_rate)
             for i, cmd in enumerate(cmds):
                 r = self._run(cmd)
                 if r.returncode != 0:

@@ -71,6 +71,8 @@ FLAG_TESTS = {
     # the example's own flags
     "--sharder": "test_dlrm_example::test_bagpipe_sgd_trains_like_stock_torchrec",
     "--zipf_alpha": "test_dlrm_flags::test_synthetic_data_flags",
+    "--zipf_drift": "test_link_bound::test_drift_moves_the_hot_set",
+    "--emulated_compute_ms": "test_link_bound::test_emulated_compute_sleeps_in_every_step",
     "--criteo_tsv_paths":
         "test_criteo_data::test_tsv_files_feed_the_same_batches_as_their_preprocessed_npy",
     "--metrics_json": "test_dlrm_example::test_training_loop_flags",

@@ -151,6 +151,16 @@ def test_device_cache_sgd_is_bitwise_the_ps_arithmetic(device, seed, world, divi
     reference_sgd_step(ref, [np.arange(n)], [g], lr, world, divide)
     got = cache.gather(slots).cpu().numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    # The same update from rows picked out of a larger buffer (collective aggregation's
+    # path: `grad_rows`, updated in a gathered copy).
+    perm = rng.permutation(n + 3)
+    big = rng.standard_normal((n + 3, dim)).astype(np.float32)
+    big[perm[:n]] = g
+    picked = DeviceCache(64, dim, device, world_size=world, divide=divide)
+    picked.fill(slots, torch.from_numpy(w))
+    picked.apply_gradients_(slots, torch.from_numpy(big), perm[:n], lr=lr)
+    assert np.array_equal(picked.gather(slots).cpu().numpy().view(np.uint32),
+                          ref.view(np.uint32))
     # ... and what the PS's native store computes.
     store = EmbeddingStore(dim=dim, init="zeros")
     keys = torch.arange(n)

@@ -510,6 +510,11 @@ def test_metrics_report_every_counter() -> None:
     assert m["runtime_critical_s"] > 0 and m["runtime_worker_s"] >= 0
     assert m["runtime_critical_ms"] == pytest.approx(1e3 * m["runtime_critical_s"] / m["steps"])
     assert m["runtime_worker_ms"] == pytest.approx(1e3 * m["runtime_worker_s"] / m["steps"])
+    # The worker threads' CPU time in their tasks is part of those tasks' run time.
+    assert 0 <= m["runtime_worker_cpu_s"] <= m["runtime_worker_s"] + 1e-3
+    assert 0 < m["runtime_critical_cpu_s"] <= m["runtime_critical_s"] + 1e-3
+    assert m["runtime_worker_cpu_ms"] == pytest.approx(
+        1e3 * m["runtime_worker_cpu_s"] / m["steps"])
     for key in ("hits", "demand_fetched", "prefetched", "prefetch_served", "evictions",
                 "invalidations", "resident_bytes", "skipped_dependency_waits", "commit_wait_s",
                 "gradient_payload_bytes", "prescan_startup_s", "shutdown_s", "hit_rate",

@@ -26,6 +26,8 @@ _COUNTERS: dict[str, str] = {
     "invalidations": "invalidations",
     "runtime_critical_s": "runtime_critical_s",
     "runtime_worker_s": "runtime_worker_s",
+    "runtime_worker_cpu_s": "runtime_worker_cpu_s",
+    "runtime_critical_cpu_s": "runtime_critical_cpu_s",
 }
 
 
@@ -72,7 +74,8 @@ def summarize(per_rank: Sequence[Mapping[str, Mapping[str, Any]] | None],
         out["commit_wait_ms_per_step"] = 1000.0 * wait / len(ranks) / max(1, steps)
     # Time inside the runtime per rank and step, summed over the rank's fused tables: on the
     # training thread (submit, next_step, finish_step) and on its worker threads.
-    for name in ("runtime_critical", "runtime_worker"):
+    for name in ("runtime_critical", "runtime_critical_cpu", "runtime_worker",
+                 "runtime_worker_cpu"):
         v = _pick(totals, f"{name}_s")
         if v is not None:
             out[f"{name}_ms"] = 1000.0 * v / len(ranks) / max(1, steps)

@@ -96,7 +96,7 @@ def _dataset(args: argparse.Namespace, stage: str, rank: int, world: int) -> Any
         table_sizes(args), batch_size,
         limit if limit is not None else SYNTHETIC_DEFAULT_BATCHES,
         zipf_alpha=args.zipf_alpha, seed=args.seed or 0, rank=rank, world_size=world,
-        stream=_STREAM[stage],
+        stream=_STREAM[stage], drift=args.zipf_drift if stage == "train" else 0.0,
     )
 
 

@@ -27,6 +27,7 @@ _DEFAULTS: dict[str, Any] = {
     "interaction_branch1_layer_sizes": "2048,2048",
     "interaction_branch2_layer_sizes": "2048,2048",
     "zipf_alpha": 1.05,
+    "zipf_drift": 0.0,
 }
 _INT_LISTS = ("num_embeddings_per_feature", "dense_arch_layer_sizes", "over_arch_layer_sizes",
               "multi_hot_sizes", "interaction_branch1_layer_sizes",
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
            "local to the trainers), for comparison")
     a("--zipf_alpha", type=float, default=None,
       help="power-law exponent of id popularity in the synthetic dataset (default 1.05)")
+    a("--zipf_drift", type=float, default=None,
+      help="fraction of each table's key space the synthetic dataset's hot set drifts through "
+           "over the training batches (default 0: a stationary stream)")
+    a("--emulated_compute_ms", type=float, default=0.0,
+      help="sleep this long in every training step, after its work: the compute an "
+           "accelerator would do while the host is free (link-bound benchmarks; default 0)")
     a("--criteo_tsv_paths", type=str, default=None,
       help="Comma separated raw Criteo TSV files (days in order; one Kaggle train.txt with "
            "--dataset_name criteo_kaggle), converted by TorchRec's preprocessing")
@@ -193,8 +200,13 @@ def check_args(args: argparse.Namespace, given: set[str]) -> str | None:
                     "dataset has none")
     if args.dataset_name != "criteo_1t" and not files:
         return "--dataset_name selects the layout of Criteo files; none are given"
-    if "zipf_alpha" in given and files:
-        return "--zipf_alpha shapes the synthetic dataset; Criteo files are given"
+    for name in ("zipf_alpha", "zipf_drift"):
+        if name in given and files:
+            return f"--{name} shapes the synthetic dataset; Criteo files are given"
+    if not 0.0 <= args.zipf_drift <= 1.0:
+        return f"--zipf_drift must be in [0, 1], got {args.zipf_drift}"
+    if not args.emulated_compute_ms >= 0.0:
+        return f"--emulated_compute_ms must be >= 0, got {args.emulated_compute_ms}"
     if args.shuffle_training_set and args.synthetic_multi_hot_criteo_path is not None:
         return ("--shuffle_training_set is not available for the multi-hot files (TorchRec's "
                 "example has no implementation either)")

@@ -197,6 +197,12 @@ def placement(plan: ShardingPlan) -> dict[str, list[str]]:
     return out
 
 
+def sharding_types(plan: ShardingPlan) -> dict[str, str]:
+    """Each table's sharding type in the plan (what its traffic between trainers is)."""
+    return {table: str(ps.sharding_type) for module_plan in plan.plan.values()
+            for table, ps in module_plan.items()}  # type: ignore[attr-defined]
+
+
 def placement_summary(plan: ShardingPlan) -> str:
     """One line: which tables are on BagPipe (rows in the PS) and which stay stock."""
     placed = placement(plan)
@@ -281,7 +287,7 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     results: dict[str, Any] = {"val_auroc": [], "steps": 0, "train_losses": [], "lrs": []}
     model.train()
     dist.barrier()
-    train_time = prescan_s = 0.0
+    train_time = prescan_s = emulated_s = 0.0
     samples = 0
     step_times: list[float] = []
     step = skip = resumed
@@ -307,6 +313,9 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
                     loss, _logits, labels = pipeline.progress(chunk)
                 except StopIteration:
                     break
+                if args.emulated_compute_ms:  # an accelerator's compute: the host is free
+                    time.sleep(args.emulated_compute_ms / 1e3)
+                    emulated_s += args.emulated_compute_ms / 1e3
                 # The first progress call may hand the whole trace to the planner.
                 spent = getattr(pipeline, "prescan_seconds", 0.0) - before
                 prescan_s += spent
@@ -346,6 +355,7 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     results["train_seconds"] = train_time
     results["samples_per_s"] = int(total) / train_time if train_time > 0 else 0.0
     results["prescan_seconds"] = prescan_s
+    results["emulated_compute_s"] = emulated_s
     results["step_times"] = step_times
     results["world_size"] = world
     return results
@@ -389,6 +399,7 @@ def main(argv: list[str], initial_state: Mapping[str, torch.Tensor] | None = Non
             model.load_state_dict(dict(initial_state))
         results = train_val_test(args, model, optimizer, lr_scheduler, loaders, device, config)
         results["placement"] = placement(model.plan)
+        results["sharding_types"] = sharding_types(model.plan)
         raw = bagpipe_metrics(model) if config is not None else {}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, raw)

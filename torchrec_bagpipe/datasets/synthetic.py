@@ -17,7 +17,11 @@ makes every cache look useless or perfect. This dataset has what caching depends
   samples depend on (seed, stream, rank, batch index): streams of one seed (e.g. 0 train,
   1 validation, 2 test) are different samples of the same distribution, every rank sees
   different data, and iterating twice gives identical batches (the prescan pass and the
-  training pass see the same trace).
+  training pass see the same trace);
+* optionally a drifting stream (`drift` > 0): the hot set moves through that fraction of
+  each table's key space over the epoch's batches (batch j draws its popularity ranks shifted
+  by floor(j * n * drift / num_batches) mod n), as in a time-ordered trace; the label model
+  sees the ids' static ranks, so `label_logits` stays exact.
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class PowerLawCriteoDataset(IterableDataset):
         num_dense: dense features (13 like Criteo).
         stream: which sample stream of the seed's distribution (e.g. 0 train, 1 validation,
             2 test): same hidden model, different samples.
+        drift: fraction of each table's key space the hot set moves through over the
+            `num_batches` batches (0: a stationary stream; in [0, 1]).
     """
 
     def __init__(
@@ -127,6 +133,7 @@ class PowerLawCriteoDataset(IterableDataset):
         multi_hot_sizes: Sequence[int] | None = None,
         num_dense: int = len(DEFAULT_INT_NAMES),
         stream: int = 0,
+        drift: float = 0.0,
     ) -> None:
         super().__init__()
         self.num_embeddings_per_feature = [int(n) for n in num_embeddings_per_feature]
@@ -140,6 +147,8 @@ class PowerLawCriteoDataset(IterableDataset):
             raise ValueError(f"zipf_alpha must be >= 0, got {zipf_alpha}")
         if stream < 0:
             raise ValueError(f"stream must be >= 0, got {stream}")
+        if not 0.0 <= drift <= 1.0:
+            raise ValueError(f"drift must be in [0, 1], got {drift}")
         nf = len(self.num_embeddings_per_feature)
         self.multi_hot_sizes = [int(m) for m in (multi_hot_sizes or [1] * nf)]
         if len(self.multi_hot_sizes) != nf or min(self.multi_hot_sizes) < 1:
@@ -156,6 +165,7 @@ class PowerLawCriteoDataset(IterableDataset):
         self.world_size = int(world_size)
         self.num_dense = int(num_dense)
         self.stream = int(stream)
+        self.drift = float(drift)
         # The hidden label model: a function of the seed only (shared by every stream).
         g = torch.Generator().manual_seed(_mix(self.seed, 0xD))
         self._dense_w = torch.randn(self.num_dense, generator=g, dtype=torch.float64)
@@ -187,6 +197,8 @@ class PowerLawCriteoDataset(IterableDataset):
         for f, (n, m) in enumerate(zip(self.num_embeddings_per_feature, self.multi_hot_sizes)):
             u = torch.rand(b * m, generator=g, dtype=torch.float64)
             ranks = power_law_ranks(u, n, self.zipf_alpha)
+            if self.drift:
+                ranks = (ranks + self.shift(j, n)) % n
             values.append(scatter_ids(ranks, n, self._salts[f]))
             ranks_per_feature.append(ranks)
         dense = torch.rand(b, self.num_dense, generator=g, dtype=torch.float64)
@@ -203,6 +215,10 @@ class PowerLawCriteoDataset(IterableDataset):
             sparse_features=kjt,
             labels=labels.to(torch.float32),
         )
+
+    def shift(self, j: int, n: int) -> int:
+        """The drift of batch j's popularity ranks in a table of n rows."""
+        return int(j * n * self.drift // max(1, self.num_batches)) % n
 
     def label_logits(self, batch: Batch) -> torch.Tensor:
         """The hidden model's click logits (float64, one per sample) of a batch of this

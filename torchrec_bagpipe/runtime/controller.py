@@ -320,7 +320,7 @@ class BagPipeController:
 
     def submit(self, keys: torch.Tensor | np.ndarray) -> None:
         """The next batch's fused keys (1-D int64, CPU) enter the lookahead window."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             s = self._submitted
             arr = self._validated(keys).copy()
@@ -329,7 +329,8 @@ class BagPipeController:
             self._submitted += 1
             self._launch_ahead()
         finally:
-            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
+            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0,
+                              runtime_critical_cpu_s=time.thread_time() - c0)
 
     def next_step(self) -> Step:
         """Prepares the oldest submitted batch: its rows, bitwise the PS after the last commit."""
@@ -341,7 +342,7 @@ class BagPipeController:
         t = self._next
         if t >= self._submitted:
             raise ValueError(f"next_step: batch {t} has not been submitted")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             step = self._prepare(t)
             self._active = step
@@ -350,7 +351,8 @@ class BagPipeController:
             self._failed = e
             raise
         finally:
-            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
+            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0,
+                              runtime_critical_cpu_s=time.thread_time() - c0)
         return step
 
     def finish_step(self, step: Step, grad: torch.Tensor, lr: float | None = None) -> None:
@@ -372,7 +374,7 @@ class BagPipeController:
                 f"finish_step: grad must have shape ({n}, {self.dim}), got {tuple(grad.shape)}"
             )
         step_lr = self.lr if lr is None else _check_lr(lr, "finish_step: lr")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self._finish(step, grad.detach(), step_lr)
             self._active = None
@@ -382,7 +384,8 @@ class BagPipeController:
             self._failed = e
             raise
         finally:
-            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0)
+            self.metrics_.add(runtime_critical_s=time.perf_counter() - t0,
+                              runtime_critical_cpu_s=time.thread_time() - c0)
         self.metrics_.add(steps=1)
 
     def drain(self) -> None:

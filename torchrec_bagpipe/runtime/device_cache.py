@@ -84,9 +84,10 @@ class DeviceCache:
         )
         # Plain SGD needs neither the rows nor a state to update: the index_add_ fast path.
         self._fast_sgd = optimizer.kind == "sgd" and optimizer.weight_decay == 0.0
-        # Learning rates as device tensors, by value. Read and written by the training thread
-        # and the worker (collective S_later) at once: single dict operations only.
-        self._lr_ts: dict[float, torch.Tensor] = {}
+        # Learning rates (and their negations) as device tensors, by (value, sign). Read and
+        # written by the training thread and the worker (collective S_later) at once: single
+        # dict operations only.
+        self._lr_ts: dict[tuple[float, float], torch.Tensor] = {}
 
     # ---- slots ------------------------------------------------------------------------
     def index(self, slots: np.ndarray) -> torch.Tensor:
@@ -106,15 +107,17 @@ class DeviceCache:
             return
         self.rows.index_copy_(0, self.index(slots), rows.to(self.device, non_blocking=True))
 
-    def _lr_tensor(self, lr: float) -> torch.Tensor:
-        """The step's learning rate as an fp32 device tensor (made once per lr value while a
-        few are in use: an LR schedule changes it every step at most)."""
-        t = self._lr_ts.get(lr)
+    def _lr_tensor(self, lr: float, sign: float = 1.0) -> torch.Tensor:
+        """The step's learning rate (times `sign`, +1 or -1: negation is exact) as an fp32
+        device tensor (made once per value while a few are in use: an LR schedule changes it
+        every step at most)."""
+        t = self._lr_ts.get((lr, sign))
         if t is None:
-            t = torch.tensor(np.float32(lr), dtype=torch.float32, device=self.device)
+            t = torch.tensor(np.float32(sign) * np.float32(lr), dtype=torch.float32,
+                             device=self.device)
             if len(self._lr_ts) >= 8:
                 self._lr_ts = {}
-            self._lr_ts[lr] = t
+            self._lr_ts[(lr, sign)] = t
         return t
 
     def apply_gradients_(self, slots: np.ndarray, grads: torch.Tensor,
@@ -131,25 +134,27 @@ class DeviceCache:
                 index = index.to(grads.device, non_blocking=True)
             grads = grads.index_select(0, index)
         g = grads.to(self.device, non_blocking=True)
-        lr_t = self._lr_tensor(float(lr))
         idx = self.index(slots)
         if self._fast_sgd:
             # The same ops as the PS (u = g / W, u = u * lr, w = w - u), in one buffer of our
             # own: the gathered (or moved) rows in place, else a fresh one, since `g` is then
-            # the caller's gradient, never written.
+            # the caller's gradient, never written. w - u is added as w + (u * -lr):
+            # IEEE rounding is sign-symmetric, so u * -lr is -(u * lr) bit for bit, one pass
+            # fewer than a separate negation (index_add_'s alpha=-1 takes a slow path).
+            neg_lr = self._lr_tensor(float(lr), -1.0)
             if fresh:
                 u = g
                 if self.divisor_t is not None:
                     u.div_(self.divisor_t)
-                u.mul_(lr_t)
+                u.mul_(neg_lr)
             elif self.divisor_t is not None:
                 u = g / self.divisor_t
-                u.mul_(lr_t)
+                u.mul_(neg_lr)
             else:
-                u = g * lr_t
-            u.neg_()  # (index_add_'s alpha=-1 would take a slow path)
+                u = g * neg_lr
             self.rows.index_add_(0, idx, u)
             return
+        lr_t = self._lr_tensor(float(lr))
         cur = self.rows.index_select(0, idx)
         w, state = row_update(cur[:, :self.dim], cur[:, self.dim:], g, lr_t, self.divisor,
                               self.optimizer)

@@ -44,7 +44,9 @@ class RuntimeMetrics:
     collectives_issued: int = 0
     planner_s: float = 0.0
     runtime_critical_s: float = 0.0  # training thread inside submit / next_step / finish_step
+    runtime_critical_cpu_s: float = 0.0  # ... its CPU time there (the rest is waiting)
     runtime_worker_s: float = 0.0    # this controller's tasks on its worker threads
+    runtime_worker_cpu_s: float = 0.0  # ... the CPU time of those threads in them
     prescan_startup_s: float = 0.0
     shutdown_s: float = 0.0
 
@@ -65,4 +67,5 @@ class RuntimeMetrics:
         steps = d["steps"]
         d["runtime_critical_ms"] = 1e3 * d["runtime_critical_s"] / steps if steps else 0.0
         d["runtime_worker_ms"] = 1e3 * d["runtime_worker_s"] / steps if steps else 0.0
+        d["runtime_worker_cpu_ms"] = 1e3 * d["runtime_worker_cpu_s"] / steps if steps else 0.0
         return d

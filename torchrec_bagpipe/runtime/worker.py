@@ -6,7 +6,9 @@ share a `Collectives` object (one per fused table) share the worker, so the orde
 collectives is the program order, identical on every rank, whatever thread the caller uses.
 
 A controller submits through a `MeteredWorker`, its own handle on the shared worker, which
-adds each task's run time to the controller's `runtime_worker_s` counter.
+adds each task's run time to the controller's `runtime_worker_s` counter and the CPU time its
+thread spent in it (`runtime_worker_cpu_s`: the rest of the run time is waiting, for peers in
+a collective, for the PS, for a lock).
 
 Thread safety: `acquire_worker` / `release_worker` may be called from any thread; the
 registry of workers is guarded by `_lock`. `CommWorker.submit` and `MeteredWorker.submit`
@@ -59,7 +61,8 @@ class CommWorker:
 
 class MeteredWorker:
     """One controller's handle on a worker: each task's run time (on the worker thread,
-    exceptions included) is added to `metrics.runtime_worker_s`."""
+    exceptions included) is added to `metrics.runtime_worker_s`, the thread's CPU time in it
+    to `metrics.runtime_worker_cpu_s`."""
 
     def __init__(self, worker: CommWorker, metrics: RuntimeMetrics) -> None:
         self.worker = worker
@@ -69,11 +72,12 @@ class MeteredWorker:
         return self.worker.submit(self._timed, fn, args)
 
     def _timed(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
-            self._metrics.add(runtime_worker_s=time.perf_counter() - t0)
+            self._metrics.add(runtime_worker_s=time.perf_counter() - t0,
+                              runtime_worker_cpu_s=time.thread_time() - c0)
 
 
 class _Registered(NamedTuple):
