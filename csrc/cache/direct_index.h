@@ -114,7 +114,7 @@ class KeyBits {
   // of most words (and keeps them out of the way of the index's random reads).
   void ClearAll(const int64_t* keys, size_t n) {
     if (n * kWordsPerKeyClear >= words_.size()) {
-      if (!words_.empty()) std::memset(words_.data(), 0, words_.size() * sizeof(uint64_t));
+      if (words_.size() > 0) std::memset(words_.data(), 0, words_.size() * sizeof(uint64_t));
       return;
     }
     for (size_t i = 0; i < n; ++i) Clear(keys[i]);

@@ -140,7 +140,7 @@ class SlotMap {
 
   // Removes every key; the capacity stays.
   void Clear() {
-    if (!cells_.empty()) std::memset(cells_.data(), 0, cells_.size() * sizeof(uint64_t));
+    if (cells_.size() > 0) std::memset(cells_.data(), 0, cells_.size() * sizeof(uint64_t));
     size_ = 0;
   }
 

@@ -147,6 +147,7 @@ void CheckpointWriter::File::Flush() {
 }
 
 void CheckpointWriter::File::Write(const void* data, size_t n) {
+  if (n == 0) return;  // data may be null (an empty vector's data())
   sum_.Update(data, n);
   bytes_ += n;
   const char* p = static_cast<const char*>(data);

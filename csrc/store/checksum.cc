@@ -41,6 +41,7 @@ Checksum::Checksum(uint64_t seed) : seed_(seed) {
 }
 
 void Checksum::Update(const void* data, size_t n) {
+  if (n == 0) return;  // data may be null (an empty vector's data())
   const auto* p = static_cast<const unsigned char*>(data);
   total_ += n;
   if (buffered_ + n < 32) {
