@@ -3,7 +3,8 @@
 // Two passes: validation (key range, next uses, uniqueness; nothing changes, so a throwing
 // call changed nothing), then one pipelined probe (cache_metadata_probe.h) that acts on each
 // key in input order: a miss is written out, a stale slot freed and written out as a miss,
-// a hit touched (its next use set, most recent in its bucket) and written out. One template
+// a hit touched (its next use set, most recent in its bucket: one append to that bucket,
+// inlined, with no lookup when it is the previous hit's bucket) and written out. One template
 // per index (direct or hash), chosen once per call.
 #include <string>
 
