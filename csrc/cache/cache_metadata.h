@@ -262,7 +262,14 @@ class CacheMetadata {
   int32_t BucketOf(int32_t next_use) const {
     return policy_ == EvictionPolicy::kLru ? 0 : next_use;
   }
-  uint32_t Bump(SlotRec& s);  // a new generation (for a new queue / pin-list entry)
+  // A new generation (for a new queue / pin-list entry). Crossing a period: stale entries
+  // of earlier generations are purged at the end of this call, long before the 32-bit
+  // generation could come back to their values.
+  uint32_t Bump(SlotRec& s) {
+    ++s.gen;
+    if (__builtin_expect((s.gen & gen_period_mask_) == 0, 0)) purge_pending_ = true;
+    return s.gen;
+  }
   void FinishCall();          // compaction of the queues, when due
   void CompactQueues();
   void Enqueue(int32_t slot);  // at the tail of the bucket of its next use

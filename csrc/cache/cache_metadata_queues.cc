@@ -13,14 +13,6 @@ namespace bagpipe::cache {
 
 using namespace metadata_detail;
 
-uint32_t CacheMetadata::Bump(SlotRec& s) {
-  ++s.gen;
-  // Crossing a period: stale entries of earlier generations are purged at the end of this
-  // call, long before the 32-bit generation could come back to their values.
-  if ((s.gen & gen_period_mask_) == 0) purge_pending_ = true;
-  return s.gen;
-}
-
 void CacheMetadata::FinishCall() {
   if (purge_pending_) CompactQueues();
 }
