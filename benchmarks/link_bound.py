@@ -27,6 +27,9 @@ traffic allows (issue 24):
   without lookahead, BagPipe prescan, online, collective aggregation and mixed placement
   (the 3 largest tables on BagPipe); ``--steps`` (>= 100 in full mode) steps, ``--repeats``
   rounds, round robin over configurations and trainer-link cases; medians over the rounds.
+  With ``--step-budget`` (``--quick``: 8 s) a case whose predicted step is long runs fewer
+  steps (`plan_steps`, `predict_step`), at least ``--min-steps``; its lines carry ``steps``.
+  The calibration run is the first round's stock run with an unshaped trainer link.
 
 Per configuration and trainer link (`bound_model`): the bound is the slowest of compute (the
 stock configuration's median step with an unshaped trainer link), the PS link (the larger
