@@ -225,7 +225,7 @@ def test_quick_and_full_defaults():
     assert lb.run_info(quick)["step_budget_s"] == 8.0
     assert "--limit_val_batches" in (argv := lb.common_argv(quick, [10], 7))
     assert argv[argv.index("--limit_train_batches") + 1] == "7"
-    assert argv[argv.index("--limit_val_batches") + 1] == "0"
+    assert argv[argv.index("--limit_val_batches") + 1] == "1"
     with pytest.raises(SystemExit):
         lb.parse(["--min-steps", "1"])
 
