@@ -27,7 +27,7 @@ traffic allows (issue 24):
   without lookahead, BagPipe prescan, online, collective aggregation and mixed placement
   (the 3 largest tables on BagPipe); ``--steps`` (>= 100 in full mode) steps, ``--repeats``
   rounds, round robin over configurations and trainer-link cases; medians over the rounds.
-  With ``--step-budget`` (``--quick``: 8 s) a case whose predicted step is long runs fewer
+  With ``--step-budget`` (``--quick``: 6 s) a case whose predicted step is long runs fewer
   steps (`plan_steps`, `predict_step`), at least ``--min-steps``; its lines carry ``steps``.
   The calibration run is the first round's stock run with an unshaped trainer link.
 
@@ -363,11 +363,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = p.add_argument
     a("--quick", action="store_true", help="a short run (3-4 minutes)")
     a("--steps", type=int, default=None,
-      help="training steps per run, the most with --step-budget (full: 100, quick: 20)")
+      help="training steps per run, the most with --step-budget (full: 100, quick: 12)")
     a("--step-budget", type=float, default=None,
       help="seconds of training per run: a configuration whose step is long runs fewer "
       "steps, as many as fit at the step this run predicts for it, at least --min-steps "
-      "(full: none, every run --steps; quick: 8 s)")
+      "(full: none, every run --steps; quick: 6 s)")
     a("--min-steps", type=int, default=None, help="steps a run takes at least (quick: 4)")
     a("--repeats", type=int, default=None, help="rounds (full: 3)")
     a("--batch-size", type=int, default=2048, help="per-rank batch (MLPerf-like: >= 2048)")
@@ -394,10 +394,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--report-from", default=None,
       help="report a --save file again instead of running (e.g. after changing the model)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (20 if args.quick else 100)
+    args.steps = args.steps or (12 if args.quick else 100)
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.step_budget is None:
-        args.step_budget = 8.0 if args.quick else 0.0
+        args.step_budget = 6.0 if args.quick else 0.0
     args.min_steps = args.min_steps or min(args.steps, 4 if args.quick else args.steps)
     args.num_embeddings = args.num_embeddings or (100_000 if args.quick else 400_000)
     args.compute_ms = args.compute_ms if args.compute_ms is not None else (

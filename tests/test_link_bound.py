@@ -220,9 +220,9 @@ def test_plan_steps_fits_the_budget_between_the_bounds():
 
 def test_quick_and_full_defaults():
     quick, full = lb.parse(["--quick"]), lb.parse([])
-    assert (quick.steps, quick.step_budget, quick.min_steps) == (20, 8.0, 4)
+    assert (quick.steps, quick.step_budget, quick.min_steps) == (12, 6.0, 4)
     assert (full.steps, full.step_budget, full.min_steps) == (100, 0.0, 100)
-    assert lb.run_info(quick)["step_budget_s"] == 8.0
+    assert lb.run_info(quick)["step_budget_s"] == 6.0
     assert "--limit_val_batches" in (argv := lb.common_argv(quick, [10], 7))
     assert argv[argv.index("--limit_train_batches") + 1] == "7"
     assert argv[argv.index("--limit_val_batches") + 1] == "1"
@@ -308,15 +308,15 @@ def test_main_reuses_the_calibration_and_plans_steps_per_case(monkeypatch):
     steps = {}
     for n, t, s in calls:
         assert steps.setdefault((n, t), s) == s        # the same in every round
-    assert steps[("stock", "unshaped")] == 20
-    assert steps[("ps_nocache", "unshaped")] == 20     # nothing to predict it from
-    # 8 s at its unshaped run's 1 s step (and the little the model adds on the shaped link)
-    assert steps[("ps_nocache", "shaped")] in (7, 8)
+    assert steps[("stock", "unshaped")] == 12
+    assert steps[("ps_nocache", "unshaped")] == 12     # nothing to predict it from
+    # 6 s at its unshaped run's 1 s step (and the little the model adds on the shaped link)
+    assert steps[("ps_nocache", "shaped")] in (5, 6)
     lines = [json.loads(ln) for ln in out.getvalue().splitlines()]
     by = {(ln["metric"], ln["config"], ln["trainer_link"]): ln for ln in lines}
     for (n, t), s in steps.items():
         assert by[("samples_per_s", n, t)]["steps"] == s
-    assert by[("shaped_link", "all", "all")]["steps"] == 20
+    assert by[("shaped_link", "all", "all")]["steps"] == 12
 
 
 @contextlib.contextmanager
