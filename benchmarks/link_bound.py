@@ -27,6 +27,9 @@ traffic allows (issue 24):
   without lookahead, BagPipe prescan, online, collective aggregation and mixed placement
   (the 3 largest tables on BagPipe); ``--steps`` (>= 100 in full mode) steps, ``--repeats``
   rounds, round robin over configurations and trainer-link cases; medians over the rounds.
+  With ``--step-budget`` (``--quick``: 6 s) a case whose predicted step is long runs fewer
+  steps (`plan_steps`, `predict_step`), at least ``--min-steps``; its lines carry ``steps``.
+  The calibration run is the first round's stock run with an unshaped trainer link.
 
 Per configuration and trainer link (`bound_model`): the bound is the slowest of compute (the
 stock configuration's median step with an unshaped trainer link), the PS link (the larger
@@ -52,10 +55,12 @@ TorchRec's all-to-alls. Lines (JSON, ``bench: link_bound``), each with ``config`
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -227,6 +232,38 @@ def link_model_step(compute_s: float, c: Counters, link: Link) -> float:
     return max(compute_s + exposed, b["ps_link_s"], b["trainer_link_s"])
 
 
+def plan_steps(max_steps: int, predicted_s: float | None, budget_s: float | None,
+               min_steps: int) -> int:
+    """Steps of one run: as many as `budget_s` seconds of training hold at the predicted
+    step, at least `min_steps` and at most `max_steps`; `max_steps` without a budget or a
+    prediction (full mode: every run its ``--steps``)."""
+    if not budget_s or predicted_s is None or not predicted_s > 0:
+        return max_steps
+    return max(min(min_steps, max_steps), min(max_steps, int(budget_s / predicted_s)))
+
+
+def predict_step(config: str, trainer_link: str,
+                 runs: dict[tuple[str, str], list[dict[str, Any]]], compute_s: float,
+                 shaped: Link, batch: int, dim: int, dense: int,
+                 sizes: dict[str, int]) -> float | None:
+    """The step a run of (config, trainer_link) is expected to take, from what this
+    benchmark measured so far: its own last run; on the shaped trainer link, the link model
+    of its unshaped run's counters at the `shaped` link's rates (never under that run's
+    step); unshaped, for a configuration with every table on the PS, ps_nocache's step (a
+    cache only saves bytes). None: nothing to go by."""
+    if runs.get((config, trainer_link)):
+        return _mean_step(runs[(config, trainer_link)][-1])
+    if trainer_link == "shaped" and runs.get((config, "unshaped")):
+        r = runs[(config, "unshaped")][-1]
+        step = _mean_step(r)
+        cnt = counters_of(r, shaped.world, batch, dim, dense, sizes)
+        own = compute_of(step, cnt, compute_s, bool(r.get("bagpipe")))
+        return max(step, link_model_step(own, cnt, shaped))
+    if config not in ("stock", "ps_nocache", "mixed") and runs.get(("ps_nocache", trainer_link)):
+        return _mean_step(runs[("ps_nocache", trainer_link)][-1])
+    return None
+
+
 def cap(bound_s: float, nocache_bound_s: float) -> float:
     """The speed-up over ps_nocache that a configuration's bytes allow."""
     return nocache_bound_s / bound_s
@@ -249,23 +286,57 @@ def loadavg() -> str:
         return "unknown"
 
 
+def _ip_addr(op: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "addr", op, f"{TRAINER_ADDR}/32", "dev", "lo", "label",
+                           TRAINER_IFACE], capture_output=True, text=True, timeout=10,
+                          check=False)
+
+
 @contextlib.contextmanager
 def trainer_address() -> Iterator[dict[str, str] | None]:
     """Binds the trainers' gloo traffic to TRAINER_ADDR (an address label on lo), so tc can
-    shape it; yields the ranks' environment, or None where the address cannot be added."""
-    r = subprocess.run(["ip", "addr", "add", f"{TRAINER_ADDR}/32", "dev", "lo", "label",
-                        TRAINER_IFACE], capture_output=True, text=True, timeout=10, check=False)
+    shape it; yields the ranks' environment, or None where the address cannot be added.
+    The address goes on every exit path: an exception, SIGINT, SIGTERM / SIGHUP (`main`
+    turns them into SystemExit), interpreter exit (atexit); one left by a run that died by
+    SIGKILL is taken over and removed too."""
+    r = _ip_addr("add")
     if r.returncode != 0 and "exists" not in r.stderr:
         print(f"link_bound: cannot add {TRAINER_ADDR} to lo ({r.stderr.strip()}): the trainer "
               "link stays unshaped", file=sys.stderr, flush=True)
         yield None
         return
+    removed = False
+
+    def remove() -> None:
+        nonlocal removed
+        if not removed:
+            removed = True
+            _ip_addr("del")
+
+    atexit.register(remove)
     try:
         yield {"GLOO_SOCKET_IFNAME": TRAINER_IFACE}
     finally:
-        if r.returncode == 0:
-            subprocess.run(["ip", "addr", "del", f"{TRAINER_ADDR}/32", "dev", "lo", "label",
-                            TRAINER_IFACE], capture_output=True, timeout=10, check=False)
+        remove()
+        atexit.unregister(remove)
+
+
+@contextlib.contextmanager
+def signals_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread, so every context
+    manager (tc shaping, the trainer address, PS servers, ranks) unwinds as on an error."""
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old: dict[int, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to install
+            old[sig] = signal.signal(sig, on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def build_configs(sizes: list[int], cache_fraction: float, lookahead: int
@@ -291,7 +362,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
     a("--quick", action="store_true", help="a short run (3-4 minutes)")
-    a("--steps", type=int, default=None, help="training steps per run (full: 100)")
+    a("--steps", type=int, default=None,
+      help="training steps per run, the most with --step-budget (full: 100, quick: 12)")
+    a("--step-budget", type=float, default=None,
+      help="seconds of training per run: a configuration whose step is long runs fewer "
+      "steps, as many as fit at the step this run predicts for it, at least --min-steps "
+      "(full: none, every run --steps; quick: 6 s)")
+    a("--min-steps", type=int, default=None, help="steps a run takes at least (quick: 4)")
     a("--repeats", type=int, default=None, help="rounds (full: 3)")
     a("--batch-size", type=int, default=2048, help="per-rank batch (MLPerf-like: >= 2048)")
     a("--dim", type=int, default=128)
@@ -317,8 +394,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a("--report-from", default=None,
       help="report a --save file again instead of running (e.g. after changing the model)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (20 if args.quick else 100)
+    args.steps = args.steps or (12 if args.quick else 100)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.step_budget is None:
+        args.step_budget = 6.0 if args.quick else 0.0
+    args.min_steps = args.min_steps or min(args.steps, 4 if args.quick else args.steps)
     args.num_embeddings = args.num_embeddings or (100_000 if args.quick else 400_000)
     args.compute_ms = args.compute_ms if args.compute_ms is not None else (
         40.0 if args.quick else 60.0)
@@ -338,6 +418,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.trainer_links.insert(0, "unshaped")  # the compute is measured there
     if args.batch_size < 1 or args.steps < 2 or args.compute_ms < 0:
         p.error("need --batch-size >= 1, --steps >= 2, --compute-ms >= 0")
+    if args.min_steps < 2 or args.step_budget < 0:
+        p.error("need --min-steps >= 2 and --step-budget >= 0")
     args.dense_layers = [int(v) for v in args.dense_arch.split(",")]
     args.over_layers = [int(v) for v in args.over_arch.split(",")]
     if args.dense_layers[-1] != args.dim:
@@ -345,9 +427,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def common_argv(args: argparse.Namespace, sizes: list[int]) -> list[str]:
+def common_argv(args: argparse.Namespace, sizes: list[int], steps: int) -> list[str]:
+    """The example's flags every configuration shares (one validation and one test batch,
+    the fewest the example takes: the benchmark measures training only)."""
     return [
-        "--batch_size", str(args.batch_size), "--limit_train_batches", str(args.steps),
+        "--batch_size", str(args.batch_size), "--limit_train_batches", str(steps),
         "--limit_val_batches", "1", "--limit_test_batches", "1",
         "--num_embeddings_per_feature", ",".join(map(str, sizes)),
         "--embedding_dim", str(args.dim), "--dense_arch_layer_sizes", args.dense_arch,
@@ -358,9 +442,11 @@ def common_argv(args: argparse.Namespace, sizes: list[int]) -> list[str]:
 
 
 def run_info(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's settings, carried by every line."""
+    """The run's settings, carried by every line (a configuration's lines carry the steps
+    its runs took in `steps`, at most --steps)."""
     return {"world_size": args.world_size, "batch_size": args.batch_size, "dim": args.dim,
-            "largest_table": args.num_embeddings, "steps": args.steps, "zipf": args.zipf,
+            "largest_table": args.num_embeddings, "steps": args.steps,
+            "step_budget_s": args.step_budget, "min_steps": args.min_steps, "zipf": args.zipf,
             "drift": args.drift, "cache_fraction": args.cache_fraction,
             "emulated_compute_ms": args.compute_ms, "repeats": args.repeats}
 
@@ -380,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = table_sizes("criteo", args.num_embeddings)
     table_rows = {f"t_cat_{i}": n for i, n in enumerate(sizes)}
     configs = build_configs(sizes, args.cache_fraction, args.lookahead)
-    common = common_argv(args, sizes)
     dense = dense_params(args.dim, args.dense_layers, args.over_layers, len(sizes))
     if args.report_from:
         with open(args.report_from, encoding="utf-8") as f:
@@ -389,27 +474,40 @@ def main(argv: list[str] | None = None) -> int:
         report(args, runs_saved, saved["compute_s"], saved["rate"], saved["measured_rate"],
                saved["rtt_s"], world, dense, table_rows, saved["info"], saved["shaped_ok"])
         return 0
+    with signals_exit():
+        return measure(args, started, load_before, sizes, table_rows, configs, dense)
+
+
+def measure(args: argparse.Namespace, started: float, load_before: str, sizes: list[int],
+            table_rows: dict[str, int], configs: dict[str, list[str]], dense: int) -> int:
+    """Calibrates, runs every case round robin under the shaping, reports (`main`)."""
+    world = args.world_size
     token = secrets.token_hex(16)
     ports = [free_port() for _ in range(world)]
     calib = free_port()
     info = run_info(args)
 
-    def run(name: str, env: dict[str, str] | None) -> dict[str, Any]:
+    def run(name: str, env: dict[str, str] | None, steps: int) -> dict[str, Any]:
         extra = [] if name == "stock" else ["--ps-type", "tcp", "--job-token", token]
         with contextlib.ExitStack() as stack:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             if name != "stock":
                 servers = stack.enter_context(PSServers(ports, token))
                 extra += ["--ps-addresses", *servers.addresses]
-            return run_dlrm([*common, *configs[name], *extra,
+            return run_dlrm([*common_argv(args, sizes, steps), *configs[name], *extra,
                              "--metrics_json", os.path.join(tmp, "m.json")],
                             world, args.timeout, env=env)[0]
 
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {
         (c, t): [] for c in args.configs for t in args.trainer_links}
+    steps_of: dict[tuple[str, str], int] = {}  # fixed in the first round, kept in the others
     with trainer_address() as env:
-        # Calibration: stock TorchRec's step on this machine sets the link rate.
-        calibration = run("stock", None)
+        # Calibration: stock TorchRec's step on this machine sets the link rate. It is the
+        # first round's stock run with an unshaped trainer link too (no PS port, no shaped
+        # address: the shaping installed below would not touch it).
+        calibration = run("stock", None, args.steps)
+        runs[("stock", "unshaped")].append(calibration)
+        steps_of[("stock", "unshaped")] = args.steps
         step_s = statistics.median(calibration["step_times"])
         gpu_s = gpu_step_s(args.batch_size, args.anchor_step_ms, args.anchor_batch)
         rate = link_rate(args.link_gbps, 1e3 * gpu_s, step_s)
@@ -420,26 +518,36 @@ def main(argv: list[str] | None = None) -> int:
                             host_rate=world * rate) as shaped:
                 recipe = shaped.recipe
                 probes.append(measure_link(calib, nbytes=max(1 << 20, int(rate / 4))))
-                for _ in range(args.repeats):
+                up, down, rtt = probes[0]
+                shaped_link = Link(ps_rate=min(up, down), trainer_rate=rate, rtt_s=rtt,
+                                   shards=world, world=world)
+                for round_ in range(args.repeats):
                     for t in args.trainer_links:
                         if t == "shaped" and not hosts:
                             continue
                         for c in args.configs:
+                            if round_ == 0 and (c, t) == ("stock", "unshaped"):
+                                continue  # the calibration run
+                            if (c, t) not in steps_of:
+                                predicted = predict_step(
+                                    c, t, runs, _mean_step(calibration), shaped_link,
+                                    args.batch_size, args.dim, dense, table_rows)
+                                steps_of[(c, t)] = plan_steps(args.steps, predicted,
+                                                              args.step_budget, args.min_steps)
                             # Unshaped: gloo on its default address, which no filter matches.
-                            runs[(c, t)].append(run(c, env if t == "shaped" else None))
+                            runs[(c, t)].append(run(c, env if t == "shaped" else None,
+                                                    steps_of[(c, t)]))
         except ShapingUnavailable as e:
             emit("shaped_link", None, "bytes/s", config="all", trainer_link="all",
                  shaping=f"unavailable: {e}", **info)
             return 1
-    up, down, rtt = probes[0]
     emit("shaped_link", rate, "bytes/s", config="all", trainer_link="all",
          shaping=f"tc {recipe}", gpu_step_ms=1e3 * gpu_s, calibration_step_ms=1e3 * step_s,
          trainer_rate_bytes_per_s=rate if hosts else None,
          measured_up_bytes_per_s=up, measured_down_bytes_per_s=down,
          measured_rtt_us=1e6 * rtt, reference=f"{args.link_gbps:g} Gb/s under a "
          f"{1e3 * gpu_s:.3f} ms GPU step", **info)
-    stock = [calibration, *runs[("stock", "unshaped")]]
-    compute_s = statistics.median(_mean_step(r) for r in stock)
+    compute_s = statistics.median(_mean_step(r) for r in runs[("stock", "unshaped")])
     if args.save:
         with open(args.save, "w", encoding="utf-8") as f:
             json.dump({"runs": {"|".join(k): v for k, v in runs.items()}, "info": info,
@@ -474,10 +582,10 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, 
             b = bound_model(own, cnt, link)
             rows[c] = {"sps": sps, "step_s": step_s, "bound": b, "counters": cnt,
                        "model_s": link_model_step(own, cnt, link),
-                       "bagpipe": rs[-1].get("bagpipe", {})}
+                       "bagpipe": rs[-1].get("bagpipe", {}), "steps": int(rs[-1]["steps"])}
         base = rows.get("ps_nocache")
         for c, r in rows.items():
-            tag = {"config": c, "trainer_link": t, **info}
+            tag = {"config": c, "trainer_link": t, **info, "steps": r["steps"]}
             b = r["bound"]
             bound_sps = world * batch / b["bound_s"]
             emit("samples_per_s", r["sps"], "samples/s", base["sps"] if base else None,
@@ -514,7 +622,9 @@ def report(args: argparse.Namespace, runs: dict[tuple[str, str], list[dict[str, 
             v = rows["online"]["sps"] / rows["prescan"]["sps"]
             emit("online_vs_prescan", v, "ratio", None, config="online", trainer_link=t,
                  baseline_config="prescan", target=TARGETS["online_vs_prescan"],
-                 met=v >= TARGETS["online_vs_prescan"], **info)
+                 met=v >= TARGETS["online_vs_prescan"],
+                 **{**info, "steps": rows["online"]["steps"],
+                    "prescan_steps": rows["prescan"]["steps"]})
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ latter end to end on one stock rank. No wall-clock asserts, nothing needs root."
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import redirect_stdout
 from typing import Any
 
@@ -205,3 +207,156 @@ def test_report_from_a_saved_run(tmp_path):
     assert {(ln["metric"], ln["config"]) for ln in lines} >= {
         ("bound_fraction", "stock"), ("bound_fraction", "ps_nocache")}
     assert all(ln["trainer_link"] == "unshaped" for ln in lines)
+
+
+def test_plan_steps_fits_the_budget_between_the_bounds():
+    assert lb.plan_steps(20, 0.5, 8.0, 4) == 16          # 8 s at 0.5 s a step
+    assert lb.plan_steps(20, 0.1, 8.0, 4) == 20          # never over --steps
+    assert lb.plan_steps(20, 5.0, 8.0, 4) == 4           # never under --min-steps
+    assert lb.plan_steps(3, 5.0, 8.0, 4) == 3            # --steps wins over --min-steps
+    assert lb.plan_steps(100, 5.0, 0.0, 100) == 100      # full mode: no budget
+    assert lb.plan_steps(20, None, 8.0, 4) == 20         # nothing to predict from
+
+
+def test_quick_and_full_defaults():
+    quick, full = lb.parse(["--quick"]), lb.parse([])
+    assert (quick.steps, quick.step_budget, quick.min_steps) == (12, 6.0, 4)
+    assert (full.steps, full.step_budget, full.min_steps) == (100, 0.0, 100)
+    assert lb.run_info(quick)["step_budget_s"] == 6.0
+    assert "--limit_val_batches" in (argv := lb.common_argv(quick, [10], 7))
+    assert argv[argv.index("--limit_train_batches") + 1] == "7"
+    assert argv[argv.index("--limit_val_batches") + 1] == "1"
+    with pytest.raises(SystemExit):
+        lb.parse(["--min-steps", "1"])
+
+
+def _timed(step_s: float, steps: int, **counters: float) -> dict[str, Any]:
+    """A fake run of 2 ranks x batch 8 whose mean step is `step_s`."""
+    r = _result(steps=steps, **counters)
+    r["samples_per_s"] = r["samples"] / (steps * step_s)
+    return r
+
+
+def test_predict_step_from_what_was_measured():
+    link = lb.Link(ps_rate=1e6, trainer_rate=1e3, rtt_s=1e-3, shards=2, world=2)
+    args = (link, 8, 4, 10, {"t_cat_0": 100})
+    stock = _timed(0.2, 10)
+    stock["placement"] = {"bagpipe": [], "stock": ["t_cat_0"]}
+    stock["sharding_types"] = {"t_cat_0": "table_wise"}
+    nocache = _timed(1.5, 10, fetched_bytes=1e5, gradient_payload_bytes=1e5)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {("stock", "unshaped"): [stock]}
+    assert lb.predict_step("stock", "unshaped", runs, 0.2, *args) == pytest.approx(0.2)
+    # shaped: the stock all-to-alls and the dense all-reduce over 2 x 1e3 B/s, exposed
+    c = lb.counters_of(stock, 2, 8, 4, 10, {"t_cat_0": 100})
+    assert lb.predict_step("stock", "shaped", runs, 0.2, *args) == pytest.approx(
+        0.2 + c.trainer_critical / 2e3)
+    assert lb.predict_step("online", "unshaped", runs, 0.2, *args) is None
+    runs[("ps_nocache", "unshaped")] = [nocache]
+    assert lb.predict_step("online", "unshaped", runs, 0.2, *args) == pytest.approx(1.5)
+    assert lb.predict_step("mixed", "unshaped", runs, 0.2, *args) is None
+    # a shaped trainer link never predicts a shorter step than the unshaped run's
+    assert lb.predict_step("ps_nocache", "shaped", runs, 0.2, *args) >= 1.5
+
+
+class _Fake:
+    """Stands in for PSServers / ShapedLink / the trainer address: a context manager."""
+
+    recipe = "prio"
+    addresses = ["127.0.0.1:1"]
+
+    def __init__(self, *_a: Any, **_k: Any) -> None:
+        pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        pass
+
+
+def test_main_reuses_the_calibration_and_plans_steps_per_case(monkeypatch):
+    """The round robin with fake ranks: the calibration is round 1's stock run, a long-step
+    case runs fewer steps, every later round the same steps, each line its own `steps`."""
+    calls: list[tuple[str, str, int]] = []
+    slow = {("stock", "shaped"): 5.0, ("ps_nocache", "unshaped"): 1.0,
+            ("ps_nocache", "shaped"): 1.0}
+
+    def fake_run(argv: list[str], world: int, timeout: float, env: Any = None) -> list[Any]:
+        steps = int(argv[argv.index("--limit_train_batches") + 1])
+        name = "stock" if "--sharder" in argv else "ps_nocache"
+        t = "shaped" if env else "unshaped"
+        calls.append((name, t, steps))
+        r = _timed(slow.get((name, t), 0.1), steps,
+                   **({} if name == "stock" else {"fetched_bytes": 1e3}))
+        return [r, r]
+
+    monkeypatch.setattr(lb, "run_dlrm", fake_run)
+    monkeypatch.setattr(lb, "PSServers", _Fake)
+    monkeypatch.setattr(lb, "ShapedLink", _Fake)
+    monkeypatch.setattr(lb, "measure_link", lambda *_a, **_k: (1e6, 1e6, 1e-4))
+    monkeypatch.setattr(lb, "trainer_address", lambda: _env_cm({"GLOO_SOCKET_IFNAME": "x"}))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert lb.main(["--quick", "--repeats", "2", "--configs", "stock,ps_nocache",
+                        "--link-gbps", "1e9",  # the fake ranks' trainer traffic: ~no time
+                        "--batch-size", "8", "--dim", "4", "--dense-arch", "4"]) == 0
+    # calibration, then round 1 without stock|unshaped, then round 2 with it
+    assert [(n, t) for n, t, _ in calls] == [
+        ("stock", "unshaped"), ("ps_nocache", "unshaped"), ("stock", "shaped"),
+        ("ps_nocache", "shaped"), ("stock", "unshaped"), ("ps_nocache", "unshaped"),
+        ("stock", "shaped"), ("ps_nocache", "shaped")]
+    steps = {}
+    for n, t, s in calls:
+        assert steps.setdefault((n, t), s) == s        # the same in every round
+    assert steps[("stock", "unshaped")] == 12
+    assert steps[("ps_nocache", "unshaped")] == 12     # nothing to predict it from
+    # 6 s at its unshaped run's 1 s step (and the little the model adds on the shaped link)
+    assert steps[("ps_nocache", "shaped")] in (5, 6)
+    lines = [json.loads(ln) for ln in out.getvalue().splitlines()]
+    by = {(ln["metric"], ln["config"], ln["trainer_link"]): ln for ln in lines}
+    for (n, t), s in steps.items():
+        assert by[("samples_per_s", n, t)]["steps"] == s
+    assert by[("shaped_link", "all", "all")]["steps"] == 12
+
+
+@contextlib.contextmanager
+def _env_cm(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    yield env
+
+
+def test_trainer_address_is_removed_on_every_exit_path(monkeypatch):
+    ops: list[str] = []
+
+    def fake_ip(op: str, stderr: str = "", rc: int = 0) -> Any:
+        ops.append(op)
+        return lb.subprocess.CompletedProcess([], rc, "", stderr)
+
+    monkeypatch.setattr(lb, "_ip_addr", fake_ip)
+    with lb.trainer_address() as env:
+        assert env == {"GLOO_SOCKET_IFNAME": lb.TRAINER_IFACE}
+    assert ops == ["add", "del"]
+    ops.clear()
+    with pytest.raises(RuntimeError), lb.trainer_address():
+        raise RuntimeError("a rank failed")
+    assert ops == ["add", "del"]
+    ops.clear()
+    # SIGTERM inside signals_exit: SystemExit, which unwinds the address too
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e, lb.signals_exit(), lb.trainer_address():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert e.value.code == 128 + signal.SIGTERM and ops == ["add", "del"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the old handler is back
+    ops.clear()
+    # left by a run killed with SIGKILL: taken over and removed
+    monkeypatch.setattr(lb, "_ip_addr", lambda op: fake_ip(
+        op, "RTNETLINK answers: File exists" if op == "add" else "", 2 if op == "add" else 0))
+    with lb.trainer_address() as env:
+        assert env is not None
+    assert ops == ["add", "del"]
+    ops.clear()
+    # cannot add (not root): unshaped, nothing to remove
+    monkeypatch.setattr(lb, "_ip_addr", lambda op: fake_ip(op, "Operation not permitted", 2))
+    with lb.trainer_address() as env:
+        assert env is None
+    assert ops == ["add"]
