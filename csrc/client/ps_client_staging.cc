@@ -245,6 +245,20 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
     partitioner_.Split(op->evict_, op->nevict_, &evict_shards_, &evict_order_, &evict_offsets_);
   }
   const size_t maxr = options_.max_packet_rows;
+  // The fixed part of chunk k of this commit (a row chunk, or one of evicted keys: nrows 0).
+  auto commit_body = [&](uint32_t k, uint32_t chunk_count, size_t nrows) {
+    wire::CommitBody b{};
+    b.session = options_.session;
+    b.step = op->step_;
+    b.rank = options_.rank;
+    b.world_size = options_.world_size;
+    b.chunk_index = k;
+    b.chunk_count = chunk_count;
+    b.dim = options_.dim;
+    b.lr = op->lr_;
+    b.nrows = static_cast<uint32_t>(nrows);
+    return b;
+  };
   SendChunks(op, scratch_offsets_, /*marker=*/is_commit,
              [&](Channel& ch, uint32_t shard, uint32_t slot, uint32_t k, uint32_t chunk_count,
                  size_t begin, size_t count) {
@@ -255,16 +269,7 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
     if (evicts && k >= row_chunks && evict_offsets_[shard + 1] > evict_offsets_[shard]) {
       const size_t eb = evict_offsets_[shard] + (k - row_chunks) * maxr;
       const size_t ec = std::min(maxr, evict_offsets_[shard + 1] - eb);
-      wire::CommitBody b{};
-      b.session = options_.session;
-      b.step = op->step_;
-      b.rank = options_.rank;
-      b.world_size = options_.world_size;
-      b.chunk_index = k;
-      b.chunk_count = chunk_count;
-      b.dim = options_.dim;
-      b.lr = op->lr_;
-      b.nrows = 0;
+      wire::CommitBody b = commit_body(k, chunk_count, 0);
       b.nevict = static_cast<uint32_t>(ec);
       std::memcpy(f + kHeaderBytes, &b, sizeof(b));
       len = wire::CommitFrameBytes(0, dim, ec);
@@ -275,16 +280,7 @@ void PSClient::StageRows(const std::shared_ptr<ClientOp>& op) {
       return;
     }
     if (is_commit) {
-      wire::CommitBody b{};
-      b.session = options_.session;
-      b.step = op->step_;
-      b.rank = options_.rank;
-      b.world_size = options_.world_size;
-      b.chunk_index = k;
-      b.chunk_count = chunk_count;
-      b.dim = options_.dim;
-      b.lr = op->lr_;
-      b.nrows = static_cast<uint32_t>(count);
+      const wire::CommitBody b = commit_body(k, chunk_count, count);
       std::memcpy(f + kHeaderBytes, &b, sizeof(b));
       fixed = sizeof(b);
       len = wire::CommitFrameBytes(count, dim);
