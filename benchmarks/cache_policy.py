@@ -9,7 +9,10 @@ capacities of 0.5, 1, 5 and 10% of the rows:
   * min:    Belady's MIN with bypass, computed here offline from the whole trace (the optimum
             for a demand-fetched cache of the same capacity).
 Reported per (trace, capacity): hit rate (accesses served from the cache without any fetch
-for that step) and PS rows fetched per step (demand + prefetched).
+for that step) and PS rows fetched per step (demand + prefetched); per lookahead L the gap to
+MIN (`gap_to_min`, baseline MIN in the same run) with the window each step needs (the
+reuse horizon, `reuse_horizons`: docs/adaptive_lookahead.md), and the best fixed L's gap
+(`best_fixed_gap_to_min`). `--lookaheads`, `--traces`, `--pcts` choose the grid.
 
 Part 2 (planner). The native step planner over a global batch of 16,384 samples x 26 features
 (W = 8 ranks), Zipf 1.05 over 10M rows: ids/s and ms per global batch, against a vectorized
