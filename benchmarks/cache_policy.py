@@ -9,7 +9,10 @@ capacities of 0.5, 1, 5 and 10% of the rows:
   * min:    Belady's MIN with bypass, computed here offline from the whole trace (the optimum
             for a demand-fetched cache of the same capacity).
 Reported per (trace, capacity): hit rate (accesses served from the cache without any fetch
-for that step) and PS rows fetched per step (demand + prefetched).
+for that step) and PS rows fetched per step (demand + prefetched); per lookahead L the gap to
+MIN (`gap_to_min`, baseline MIN in the same run) with the window each step needs (the
+reuse horizon, `reuse_horizons`: docs/adaptive_lookahead.md), and the best fixed L's gap
+(`best_fixed_gap_to_min`). `--lookaheads`, `--traces`, `--pcts` choose the grid.
 
 Part 2 (planner). The native step planner over a global batch of 16,384 samples x 26 features
 (W = 8 ranks), Zipf 1.05 over 10M rows: ids/s and ms per global batch, against a vectorized
@@ -64,8 +67,10 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def belady_min(trace: list[list[np.ndarray]], capacity: int) -> tuple[int, int]:
-    """Hits and accesses of Belady's MIN with bypass over per-step unique keys (one rank)."""
+def belady_min(trace: list[list[np.ndarray]], capacity: int,
+               keep_sets: bool = False) -> tuple[int, int] | tuple[int, int, list[np.ndarray]]:
+    """Hits and accesses of Belady's MIN with bypass over per-step unique keys (one rank);
+    with `keep_sets`, also the rows resident after each step."""
     steps = [np.unique(per[0]) for per in trace]
     never = np.iinfo(np.int64).max
     nxt: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
@@ -78,6 +83,7 @@ def belady_min(trace: list[list[np.ndarray]], capacity: int) -> tuple[int, int]:
     res_k = np.zeros(0, dtype=np.int64)
     res_n = np.zeros(0, dtype=np.int64)
     hits = accesses = 0
+    kept: list[np.ndarray] = []
     for t, keys in enumerate(steps):
         accesses += keys.size
         hits += int(np.isin(keys, res_k, assume_unique=True).sum())
@@ -91,7 +97,33 @@ def belady_min(trace: list[list[np.ndarray]], capacity: int) -> tuple[int, int]:
             sel = np.argpartition(un, capacity - 1)[:capacity]
             uk, un = uk[sel], un[sel]
         res_k, res_n = uk, un
+        if keep_sets:
+            kept.append(np.sort(uk))
+    if keep_sets:
+        return hits, accesses, kept
     return hits, accesses
+
+
+def reuse_horizons(trace: list[list[np.ndarray]], capacity: int, hi: int) -> np.ndarray:
+    """Per step t, the window an oracle needs at t (one rank): the smallest w <= hi such that
+    `capacity` of the rows it may keep after t (MIN's resident rows after step t, which include
+    step t's kept keys) are read again within steps t+1..t+w, i.e. the capacity-th soonest
+    reuse among the candidates. A row whose next use lies beyond that horizon is one MIN
+    evicts or bypasses anyway; a window shorter than it leaves kept rows without a known next
+    use (ranked as "never", evicted in arbitrary order). `hi` where the trace runs out first.
+    The rule of docs/adaptive_lookahead.md, measured here (the planner does not use it yet)."""
+    _, _, kept = belady_min(trace, capacity, keep_sets=True)
+    steps = [np.unique(per[0]) for per in trace]
+    out = np.empty(len(steps), dtype=np.int64)
+    for t in range(len(steps)):
+        cand = kept[t]
+        have = np.zeros(0, dtype=np.int64)
+        w = 0
+        while w < hi and t + w + 1 < len(steps) and have.size < min(capacity, cand.size):
+            w += 1
+            have = np.union1d(have, np.intersect1d(cand, steps[t + w], assume_unique=True))
+        out[t] = w
+    return out
 
 
 def run_policy(trace, rows: int, capacity_rows: int, policy: str, lookahead: int, dim: int):
@@ -110,8 +142,7 @@ def run_policy(trace, rows: int, capacity_rows: int, policy: str, lookahead: int
 
 
 def part_hit_rate(args) -> None:
-    kinds = ["zipf0.8", "zipf1.05", "zipf1.2", "time_ordered"]
-    pcts = [0.5, 1.0, 5.0, 10.0]
+    kinds, pcts = args.traces, args.pcts
     for kind in kinds:
         trace = make_trace(kind, args.rows, args.steps, args.batch, seed=1)
         for pct in pcts:
@@ -133,9 +164,18 @@ def part_hit_rate(args) -> None:
                  ratio=lru_fetch / max((acc - mh) / args.steps, 1e-9))
             emit(**common, metric="hit_rate", policy="min", lookahead=args.steps, value=min_rate,
                  unit="fraction", baseline=lru_rate, ratio=min_rate / lru_rate if lru_rate else 0)
+            fixed: dict[int, float] = {}
+            need = reuse_horizons(trace, cap, max(args.lookaheads))
             for look in args.lookaheads:
                 orc, wall = run_policy(trace, args.rows, cap, "oracle", look, args.dim)
                 rate = orc["hits"] / orc["accesses"]
+                fixed[look] = rate
+                emit(**common, metric="gap_to_min", policy="oracle", lookahead=look,
+                     value=min_rate - rate, unit="fraction", baseline=min_rate,
+                     ratio=rate / min_rate if min_rate else 0.0,
+                     needed_window_median=float(np.median(need)),
+                     needed_window_p90=float(np.percentile(need, 90)),
+                     steps_window_short=float(np.mean(need > look)))
                 fetch = (orc["demand_fetched"] + orc["prefetched"]) / args.steps
                 emit(**common, metric="hit_rate", policy="oracle", lookahead=look, value=rate,
                      unit="fraction", baseline=lru_rate,
@@ -148,6 +188,10 @@ def part_hit_rate(args) -> None:
                      demand_rows_per_step=orc["demand_fetched"] / args.steps)
                 emit(**common, metric="controller_step_ms", policy="oracle", lookahead=look,
                      value=wall / args.steps * 1e3, unit="ms", baseline=None, ratio=None)
+            best = max(fixed, key=lambda k: fixed[k])
+            emit(**common, metric="best_fixed_gap_to_min", policy="oracle", lookahead=best,
+                 value=min_rate - fixed[best], unit="fraction", baseline=min_rate,
+                 ratio=fixed[best] / min_rate if min_rate else 0.0)
 
 
 class NumpyPlanner:
@@ -348,7 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-sized run (well under a minute)")
     p.add_argument("--part", choices=["all", "hit_rate", "planner", "overhead", "metadata"],
                    default="all")
+    p.add_argument("--lookaheads", type=int, nargs="+", default=None,
+                   help="oracle lookaheads of the hit-rate part (default: by mode)")
+    p.add_argument("--traces", nargs="+", default=None, help="hit-rate traces (default: all)")
+    p.add_argument("--pcts", type=float, nargs="+", default=None,
+                   help="hit-rate cache sizes in %% of the rows (default: 0.5 1 5 10)")
     args = p.parse_args(argv)
+    chosen_looks, chosen_traces, chosen_pcts = args.lookaheads, args.traces, args.pcts
     if args.quick:
         args.rows, args.steps, args.batch, args.lookaheads = 20_000, 40, 1024, [4, 32]
         args.samples, args.planner_rows, args.planner_steps = 16384, 2_000_000, 6
@@ -360,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overhead_steps, args.overhead_batch, args.repeats = 50, 8192, 3
         args.metadata_rows, args.metadata_steps, args.metadata_warmup = 10_000_000, 40, 20
     args.dim = 4
+    if chosen_looks:
+        args.lookaheads = chosen_looks
+    args.traces = chosen_traces or ["zipf0.8", "zipf1.05", "zipf1.2", "time_ordered"]
+    args.pcts = chosen_pcts or [0.5, 1.0, 5.0, 10.0]
     if args.part in ("all", "planner"):
         part_planner(args)
     if args.part in ("all", "overhead"):
