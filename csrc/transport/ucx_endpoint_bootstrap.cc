@@ -401,6 +401,8 @@ void Endpoint::WriteRingHeader() {
   rh.ring_id = ring_id_;
   rh.slot_stride = slot_stride_;
   std::memcpy(ring_->data(), &rh, sizeof(rh));
+  // Messages naming the ring reach this endpoint from now on (before the BootReply is out).
+  if (group_ != nullptr) group_->Register(ring_id_, this);
 }
 
 wire::BootReply Endpoint::MakeBootReply(BootFault fault, uint64_t ring_bytes,
