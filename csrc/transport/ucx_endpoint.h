@@ -350,6 +350,7 @@ class Endpoint {
   size_t slot_bytes_ = 0;
   size_t slot_stride_ = 0;
   uint64_t ring_id_ = 0;
+  uint64_t wire_id_ = 0;  // the ring id the BootReply announced: every MessagePrefix names it
   uint64_t remote_ring_addr_ = 0;                 // client: remote RingHeader address
   std::unique_ptr<Region> ring_;                  // shard: RingHeader + slots
   std::vector<std::unique_ptr<Region>> sources_;  // client: one registration per source slot

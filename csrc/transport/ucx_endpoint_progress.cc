@@ -291,7 +291,7 @@ ucs_status_t Endpoint::ReceiveAm(unsigned am_id, const void* header, size_t head
   if (header_len >= sizeof(wire::MessagePrefix)) {
     wire::MessagePrefix p;
     std::memcpy(&p, header, sizeof(p));
-    if (p.ring_id != ring_id_) {
+    if (p.ring_id != wire_id_) {
       Fail("malformed UCX message from " + peer_ + " (names another connection)");
       return UCS_OK;
     }

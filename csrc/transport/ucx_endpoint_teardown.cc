@@ -91,7 +91,7 @@ void Endpoint::Teardown() {
   completed_.clear();
   rkey_.reset();
   // No message reaches this endpoint from now on (ucx_progress.h invariant 5).
-  if (group_ != nullptr) group_->Unregister(ring_id_);
+  if (group_ != nullptr) group_->Unregister(wire_id_);
   if (shared_worker_) {
     // The worker lives on with the group: a request UCX never completed goes to the group
     // with its buffers (ucx_progress.h invariant 4).
