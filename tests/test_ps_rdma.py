@@ -214,3 +214,56 @@ def test_rdma_server_process_drains_and_a_killed_one_fails_clients_fast(tls: str
         with pytest.raises(TransportError):
             c.commit(1, *batch(1, 0))
         c.close(1)
+
+
+# ---- many connections, few workers ------------------------------------------------------------
+
+@pytest.mark.parametrize("tls", TLS, indirect=True)
+def test_rdma_many_connections_share_a_bounded_set_of_workers(tls: str) -> None:
+    """64 established UCX connections to one shard server: the server's UCP workers stay at
+    most its progress threads (the connections share them), and every connection works while
+    all commit concurrently, each table ending equal to a dict-model reference."""
+    n, steps = 64, 3
+    shard = PSShard(shard_id=0, num_shards=1)
+    srv = shard.serve_ucx(job_token="tok")
+    clients = [PSClient([srv.address], table=f"t{i}", dim=DIM, lr=LR, init="zeros",
+                        job_token="tok", timeout=30.0, inflight_packets=2)
+               for i in range(n)]
+    try:
+        st = srv.stats()
+        assert st["active"] == n
+        threads = st["threads"]
+        assert 1 <= st["ucx_workers"] <= threads  # not one per connection
+        errors: list[BaseException] = []
+        expected: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
+
+        def loop(i: int) -> None:
+            try:
+                for t in range(steps):
+                    keys = torch.tensor([i % KEYS, (i + t) % KEYS, 63 + t], dtype=torch.int64)
+                    grads = torch.full((3, DIM), float(i + 1) / 8.0 + t)
+                    clients[i].commit(t, keys, grads)
+                    for k, g in zip(keys.tolist(), grads.numpy(), strict=True):
+                        row = expected[i].setdefault(k, np.zeros(DIM, np.float32))
+                        row -= np.float32(LR) * g  # plain SGD from zeros, rows summed per key
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        ths = [threading.Thread(target=loop, args=(i,)) for i in range(n)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        assert not errors, errors[:3]
+        assert not any(th.is_alive() for th in ths)
+        for i, c in enumerate(clients):
+            keys = sorted(expected[i])
+            got = c.get(torch.tensor(keys), steps - 1).numpy()
+            np.testing.assert_array_equal(got, np.stack([expected[i][k] for k in keys]))
+        st = srv.stats()
+        assert st["ucx_workers"] <= threads
+        assert st["closed_by_server"] == 0 and st["ucx_stray"] == 0
+    finally:
+        for c in clients:
+            c.close()
+        shard.close()

@@ -49,6 +49,8 @@ inline pybind11::dict ServerStatsDict(const server::ServerStats& st) {
   d["bytes_in"] = st.bytes_in;
   d["bytes_out"] = st.bytes_out;
   d["closed_by_server"] = st.closed_by_server;
+  d["ucx_workers"] = st.ucx_workers;
+  d["ucx_stray"] = st.ucx_stray;
   return d;
 }
 

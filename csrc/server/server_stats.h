@@ -5,7 +5,8 @@
 // Invariants:
 //   1. accepted .. idle_timeouts, frames, bytes_* and closed_by_server count since the
 //      server started; active, unauthenticated and threads are the values at the copy, with
-//      unauthenticated <= active.
+//      unauthenticated <= active; ucx_workers is too (0 over TCP), at most
+//      UcxServerOptions::progress_threads however many connections are open.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,8 @@ struct ServerStats {
   uint64_t bytes_out = 0;
   uint64_t closed_by_server = 0;  // connections closed for a protocol / auth violation
   uint64_t threads = 0;           // threads serving connections (loop threads)
+  uint64_t ucx_workers = 0;       // UCX: UCP workers alive (shared by established endpoints)
+  uint64_t ucx_stray = 0;         // UCX: messages dropped for naming no live connection
 };
 
 }  // namespace bagpipe::server

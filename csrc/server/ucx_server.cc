@@ -273,6 +273,8 @@ ServerStats UcxShardServer::stats() {
   // Bootstrap loop threads, the reaper, and the progress threads of every endpoint.
   s.threads = acceptor_->threads() + 1 + progress_->threads();
   s.bytes_out = bytes_out_;
+  s.ucx_workers = progress_->workers();
+  s.ucx_stray = progress_->stray();
   return s;
 }
 

@@ -55,7 +55,10 @@
 //      progress group let go of the endpoint).
 //   6. An endpoint's progress thread is its own, or (shards: AcceptLimits::progress) the
 //      thread of a ProgressGroup shared with other endpoints (ucx_progress.h); either way
-//      every UCP call on its worker happens on that one thread.
+//      every UCP call on its worker happens on that one thread. A grouped endpoint uses the
+//      group's shared UCP worker (shared_worker_): it never destroys it, unregisters its ring
+//      id at teardown, and hands requests UCX never completed to the group (orphans), so
+//      no callback of the shared worker reaches a torn-down endpoint.
 //   7. SendMessage calls leave in call order: one made on the progress thread while commands
 //      from other threads are queued (or later in the running batch) queues behind them
 //      instead of sending at once (a shard's refusal never overtakes a notice sent before it).
@@ -347,6 +350,7 @@ class Endpoint {
   size_t slot_bytes_ = 0;
   size_t slot_stride_ = 0;
   uint64_t ring_id_ = 0;
+  uint64_t wire_id_ = 0;  // the ring id the BootReply announced: every MessagePrefix names it
   uint64_t remote_ring_addr_ = 0;                 // client: remote RingHeader address
   std::unique_ptr<Region> ring_;                  // shard: RingHeader + slots
   std::vector<std::unique_ptr<Region>> sources_;  // client: one registration per source slot
@@ -362,6 +366,7 @@ class Endpoint {
 
   // ---- progress thread only -------------------------------------------------------------------
   ucp_worker_h worker_ = nullptr;
+  bool shared_worker_ = false;  // worker_ is group_'s (ucx_progress.h), not this endpoint's
   ucp_ep_h ep_ = nullptr;
   int efd_ = -1;
   std::unique_ptr<RemoteKey> rkey_;

@@ -173,6 +173,7 @@ std::shared_ptr<Endpoint> Endpoint::Connect(const ConnectOptions& o, EndpointHan
       deadline);
   ep->remote_ring_addr_ = reply.ring_addr;
   ep->ring_id_ = reply.ring_id;
+  ep->wire_id_ = reply.ring_id;
   // kMessage never touches the ring remotely, so its key is never used (nor checked).
   if (ep->frame_mode_ == FrameMode::kPut) ep->VerifyRing(reply, deadline);
   ep->AdoptControl(std::move(s));
@@ -430,6 +431,11 @@ wire::BootReply Endpoint::MakeBootReply(BootFault fault, uint64_t ring_bytes,
       r.ring_id ^= 1;
       break;
   }
+  // The id messages name the connection by is the one announced (with a kWrongRingId fault
+  // too: message mode never reads the ring header, so that connection must still work).
+  // Messages naming it reach this endpoint from now on, before the BootReply is out.
+  wire_id_ = r.ring_id;
+  if (group_ != nullptr) group_->Register(wire_id_, this);
   r.key_digest = KeyDigest(key->data(), key->size());
   if (fault == BootFault::kCorruptKey) {
     for (auto& b : *key) b ^= 0x5a;

@@ -30,7 +30,8 @@ namespace bagpipe::transport::ucx {
 struct Endpoint::Op {
   enum class Kind : uint8_t { kFlush, kSend, kRecv, kGet } kind;
   explicit Op(Kind k) : kind(k) {}
-  Endpoint* ep = nullptr;
+  Endpoint* ep = nullptr;             // nullptr once orphaned (its endpoint is torn down)
+  ProgressGroup* orphan_of = nullptr;  // the group holding it once orphaned
   ucs_status_t status = UCS_INPROGRESS;
   bool in_flight = false;  // a UCX request whose callback has not run
   bool done = false;

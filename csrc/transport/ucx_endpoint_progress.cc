@@ -29,6 +29,13 @@ constexpr size_t kMaxHeldMessages = 1 << 16;
 // ---- progress thread -------------------------------------------------------------------------------
 
 void Endpoint::Setup() {
+  if (group_ != nullptr) {
+    worker_ = group_->SharedWorker(context_, &efd_);
+    if (worker_ != nullptr) {
+      shared_worker_ = true;
+      return;
+    }
+  }
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -64,8 +71,9 @@ bool Endpoint::SetupOnThisThread() {
   try {
     Setup();
   } catch (const std::exception& e) {
-    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (worker_ != nullptr && !shared_worker_) ucp_worker_destroy(worker_);
     worker_ = nullptr;
+    shared_worker_ = false;
     std::lock_guard<std::mutex> lock(mu_);
     setup_error_ = e.what();
     cv_.notify_all();
@@ -231,6 +239,12 @@ void Endpoint::Track(Op* op, ucs_status_ptr_t st) {
 
 void Endpoint::OnSendDone(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<Op*>(user_data);
+  if (op->ep == nullptr) {  // orphaned: its endpoint is gone (ucx_progress.h invariant 4)
+    ucp_request_free(request);
+    op->orphan_of->Unorphan(op);
+    return;
+  }
+  if (op->ep->shared_worker_) op->ep->group_->Woke(op->ep);
   op->status = status;
   op->in_flight = false;
   --op->ep->outstanding_;
@@ -274,6 +288,14 @@ ucs_status_t Endpoint::ReceiveAm(unsigned am_id, const void* header, size_t head
   if (failed_flag_.load(std::memory_order_acquire)) return UCS_OK;  // dropped
   // Doorbells only flow to shards, frame messages only to clients.
   const unsigned expected = role_ == Role::kServer ? wire::kAmDoorbell : wire::kAmFrame;
+  if (header_len >= sizeof(wire::MessagePrefix)) {
+    wire::MessagePrefix p;
+    std::memcpy(&p, header, sizeof(p));
+    if (p.ring_id != wire_id_) {
+      Fail("malformed UCX message from " + peer_ + " (names another connection)");
+      return UCS_OK;
+    }
+  }
   if (am_id != expected) {
     Fail("UCX message of the wrong kind (" + std::to_string(am_id) + ") from " + peer_);
     return UCS_OK;

@@ -85,7 +85,7 @@ void Endpoint::DoSend(unsigned am_id, const void* head, size_t head_len, const v
     return;
   }
   Op* op = NewOp(static_cast<int>(Op::Kind::kSend));
-  const wire::MessagePrefix prefix{next_send_seq_++};
+  const wire::MessagePrefix prefix{next_send_seq_++, wire_id_};
   op->header.resize(sizeof(prefix) + head_len);
   std::memcpy(op->header.data(), &prefix, sizeof(prefix));
   if (head_len > 0) std::memcpy(op->header.data() + sizeof(prefix), head, head_len);

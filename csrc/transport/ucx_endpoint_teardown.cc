@@ -90,10 +90,26 @@ void Endpoint::Teardown() {
   deliveries_.clear();
   completed_.clear();
   rkey_.reset();
-  ucp_worker_destroy(worker_);
+  // No message reaches this endpoint from now on (ucx_progress.h invariant 5).
+  if (group_ != nullptr) group_->Unregister(wire_id_);
+  if (shared_worker_) {
+    // The worker lives on with the group: a request UCX never completed goes to the group
+    // with its buffers (ucx_progress.h invariant 4).
+    for (Op* op : live_ops_) {
+      if (op->in_flight) {
+        op->ep = nullptr;
+        op->orphan_of = group_.get();
+        group_->Orphan(op);
+      } else {
+        delete op;
+      }
+    }
+  } else {
+    ucp_worker_destroy(worker_);
+    // No callback can run after the worker is gone: free what UCX never completed.
+    for (Op* op : live_ops_) delete op;
+  }
   worker_ = nullptr;
-  // No callback can run after the worker is gone: free what UCX never completed.
-  for (Op* op : live_ops_) delete op;
   live_ops_.clear();
   outstanding_ = 0;
   std::lock_guard<std::mutex> lock(mu_);

@@ -24,7 +24,8 @@
 //   2. Every length announced on the control connection is bounded before anything is
 //      allocated for it (kMax* below).
 //   3. Every active message starts with MessagePrefix; seq numbers one direction of one
-//      connection 0, 1, 2, ... and the receiver acts on messages strictly in seq order.
+//      connection 0, 1, 2, ... and the receiver acts on messages strictly in seq order;
+//      ring_id names the connection (several share a shard's UCP worker).
 #pragma once
 
 #include <cstddef>
@@ -103,8 +104,10 @@ static_assert(sizeof(DoorbellEntry) == 24);
 
 struct MessagePrefix {
   uint64_t seq;
+  uint64_t ring_id;  // the connection's ring id (BootReply): shards demultiplex a shared
+                     // worker's messages by it; clients check it is their connection's
 };
-static_assert(sizeof(MessagePrefix) == 8);
+static_assert(sizeof(MessagePrefix) == 16);
 
 // Bytes between ring slots: slot_bytes rounded up to kSlotAlign.
 inline size_t SlotStride(size_t slot_bytes) {
