@@ -38,7 +38,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -205,7 +204,8 @@ class Embedder:
         if self.name == "mch":
             self.mc_ebc.train(train)
             kt, _ = self.mc_ebc(kjt)
-            return torch.cat([kt[k] for k in kjt.keys()], 1)
+            names = kjt.keys()
+            return torch.cat([kt[k] for k in names], 1)
         keys = fused_keys(kjt.values(), self.features, b)
         if self.name == "hashed":
             slots = (keys >> FEATURE_BITS) * self.rows + (keys & ((1 << FEATURE_BITS) - 1)) \
@@ -243,9 +243,11 @@ def _mch_ebc(features: int, dim: int, rows: int) -> nn.Module:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
-    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy,
-                                             ManagedCollisionCollection,
-                                             MCHManagedCollisionModule)
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
 
     keys = [f"cat_{f}" for f in range(features)]
     tables = [EmbeddingBagConfig(name=f"t{f}", embedding_dim=dim, num_embeddings=rows,
