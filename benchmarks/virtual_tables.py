@@ -26,6 +26,11 @@ owns: hashed, some other training id has the same slot; mch, the id is not resid
 module's remapping table; virtual, 0 by construction (an id has its own row or its initial
 value), reported as 0.
 
+Part 3 (the store, metric ``keys_per_s``). The rates of a virtual table's three store
+operations on raw ids spread over [0, 2^40), with 1 and 2 store threads (baseline: 1 thread):
+``insert`` (`lookup(insert_missing=True)` of new ids), ``find`` (`lookup` of live ids) and
+``evict`` (`erase` of live ids).
+
 Each number is the median over `--repeats` seeds. One JSON line per result:
 {"bench","metric","value","unit","baseline","ratio","config",...}.
 """
@@ -320,10 +325,43 @@ def part_quality(args: argparse.Namespace) -> None:
              baseline=base_coll, ratio=coll / base_coll if base_coll else None, **common)
 
 
+# ---- part 3: store operation rates ---------------------------------------------------------
+def store_rates(n: int, dim: int, threads: int, seed: int) -> dict[str, float]:
+    """keys/s of insert, find and evict of n distinct raw ids on a fresh store."""
+    keys = torch.from_numpy(np.random.default_rng(seed).choice(1 << 40, n, replace=False))
+    store = EmbeddingStore(dim=dim, init="uniform", init_bound=INIT_BOUND, seed=seed,
+                           key_bound=1 << 40, num_threads=threads)
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    store.lookup(keys, insert_missing=True)
+    out["insert"] = n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    store.lookup(keys, insert_missing=False)
+    out["find"] = n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    erased = store.erase(keys)
+    out["evict"] = n / (time.perf_counter() - t0)
+    if erased != n or len(store) != 0:
+        raise RuntimeError(f"erase removed {erased} of {n} rows, {len(store)} left")
+    return out
+
+
+def part_store(args: argparse.Namespace) -> None:
+    runs = {t: [store_rates(args.store_keys, args.dim, t, seed) for seed in range(args.repeats)]
+            for t in (1, 2)}
+    for op in ("insert", "find", "evict"):
+        base = median([r[op] for r in runs[1]])
+        for t in (1, 2):
+            val = median([r[op] for r in runs[t]])
+            emit(metric="keys_per_s", value=val, unit="keys/s", baseline=base,
+                 ratio=val / base, config="virtual", op=op, threads=t, baseline_threads=1,
+                 keys=args.store_keys, dim=args.dim)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run (a few minutes)")
-    p.add_argument("--part", choices=("all", "memory", "quality"), default="all")
+    p.add_argument("--part", choices=("all", "memory", "quality", "store"), default="all")
     p.add_argument("--features", type=int, default=8)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--batch", type=int, default=512)
@@ -336,15 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate of the MLP")
     p.add_argument("--emb-lr", type=float, default=20.0,
                    help="SGD learning rate of the embeddings (the loss is a batch mean)")
+    p.add_argument("--store-keys", type=int, default=1_000_000)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     if args.quick:
         args.mem_steps, args.train_batches, args.test_batches = 120, 120, 20
+        args.store_keys = 200_000
     torch.set_num_threads(1)
     if args.part in ("all", "memory"):
         part_memory(args)
     if args.part in ("all", "quality"):
         part_quality(args)
+    if args.part in ("all", "store"):
+        part_store(args)
     return 0
 
 

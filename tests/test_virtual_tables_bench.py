@@ -1,6 +1,7 @@
 """benchmarks/virtual_tables.py at tiny sizes: its AUROC is the pairwise definition
 (Hypothesis), its virtual table is the reference rule's (live rows = the dict model's at every
-step, bounded by the trigger plus one step's new ids), and its JSON lines carry every config."""
+step, bounded by the trigger plus one step's new ids), and its JSON lines carry every config
+and store rate."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_quick_lines_carry_every_metric_and_config():
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         vt.main(["--quick", "--repeats", "1", "--features", "2", "--batch", "64",
                  "--bound-rows", "64", "--mem-steps", "8", "--train-batches", "6",
-                 "--test-batches", "3"])
+                 "--test-batches", "3", "--store-keys", "2000"])
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert all(x["bench"] == "virtual_tables" for x in lines)
     for metric in ("auroc", "collision_rate"):
@@ -73,3 +74,5 @@ def test_quick_lines_carry_every_metric_and_config():
     assert all(0.0 <= a <= 1.0 for a in aucs) and np.isfinite(aucs).all()
     live = [x for x in lines if x["metric"] == "live_rows"]
     assert live and all(x["baseline_config"] == "virtual_no_eviction" for x in live)
+    rates = {(x["op"], x["threads"]) for x in lines if x["metric"] == "keys_per_s"}
+    assert rates == {(op, t) for op in ("insert", "find", "evict") for t in (1, 2)}
