@@ -40,6 +40,8 @@ SPECS = [
     EvictionSpec(threshold=1.0, decay_rate=0.5, ttl_steps=4),
     EvictionSpec(admit_after=2),
     EvictionSpec(admit_after=3, ttl_steps=2),
+    EvictionSpec(admit_probability=0.5, admit_seed=3, ttl_steps=2),
+    EvictionSpec(admit_after=2, admit_probability=0.3, admit_seed=(1 << 64) - 1),
 ]
 OPTIMIZERS = [OptimizerSpec("sgd"), OptimizerSpec("adagrad", eps=1e-6),
               OptimizerSpec("adam", beta1=0.8, beta2=0.99, eps=1e-6)]

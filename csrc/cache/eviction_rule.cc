@@ -20,6 +20,25 @@ EvictionRule::EvictionRule(const EvictionRuleOptions& options) : opt_(options) {
   if (opt_.ttl_steps < 0) throw ValueError("eviction ttl_steps must be >= 0");
   if (opt_.trigger_rows < 0) throw ValueError("eviction trigger_rows must be >= 0");
   if (opt_.admit_after < 0) throw ValueError("admission admit_after must be >= 0");
+  if (!(opt_.admit_probability > 0.0 && opt_.admit_probability <= 1.0)) {
+    throw ValueError("admission admit_probability must lie in (0, 1], got " +
+                     std::to_string(opt_.admit_probability));
+  }
+}
+
+namespace {
+uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+double AdmitCoin(uint64_t seed, int64_t key, int64_t n) {
+  const uint64_t h = Mix64(Mix64(Mix64(seed) ^ static_cast<uint64_t>(key)) ^
+                           static_cast<uint64_t>(n));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
 }
 
 int64_t EvictionRule::MemoryBytes() const {
@@ -39,6 +58,10 @@ bool EvictionRule::Admit(int64_t key) {
   if (!opt_.admits() || index_.Find(key) != nullptr) return true;
   int64_t* n = seen_.FindOrInsert(key, 0).first;
   if (++*n < opt_.admit_after) return false;
+  if (opt_.admit_probability < 1.0 &&
+      !(AdmitCoin(opt_.admit_seed, key, *n) < opt_.admit_probability)) {
+    return false;
+  }
   seen_.Erase(key);
   return true;
 }

@@ -11,6 +11,7 @@
 #include "protocol/wire.h"
 #include "tests/test_harness.h"
 
+using bagpipe::cache::AdmitCoin;
 using bagpipe::cache::EvictionRule;
 using bagpipe::cache::EvictionRuleOptions;
 using bagpipe::cache::PlannerOptions;
@@ -139,4 +140,35 @@ TEST_CASE(eviction_rule_admits_after_n_steps_and_again_after_eviction) {
   CHECK(Step(r, 2, {}) == std::vector<int64_t>{9});  // TTL 1: evicted
   CHECK(!r.Admit(9));                 // after an eviction it starts over
   CHECK_EQ(r.live(), 0);
+}
+
+TEST_CASE(eviction_rule_admits_with_a_seeded_coin) {
+  EvictionRuleOptions o;
+  o.admit_probability = 0.25;
+  o.admit_seed = 42;
+  EvictionRule r(o);
+  // Each read step of a not-live id: admitted exactly when its coin for that step is below p.
+  int admitted = 0;
+  for (int64_t key = 0; key < 400; ++key) {
+    int64_t n = 1;
+    while (AdmitCoin(42, key, n) >= 0.25) ++n;  // the first step whose coin comes up
+    for (int64_t i = 1; i < n; ++i) CHECK(!r.Admit(key));
+    CHECK(r.Admit(key));
+    admitted += n == 1;
+  }
+  CHECK(admitted > 60 && admitted < 140);  // ~ 400 x 0.25 at the first read
+  for (int64_t n = 1; n < 1000; ++n) {
+    const double u = AdmitCoin(7, 3, n);
+    CHECK(u >= 0.0 && u < 1.0);
+  }
+  CHECK(AdmitCoin(1, 5, 1) != AdmitCoin(2, 5, 1));  // the seed changes the coins
+  EvictionRuleOptions bad;
+  bad.admit_probability = 0.0;
+  bool threw = false;
+  try {
+    EvictionRule bad_rule(bad);
+  } catch (const bagpipe::ValueError&) {
+    threw = true;
+  }
+  CHECK(threw);
 }

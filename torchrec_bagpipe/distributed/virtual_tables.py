@@ -78,6 +78,11 @@ class AdmissionPolicy(VirtualTableEvictionPolicy):
 
     admit_after: int = 0
     eviction: VirtualTableEvictionPolicy | None = None
+    # Probabilistic admission: from its admit_after-th read step on, an id is admitted at
+    # each read step with this probability, by a coin seeded with admit_seed (runtime/
+    # eviction.py; 1.0: always).
+    admit_probability: float = 1.0
+    admit_seed: int = 0
 
 
 def is_virtual(cfg: BaseEmbeddingConfig) -> bool:
@@ -137,7 +142,12 @@ def eviction_spec_of(cfg: BaseEmbeddingConfig, world_size: int,
                              f"got {n!r}")
         inner = dataclasses.replace(cfg, virtual_table_eviction_policy=p.eviction)
         spec = eviction_spec_of(inner, world_size, where)
-        return dataclasses.replace(spec, admit_after=n)  # type: ignore[arg-type]
+        try:
+            return dataclasses.replace(  # type: ignore[arg-type]
+                spec, admit_after=n, admit_probability=p.admit_probability,
+                admit_seed=p.admit_seed)
+        except ValueError as e:
+            raise ValueError(f"{name}: AdmissionPolicy: {e}") from None
     kind = type(p).__name__
     if p is None or type(p) in (NoEvictionPolicy, VirtualTableEvictionPolicy):
         return EvictionSpec()

@@ -15,7 +15,23 @@ from collections.abc import Iterable
 
 from torchrec_bagpipe.runtime.eviction import EvictionSpec
 
-__all__ = ["ReferenceEvictionRule"]
+__all__ = ["ReferenceEvictionRule", "admit_coin"]
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def admit_coin(seed: int, key: int, n: int) -> float:
+    """The admission coin of `key` at its n-th read step: (splitmix64 chain >> 11) * 2^-53,
+    the native `AdmitCoin`."""
+    h = _mix64(_mix64(_mix64(seed) ^ (key & _M64)) ^ (n & _M64))
+    return (h >> 11) * 2.0**-53
 
 
 class ReferenceEvictionRule:
@@ -38,10 +54,12 @@ class ReferenceEvictionRule:
     def admit(self, key: int) -> bool:
         """Admission (call once per key per step, before `on_step`): whether `key` is
         trained at this step."""
-        if self.spec.admit_after <= 1 or key in self.rows:
+        s = self.spec
+        if not s.admits or key in self.rows:
             return True
         n = self.seen.get(key, 0) + 1
-        if n < self.spec.admit_after:
+        if n < s.admit_after or (s.admit_probability < 1
+                                 and not admit_coin(s.admit_seed, key, n) < s.admit_probability):
             self.seen[key] = n
             return False
         self.seen.pop(key, None)
