@@ -26,6 +26,10 @@
 //      its coin for that n comes up: AdmitCoin(admit_seed, key, n) < admit_probability
 //      (a splitmix64 hash, so every rank and the reference draw the same coin); until then it
 //      is not trained.
+//   5. Cap (max_rows > 0): a round also runs whenever live rows exceed max_rows, and after
+//      the threshold / TTL evictions it evicts further keys not trained at s — the oldest
+//      last step first, then the lowest count, then the lowest key — until live rows <=
+//      max_rows or only keys trained at s remain (live <= max(max_rows, keys of step s)).
 #pragma once
 
 #include <cstdint>
@@ -45,8 +49,9 @@ struct EvictionRuleOptions {
   double admit_probability = 1.0;  // admission: and then with this probability per read
                                    // step (1: always); REQUIRES in (0, 1]
   uint64_t admit_seed = 0;         // admission: the seed of the coins
+  int64_t max_rows = 0;  // hard cap on live rows after each round (0: none); REQUIRES >= 0
 
-  bool enabled() const { return threshold > 0.0 || ttl_steps > 0; }
+  bool enabled() const { return threshold > 0.0 || ttl_steps > 0 || max_rows > 0; }
   bool admits() const { return admit_after > 1 || admit_probability < 1.0; }
   bool tracks() const { return enabled() || admits(); }  // keeps the live rows
 };

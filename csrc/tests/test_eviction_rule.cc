@@ -172,3 +172,15 @@ TEST_CASE(eviction_rule_admits_with_a_seeded_coin) {
   }
   CHECK(threw);
 }
+
+TEST_CASE(eviction_rule_cap_evicts_the_oldest_rows_first) {
+  EvictionRuleOptions o;
+  o.max_rows = 2;
+  EvictionRule r(o);
+  CHECK(Step(r, 0, {5, 6}).empty());
+  CHECK(Step(r, 1, {7}) == std::vector<int64_t>{5});     // 5 and 6 tie on last: lowest key
+  CHECK(Step(r, 2, {6, 8}) == std::vector<int64_t>{7});  // 7 is older than nothing trained
+  CHECK_EQ(r.live(), 2);
+  CHECK(Step(r, 3, {1, 2, 3}) == (std::vector<int64_t>{6, 8}));  // step 3 alone is over
+  CHECK_EQ(r.live(), 3);  // the cap cannot evict keys trained at the step
+}

@@ -80,7 +80,9 @@ class ReferenceEvictionRule:
             else:
                 row[0] = float(row[0]) + 1.0
                 row[1] = step
-        if not s.enabled or (s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows):
+        over_cap = s.max_rows > 0 and len(self.rows) > s.max_rows
+        if not s.enabled or (s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows
+                             and not over_cap):
             return []
         self.rounds += 1
         out = []
@@ -92,6 +94,12 @@ class ReferenceEvictionRule:
             if (s.threshold > 0 and row[0] < s.threshold) or (
                     s.ttl_steps > 0 and step - int(row[1]) >= s.ttl_steps):
                 out.append(k)
+        gone = set(out)
+        excess = len(self.rows) - len(out) - s.max_rows
+        if s.max_rows > 0 and excess > 0:
+            spare = sorted((int(r[1]), float(r[0]), k) for k, r in self.rows.items()
+                           if k not in gone and r[1] != step)
+            out.extend(k for _, _, k in spare[:excess])
         out.sort()
         for k in out:
             del self.rows[k]
