@@ -52,6 +52,10 @@ def test_torchrec_policies_map_onto_the_step_rule() -> None:
         EvictionSpec(threshold=5.0, decay_rate=0.9, trigger_rows=400)
     assert eviction_spec_of(vt(StepTTLEvictionPolicy(ttl_steps=7)), 2) == \
         EvictionSpec(ttl_steps=7)
+    assert eviction_spec_of(vt(StepTTLEvictionPolicy(ttl_steps=7, max_live_rows=50)), 2) == \
+        EvictionSpec(ttl_steps=7, max_rows=50)
+    with pytest.raises(ValueError, match=r"virtual table 'ids'.*max_live_rows"):
+        eviction_spec_of(vt(StepTTLEvictionPolicy(max_live_rows=-1)), 2)
     assert eviction_spec_of(vt(CountTimestampMixedEvictionPolicy(
         eviction_threshold=3, eviction_ttl_mins=0)), 1) == EvictionSpec(threshold=3.0,
                                                                         decay_rate=0.99)

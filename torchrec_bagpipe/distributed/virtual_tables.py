@@ -66,6 +66,10 @@ class StepTTLEvictionPolicy(VirtualTableEvictionPolicy):
 
     ttl_steps: int = 0
     training_id_eviction_trigger_count: int = 0
+    # A hard cap on the table's live rows (all ranks together) after each boundary: beyond the
+    # TTL, the rows trained longest ago are evicted (EvictionSpec.max_rows; 0: none). A byte
+    # budget B is the cap B // the PS's bytes per row (weights + optimizer state).
+    max_live_rows: int = 0
 
 
 @dataclass
@@ -152,7 +156,12 @@ def eviction_spec_of(cfg: BaseEmbeddingConfig, world_size: int,
     if p is None or type(p) in (NoEvictionPolicy, VirtualTableEvictionPolicy):
         return EvictionSpec()
     if isinstance(p, StepTTLEvictionPolicy):
-        return EvictionSpec(ttl_steps=int(p.ttl_steps), trigger_rows=_trigger(p, world_size))
+        cap = p.max_live_rows
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"{name}: StepTTLEvictionPolicy.max_live_rows must be an int >= 0, "
+                             f"got {cap!r}")
+        return EvictionSpec(ttl_steps=int(p.ttl_steps), trigger_rows=_trigger(p, world_size),
+                            max_rows=cap)
     if isinstance(p, CountBasedEvictionPolicy):
         return EvictionSpec(threshold=float(p.eviction_threshold),
                             decay_rate=float(p.decay_rate),
