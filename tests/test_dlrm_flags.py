@@ -77,6 +77,12 @@ FLAG_TESTS = {
         "test_criteo_data::test_tsv_files_feed_the_same_batches_as_their_preprocessed_npy",
     "--metrics_json": "test_dlrm_example::test_training_loop_flags",
     "--no_progress": "test_dlrm_example::test_training_loop_flags",
+    "--virtual_tables":
+        "test_dlrm_virtual_tables::test_virtual_tables_build_torchrec_virtual_configs",
+    "--virtual_ttl_steps":
+        "test_dlrm_virtual_tables::test_virtual_tables_build_torchrec_virtual_configs",
+    "--virtual_eviction_trigger":
+        "test_dlrm_virtual_tables::test_virtual_tables_build_torchrec_virtual_configs",
 }
 
 

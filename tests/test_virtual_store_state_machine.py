@@ -40,6 +40,11 @@ SPECS = [
     EvictionSpec(threshold=1.0, decay_rate=0.5, ttl_steps=4),
     EvictionSpec(admit_after=2),
     EvictionSpec(admit_after=3, ttl_steps=2),
+    EvictionSpec(admit_probability=0.5, admit_seed=3, ttl_steps=2),
+    EvictionSpec(admit_after=2, admit_probability=0.3, admit_seed=(1 << 64) - 1),
+    EvictionSpec(max_rows=3),
+    EvictionSpec(max_rows=4, threshold=1.0, decay_rate=0.7, trigger_rows=6),
+    EvictionSpec(max_rows=2, ttl_steps=3, admit_after=2),
 ]
 OPTIMIZERS = [OptimizerSpec("sgd"), OptimizerSpec("adagrad", eps=1e-6),
               OptimizerSpec("adam", beta1=0.8, beta2=0.99, eps=1e-6)]
@@ -101,6 +106,8 @@ class VirtualStoreMachine(RuleBasedStateMachine):
         got = self.rule.on_step(self.step, np.array(uniq, dtype=np.int64)).tolist()
         want = self.model.on_step(self.step, uniq)
         assert got == want, (got, want)
+        if self.spec.max_rows:  # the cap holds at every boundary (beyond one step's keys)
+            assert self.model.live <= max(self.spec.max_rows, len(uniq))
         if got:
             self.store.erase(torch.tensor(got, dtype=torch.int64))
         for k in got:

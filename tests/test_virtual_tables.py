@@ -28,6 +28,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec_bagpipe.config import BagPipeConfig
 from torchrec_bagpipe.distributed.placement import decide_placement
 from torchrec_bagpipe.distributed.virtual_tables import (
+    AdmissionPolicy,
     StepTTLEvictionPolicy,
     eviction_spec_of,
     planned_rows,
@@ -51,6 +52,10 @@ def test_torchrec_policies_map_onto_the_step_rule() -> None:
         EvictionSpec(threshold=5.0, decay_rate=0.9, trigger_rows=400)
     assert eviction_spec_of(vt(StepTTLEvictionPolicy(ttl_steps=7)), 2) == \
         EvictionSpec(ttl_steps=7)
+    assert eviction_spec_of(vt(StepTTLEvictionPolicy(ttl_steps=7, max_live_rows=50)), 2) == \
+        EvictionSpec(ttl_steps=7, max_rows=50)
+    with pytest.raises(ValueError, match=r"virtual table 'ids'.*max_live_rows"):
+        eviction_spec_of(vt(StepTTLEvictionPolicy(max_live_rows=-1)), 2)
     assert eviction_spec_of(vt(CountTimestampMixedEvictionPolicy(
         eviction_threshold=3, eviction_ttl_mins=0)), 1) == EvictionSpec(threshold=3.0,
                                                                         decay_rate=0.99)
@@ -60,6 +65,17 @@ def test_torchrec_policies_map_onto_the_step_rule() -> None:
     plain = EmbeddingConfig(name="p", embedding_dim=4, num_embeddings=10, feature_names=["f"])
     assert eviction_spec_of(plain, 2) is None
     assert planned_rows(vt()) == VIRTUAL_AUTO_CACHE_ROWS and planned_rows(plain) == 10
+
+
+def test_probabilistic_admission_maps_onto_the_rule_and_bad_values_are_refused() -> None:
+    policy = AdmissionPolicy(admit_after=2, eviction=StepTTLEvictionPolicy(ttl_steps=3),
+                             admit_probability=0.25, admit_seed=9)
+    assert eviction_spec_of(vt(policy), 2) == EvictionSpec(
+        ttl_steps=3, admit_after=2, admit_probability=0.25, admit_seed=9)
+    for bad in ({"admit_probability": 0.0}, {"admit_probability": 1.5},
+                {"admit_seed": -1}, {"admit_seed": 1 << 64}):
+        with pytest.raises(ValueError, match=r"virtual table 'ids'.*AdmissionPolicy"):
+            eviction_spec_of(vt(AdmissionPolicy(**bad)), 2)
 
 
 @pytest.mark.parametrize("policy, needle", [

@@ -35,6 +35,9 @@ RULES = {"v": EvictionSpec(ttl_steps=2),
          "c": EvictionSpec(threshold=1.5, decay_rate=0.8, trigger_rows=3 * WORLD)}
 # The admission variant: table "v" trains an id only from its second step.
 ADMIT_RULES = {**RULES, "v": EvictionSpec(ttl_steps=2, admit_after=2)}
+# Probabilistic admission and the live-row cap on top.
+COIN_RULES = {**RULES, "v": EvictionSpec(ttl_steps=2, admit_after=2, admit_probability=0.6,
+                                         admit_seed=5, max_rows=4)}
 
 
 def _ids(t: int, r: int, table: str) -> list[list[int]]:
@@ -65,7 +68,7 @@ def _kjt(t: int, r: int):
                              lengths=torch.tensor(lengths, dtype=torch.int64))
 
 
-def _configs(kind: str = "ebc", admit: bool = False):
+def _configs(kind: str = "ebc", admit: bool | str = False):
     from torchrec.modules.embedding_configs import (
         CountBasedEvictionPolicy,
         EmbeddingBagConfig,
@@ -75,7 +78,11 @@ def _configs(kind: str = "ebc", admit: bool = False):
     from torchrec_bagpipe.distributed import AdmissionPolicy, StepTTLEvictionPolicy
 
     v_policy = StepTTLEvictionPolicy(ttl_steps=2)
-    if admit:
+    if admit == "coin":
+        v_policy = AdmissionPolicy(
+            admit_after=2, eviction=StepTTLEvictionPolicy(ttl_steps=2, max_live_rows=4),
+            admit_probability=0.6, admit_seed=5)
+    elif admit:
         v_policy = AdmissionPolicy(admit_after=2, eviction=v_policy)
     Config = EmbeddingBagConfig if kind == "ebc" else EmbeddingConfig
     return [
@@ -106,7 +113,7 @@ def _forward_loss(dmp, kjt, kind: str) -> torch.Tensor:
 
 
 def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc",
-           admit: bool = False) -> dict:
+           admit: bool | str = False) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import Topology
@@ -161,7 +168,7 @@ def _train(rank: int, world: int, cfg_fields: dict, kind: str = "ebc",
     return {"rows": rows, "metrics": metrics, "state_keys": state_keys}
 
 
-def _reference(kind: str = "ebc", admit: bool = False
+def _reference(kind: str = "ebc", admit: bool | str = False
                ) -> tuple[dict[str, dict[int, torch.Tensor]], dict]:
     from torchrec_bagpipe.ps import EmbeddingStore
     from torchrec_bagpipe.testing.reference_eviction import ReferenceEvictionRule
@@ -174,7 +181,7 @@ def _reference(kind: str = "ebc", admit: bool = False
 
     live: dict[str, dict[int, torch.Tensor]] = {name: {} for name in TABLES}
     refusals = 0
-    specs = ADMIT_RULES if admit else RULES
+    specs = COIN_RULES if admit == "coin" else ADMIT_RULES if admit else RULES
     rules = {name: ReferenceEvictionRule(specs[name]) for name in specs}
     for t in range(STEPS):
         per_sample = []  # global batch: rank 0's samples, then rank 1's
@@ -224,7 +231,7 @@ def _reference(kind: str = "ebc", admit: bool = False
     return live, stats
 
 
-def _check(results: list[dict], kind: str = "ebc", admit: bool = False) -> list[str]:
+def _check(results: list[dict], kind: str = "ebc", admit: bool | str = False) -> list[str]:
     from torchrec_bagpipe.ps import EmbeddingStore
 
     problems = []
@@ -263,14 +270,14 @@ def test_virtual_tables_in_an_embedding_collection_equal_the_reference() -> None
     assert not problems, "\n".join(problems[:20])
 
 
-@pytest.mark.parametrize("kind", ["ebc", "ec"])
-def test_admission_reads_zeros_until_admitted_and_equals_the_reference(kind) -> None:
+@pytest.mark.parametrize(("kind", "admit"), [("ebc", True), ("ec", True), ("ebc", "coin")])
+def test_admission_reads_zeros_until_admitted_and_equals_the_reference(kind, admit) -> None:
     fields = {"bagpipe_aggregation": "collective" if kind == "ebc" else "ps", "lookahead": 2,
               "optimization_cache_capacity": 1}
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_world(_train, WORLD, args=(fields, kind, True),
+        results = run_world(_train, WORLD, args=(fields, kind, admit),
                             env={"BAGPIPE_TEST_TMP": tmp}, timeout=300)
-    problems = _check(results, kind, admit=True)
+    problems = _check(results, kind, admit=admit)
     assert not problems, "\n".join(problems[:20])
 
 

@@ -136,6 +136,9 @@ RULES = [
     EvictionSpec(admit_after=2),
     EvictionSpec(admit_after=3, ttl_steps=2),
     EvictionSpec(admit_after=2, threshold=1.5, decay_rate=0.8, trigger_rows=10),
+    EvictionSpec(admit_probability=0.5, admit_seed=11, ttl_steps=3),
+    EvictionSpec(max_rows=15),
+    EvictionSpec(max_rows=30, threshold=1.0, decay_rate=0.8, trigger_rows=40),
 ]
 
 

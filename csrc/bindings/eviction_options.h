@@ -32,9 +32,16 @@ inline cache::EvictionRuleOptions EvictionOptionsFrom(const pybind11::object& sp
       o.trigger_rows = pybind11::cast<int64_t>(item.second);
     } else if (key == "admit_after") {
       o.admit_after = pybind11::cast<int64_t>(item.second);
+    } else if (key == "admit_probability") {
+      o.admit_probability = pybind11::cast<double>(item.second);
+    } else if (key == "max_rows") {
+      o.max_rows = pybind11::cast<int64_t>(item.second);
+    } else if (key == "admit_seed") {
+      o.admit_seed = pybind11::cast<uint64_t>(item.second);
     } else {
       throw ValueError("eviction: unknown option '" + key +
-                       "' (threshold, decay_rate, ttl_steps, trigger_rows, admit_after)");
+                       "' (threshold, decay_rate, ttl_steps, trigger_rows, admit_after, "
+                       "admit_probability, admit_seed, max_rows)");
     }
   }
   return o;

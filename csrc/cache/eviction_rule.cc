@@ -20,6 +20,26 @@ EvictionRule::EvictionRule(const EvictionRuleOptions& options) : opt_(options) {
   if (opt_.ttl_steps < 0) throw ValueError("eviction ttl_steps must be >= 0");
   if (opt_.trigger_rows < 0) throw ValueError("eviction trigger_rows must be >= 0");
   if (opt_.admit_after < 0) throw ValueError("admission admit_after must be >= 0");
+  if (opt_.max_rows < 0) throw ValueError("eviction max_rows must be >= 0");
+  if (!(opt_.admit_probability > 0.0 && opt_.admit_probability <= 1.0)) {
+    throw ValueError("admission admit_probability must lie in (0, 1], got " +
+                     std::to_string(opt_.admit_probability));
+  }
+}
+
+namespace {
+uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+}  // namespace
+
+double AdmitCoin(uint64_t seed, int64_t key, int64_t n) {
+  const uint64_t h = Mix64(Mix64(Mix64(seed) ^ static_cast<uint64_t>(key)) ^
+                           static_cast<uint64_t>(n));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
 }
 
 int64_t EvictionRule::MemoryBytes() const {
@@ -39,6 +59,10 @@ bool EvictionRule::Admit(int64_t key) {
   if (!opt_.admits() || index_.Find(key) != nullptr) return true;
   int64_t* n = seen_.FindOrInsert(key, 0).first;
   if (++*n < opt_.admit_after) return false;
+  if (opt_.admit_probability < 1.0 &&
+      !(AdmitCoin(opt_.admit_seed, key, *n) < opt_.admit_probability)) {
+    return false;
+  }
   seen_.Erase(key);
   return true;
 }
@@ -63,17 +87,38 @@ void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
     }
   }
   if (!opt_.enabled()) return;  // admission only: no rounds
-  if (opt_.trigger_rows > 0 && live() <= opt_.trigger_rows) return;
+  const bool over_cap = opt_.max_rows > 0 && live() > opt_.max_rows;
+  if (opt_.trigger_rows > 0 && live() <= opt_.trigger_rows && !over_cap) return;
   ++rounds_;
   const size_t first = out->size();
   const bool counts = opt_.threshold > 0.0;
-  for (Row& r : rows_) {
+  std::vector<size_t> spare;  // the cap's candidates: not trained at `step`, not evicted yet
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    Row& r = rows_[i];
     if (counts) r.count = r.count * opt_.decay_rate;
     if (r.last == step) continue;  // trained at this step: kept at its boundary
     if ((counts && r.count < opt_.threshold) ||
         (opt_.ttl_steps > 0 && step - r.last >= opt_.ttl_steps)) {
       out->push_back(r.key);
+    } else if (over_cap) {
+      spare.push_back(i);
     }
+  }
+  // The cap (invariant 5): the oldest last step first, then the lowest count, then the key.
+  const int64_t after = live() - static_cast<int64_t>(out->size() - first);
+  if (opt_.max_rows > 0 && after > opt_.max_rows) {
+    const size_t extra =
+        std::min(spare.size(), static_cast<size_t>(after - opt_.max_rows));
+    auto older = [this](size_t a, size_t b) {
+      const Row& x = rows_[a];
+      const Row& y = rows_[b];
+      if (x.last != y.last) return x.last < y.last;
+      if (x.count != y.count) return x.count < y.count;
+      return x.key < y.key;
+    };
+    std::partial_sort(spare.begin(), spare.begin() + static_cast<std::ptrdiff_t>(extra),
+                      spare.end(), older);
+    for (size_t j = 0; j < extra; ++j) out->push_back(rows_[spare[j]].key);
   }
   std::sort(out->begin() + static_cast<std::ptrdiff_t>(first), out->end());
   for (size_t j = first; j < out->size(); ++j) {

@@ -21,8 +21,15 @@
 //      did not train, and afterwards live() == live before + new keys - evicted keys.
 //   2. Memory: one entry per live key (24 B in a dense array + its map cell).
 //   3. No options (threshold == 0 and ttl_steps == 0): nothing is ever evicted.
-//   4. Admission (admit_after > 1): a key is live only from the step at which it was read in
-//      admit_after steps (counted since it was last evicted); until then it is not trained.
+//   4. Admission (admit_after > 1 or admit_probability < 1): a key is live only from the step
+//      at which it was read in n >= admit_after steps (counted since it was last evicted) and
+//      its coin for that n comes up: AdmitCoin(admit_seed, key, n) < admit_probability
+//      (a splitmix64 hash, so every rank and the reference draw the same coin); until then it
+//      is not trained.
+//   5. Cap (max_rows > 0): a round also runs whenever live rows exceed max_rows, and after
+//      the threshold / TTL evictions it evicts further keys not trained at s — the oldest
+//      last step first, then the lowest count, then the lowest key — until live rows <=
+//      max_rows or only keys trained at s remain (live <= max(max_rows, keys of step s)).
 #pragma once
 
 #include <cstdint>
@@ -39,11 +46,19 @@ struct EvictionRuleOptions {
   int64_t trigger_rows = 0;  // rounds only while live rows exceed it (0: every boundary)
   int64_t admit_after = 0;   // admission: an id is trained only from the step at which it
                              // has appeared in this many steps (<= 1: at once); REQUIRES >= 0
+  double admit_probability = 1.0;  // admission: and then with this probability per read
+                                   // step (1: always); REQUIRES in (0, 1]
+  uint64_t admit_seed = 0;         // admission: the seed of the coins
+  int64_t max_rows = 0;  // hard cap on live rows after each round (0: none); REQUIRES >= 0
 
-  bool enabled() const { return threshold > 0.0 || ttl_steps > 0; }
-  bool admits() const { return admit_after > 1; }
+  bool enabled() const { return threshold > 0.0 || ttl_steps > 0 || max_rows > 0; }
+  bool admits() const { return admit_after > 1 || admit_probability < 1.0; }
   bool tracks() const { return enabled() || admits(); }  // keeps the live rows
 };
+
+// The admission coin of `key` at its n-th read step (n >= 1) since it last left: a uniform
+// double in [0, 1), (splitmix64(seed, key, n) >> 11) * 2^-53.
+double AdmitCoin(uint64_t seed, int64_t key, int64_t n);
 
 class EvictionRule {
  public:

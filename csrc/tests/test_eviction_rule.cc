@@ -11,6 +11,7 @@
 #include "protocol/wire.h"
 #include "tests/test_harness.h"
 
+using bagpipe::cache::AdmitCoin;
 using bagpipe::cache::EvictionRule;
 using bagpipe::cache::EvictionRuleOptions;
 using bagpipe::cache::PlannerOptions;
@@ -139,4 +140,47 @@ TEST_CASE(eviction_rule_admits_after_n_steps_and_again_after_eviction) {
   CHECK(Step(r, 2, {}) == std::vector<int64_t>{9});  // TTL 1: evicted
   CHECK(!r.Admit(9));                 // after an eviction it starts over
   CHECK_EQ(r.live(), 0);
+}
+
+TEST_CASE(eviction_rule_admits_with_a_seeded_coin) {
+  EvictionRuleOptions o;
+  o.admit_probability = 0.25;
+  o.admit_seed = 42;
+  EvictionRule r(o);
+  // Each read step of a not-live id: admitted exactly when its coin for that step is below p.
+  int admitted = 0;
+  for (int64_t key = 0; key < 400; ++key) {
+    int64_t n = 1;
+    while (AdmitCoin(42, key, n) >= 0.25) ++n;  // the first step whose coin comes up
+    for (int64_t i = 1; i < n; ++i) CHECK(!r.Admit(key));
+    CHECK(r.Admit(key));
+    admitted += n == 1;
+  }
+  CHECK(admitted > 60 && admitted < 140);  // ~ 400 x 0.25 at the first read
+  for (int64_t n = 1; n < 1000; ++n) {
+    const double u = AdmitCoin(7, 3, n);
+    CHECK(u >= 0.0 && u < 1.0);
+  }
+  CHECK(AdmitCoin(1, 5, 1) != AdmitCoin(2, 5, 1));  // the seed changes the coins
+  EvictionRuleOptions bad;
+  bad.admit_probability = 0.0;
+  bool threw = false;
+  try {
+    EvictionRule bad_rule(bad);
+  } catch (const bagpipe::ValueError&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
+TEST_CASE(eviction_rule_cap_evicts_the_oldest_rows_first) {
+  EvictionRuleOptions o;
+  o.max_rows = 2;
+  EvictionRule r(o);
+  CHECK(Step(r, 0, {5, 6}).empty());
+  CHECK(Step(r, 1, {7}) == std::vector<int64_t>{5});     // 5 and 6 tie on last: lowest key
+  CHECK(Step(r, 2, {6, 8}) == std::vector<int64_t>{7});  // 7 is older than nothing trained
+  CHECK_EQ(r.live(), 2);
+  CHECK(Step(r, 3, {1, 2, 3}) == (std::vector<int64_t>{6, 8}));  // step 3 alone is over
+  CHECK_EQ(r.live(), 3);  // the cap cannot evict keys trained at the step
 }

@@ -40,17 +40,25 @@ from torchrec_bagpipe.datasets import (
 )
 from torchrec_bagpipe.datasets.criteo import MULTI_HOT_SPARSE
 
-__all__ = ["STAGES", "get_dataloader", "make_multi_hot", "table_sizes"]
+__all__ = ["RAW_CRITEO_IDS", "STAGES", "SYNTHETIC_RAW_IDS", "get_dataloader", "make_multi_hot",
+           "table_sizes"]
 
 STAGES = ("train", "val", "test")
 SYNTHETIC_DEFAULT_BATCHES = 10
 _STREAM = {"train": 0, "val": 1, "test": 2}
 _converted: dict[tuple[str, ...], str] = {}
+# --virtual_tables: the id space of a table (Criteo's categorical values are 32-bit hex, read
+# by TorchRec's preprocessing as they are) and the raw ids the synthetic data draws from.
+RAW_CRITEO_IDS = 1 << 32
+SYNTHETIC_RAW_IDS = (1 << 31) - 1
 
 
 def table_sizes(args: argparse.Namespace) -> list[int]:
     """Rows of each of the 26 tables (``--num_embeddings_per_feature`` or
-    ``--num_embeddings``); also the hashes applied to Criteo ids."""
+    ``--num_embeddings``); also the hashes applied to Criteo ids. With ``--virtual_tables``
+    the id space of raw Criteo ids (nothing is hashed)."""
+    if getattr(args, "virtual_tables", False):
+        return [RAW_CRITEO_IDS] * len(DEFAULT_CAT_NAMES)
     if args.num_embeddings_per_feature is not None:
         return list(args.num_embeddings_per_feature)
     return [args.num_embeddings] * len(DEFAULT_CAT_NAMES)
@@ -81,7 +89,7 @@ def _dataset(args: argparse.Namespace, stage: str, rank: int, world: int) -> Any
             shuffle_training_set=bool(args.shuffle_training_set),
             shuffle_training_set_random_seed=args.seed,
             mmap_mode=bool(args.mmap_mode),
-            hashes=table_sizes(args),
+            hashes=None if getattr(args, "virtual_tables", False) else table_sizes(args),
         )
     if args.synthetic_multi_hot_criteo_path is not None:
         files = stage_files(args.synthetic_multi_hot_criteo_path, args.dataset_name, stage,
@@ -92,8 +100,11 @@ def _dataset(args: argparse.Namespace, stage: str, rank: int, world: int) -> Any
             seed=args.seed, mmap_mode=bool(args.mmap_mode),
         )
     limit = getattr(args, f"limit_{stage}_batches")
+    sizes = table_sizes(args)
+    if getattr(args, "virtual_tables", False):  # raw ids: the generator's own id space
+        sizes = [SYNTHETIC_RAW_IDS] * len(sizes)
     return PowerLawCriteoDataset(
-        table_sizes(args), batch_size,
+        sizes, batch_size,
         limit if limit is not None else SYNTHETIC_DEFAULT_BATCHES,
         zipf_alpha=args.zipf_alpha, seed=args.seed or 0, rank=rank, world_size=world,
         stream=_STREAM[stage], drift=args.zipf_drift if stage == "train" else 0.0,

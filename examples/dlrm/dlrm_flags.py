@@ -133,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--criteo_tsv_paths", type=str, default=None,
       help="Comma separated raw Criteo TSV files (days in order; one Kaggle train.txt with "
            "--dataset_name criteo_kaggle), converted by TorchRec's preprocessing")
+    a("--virtual_tables", "--virtual-tables", dest="virtual_tables", action="store_true",
+      help="TorchRec virtual tables (use_virtual_table=True, rows on the BagPipe PS from the "
+           "first step that trains them): raw Criteo ids, no %% num_embeddings hashing; the "
+           "synthetic data draws raw ids from a 2^31-id space")
+    a("--virtual_ttl_steps", type=int, default=0,
+      help="with --virtual_tables: evict rows not trained for this many steps "
+           "(StepTTLEvictionPolicy; default 0: never evict)")
+    a("--virtual_eviction_trigger", type=int, default=0,
+      help="with --virtual_ttl_steps: evict only while live rows per rank exceed this "
+           "(training_id_eviction_trigger_count; default 0: at every step)")
     a("--metrics_json", type=str, default=None,
       help="write the final metrics (rank 0) to this JSON file")
     a("--no_progress", action="store_true", help="hide the tqdm bars")
@@ -165,12 +175,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _check_virtual(args: argparse.Namespace, given: set[str]) -> str | None:
+    """Why the virtual-table flags cannot act together with the others, or None."""
+    if not args.virtual_tables:
+        extra = [f for f in ("virtual_ttl_steps", "virtual_eviction_trigger")
+                 if getattr(args, f)]
+        return f"--{extra[0]} needs --virtual_tables" if extra else None
+    if args.virtual_ttl_steps < 0 or args.virtual_eviction_trigger < 0:
+        return "--virtual_ttl_steps and --virtual_eviction_trigger must be >= 0"
+    if args.virtual_eviction_trigger and not args.virtual_ttl_steps:
+        return "--virtual_eviction_trigger needs --virtual_ttl_steps"
+    if args.sharder != "bagpipe":
+        return ("--virtual_tables needs --sharder bagpipe (TorchRec's own virtual-table "
+                "kernels do not run in open source)")
+    for flag in ("num_embeddings", "num_embeddings_per_feature", "multi_hot_sizes"):
+        if flag in given or (flag != "num_embeddings" and getattr(args, flag) is not None):
+            return (f"--{flag} sizes hashed tables; --virtual_tables keys rows by raw id "
+                    "(no table size)")
+    if args.synthetic_multi_hot_criteo_path is not None:
+        return ("--virtual_tables reads raw ids; the synthetic multi-hot files hold ids "
+                "already hashed to table sizes")
+    return None
+
+
 def check_args(args: argparse.Namespace, given: set[str]) -> str | None:
     """The first reason the flags cannot all act together, or None."""
     sources = [n for n in ("in_memory_binary_criteo_path", "synthetic_multi_hot_criteo_path",
                            "criteo_tsv_paths") if getattr(args, n) is not None]
     files = bool(sources)
     cuda = torch.cuda.is_available()
+    problem = _check_virtual(args, given)
+    if problem:
+        return problem
     positive = ["epochs", "batch_size", "embedding_dim", "test_batch_size",
                 "limit_train_batches", "limit_val_batches", "limit_test_batches",
                 "validation_freq_within_epoch", "num_embeddings"]

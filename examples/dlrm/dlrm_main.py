@@ -105,13 +105,28 @@ def configure_torch(args: argparse.Namespace) -> None:
         np.random.seed(args.seed % (1 << 32))
 
 
+def virtual_table_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The EmbeddingBagConfig fields of ``--virtual_tables`` (none without it)."""
+    if not getattr(args, "virtual_tables", False):
+        return {}
+    from torchrec_bagpipe.distributed import StepTTLEvictionPolicy
+
+    policy = None
+    if args.virtual_ttl_steps:
+        policy = StepTTLEvictionPolicy(
+            ttl_steps=args.virtual_ttl_steps,
+            training_id_eviction_trigger_count=args.virtual_eviction_trigger)
+    return {"use_virtual_table": True, "virtual_table_eviction_policy": policy}
+
+
 def build_model(args: argparse.Namespace, device: torch.device,
                 table_device: torch.device | None = None) -> DLRMTrain:
     """The DLRM of `args` (tables on `meta` unless `table_device`: sharding places them)."""
     sizes = table_sizes(args)
     eb_configs = [
         EmbeddingBagConfig(name=f"t_{feature_name}", embedding_dim=args.embedding_dim,
-                           num_embeddings=sizes[i], feature_names=[feature_name])
+                           num_embeddings=sizes[i], feature_names=[feature_name],
+                           **virtual_table_fields(args))
         for i, feature_name in enumerate(DEFAULT_CAT_NAMES)
     ]
     ebc = EmbeddingBagCollection(tables=eb_configs,

@@ -66,6 +66,10 @@ class StepTTLEvictionPolicy(VirtualTableEvictionPolicy):
 
     ttl_steps: int = 0
     training_id_eviction_trigger_count: int = 0
+    # A hard cap on the table's live rows (all ranks together) after each boundary: beyond the
+    # TTL, the rows trained longest ago are evicted (EvictionSpec.max_rows; 0: none). A byte
+    # budget B is the cap B // the PS's bytes per row (weights + optimizer state).
+    max_live_rows: int = 0
 
 
 @dataclass
@@ -78,6 +82,11 @@ class AdmissionPolicy(VirtualTableEvictionPolicy):
 
     admit_after: int = 0
     eviction: VirtualTableEvictionPolicy | None = None
+    # Probabilistic admission: from its admit_after-th read step on, an id is admitted at
+    # each read step with this probability, by a coin seeded with admit_seed (runtime/
+    # eviction.py; 1.0: always).
+    admit_probability: float = 1.0
+    admit_seed: int = 0
 
 
 def is_virtual(cfg: BaseEmbeddingConfig) -> bool:
@@ -137,12 +146,22 @@ def eviction_spec_of(cfg: BaseEmbeddingConfig, world_size: int,
                              f"got {n!r}")
         inner = dataclasses.replace(cfg, virtual_table_eviction_policy=p.eviction)
         spec = eviction_spec_of(inner, world_size, where)
-        return dataclasses.replace(spec, admit_after=n)  # type: ignore[arg-type]
+        try:
+            return dataclasses.replace(  # type: ignore[arg-type]
+                spec, admit_after=n, admit_probability=p.admit_probability,
+                admit_seed=p.admit_seed)
+        except ValueError as e:
+            raise ValueError(f"{name}: AdmissionPolicy: {e}") from None
     kind = type(p).__name__
     if p is None or type(p) in (NoEvictionPolicy, VirtualTableEvictionPolicy):
         return EvictionSpec()
     if isinstance(p, StepTTLEvictionPolicy):
-        return EvictionSpec(ttl_steps=int(p.ttl_steps), trigger_rows=_trigger(p, world_size))
+        cap = p.max_live_rows
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"{name}: StepTTLEvictionPolicy.max_live_rows must be an int >= 0, "
+                             f"got {cap!r}")
+        return EvictionSpec(ttl_steps=int(p.ttl_steps), trigger_rows=_trigger(p, world_size),
+                            max_rows=cap)
     if isinstance(p, CountBasedEvictionPolicy):
         return EvictionSpec(threshold=float(p.eviction_threshold),
                             decay_rate=float(p.decay_rate),

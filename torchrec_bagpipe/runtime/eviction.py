@@ -16,7 +16,14 @@ reference agree on it without any extra message. The rule (docs/virtual_tables.m
 * admission (``admit_after > 1``): an id not live is trained only from the step at which it
   has been read in ``admit_after`` steps (since it last left); before, it is in no plan (no
   fetch, commit or dependency), its rows read as zeros (one zero row after the step's
-  unique rows: ``Step.inverse`` points there) and its gradient is dropped.
+  unique rows: ``Step.inverse`` points there) and its gradient is dropped;
+* probabilistic admission (``admit_probability < 1``): at each of those steps from the
+  ``admit_after``-th on, the id is admitted when its coin ``admit_coin(admit_seed, key, n)``
+  (n: the steps it was read in since it last left) is below ``admit_probability``;
+* the cap (``max_rows > 0``): a round also runs while live rows exceed it, and after the
+  threshold / TTL evictions the rows not trained at t are evicted oldest ``last`` first
+  (then lowest count, then lowest key) until live rows <= max_rows: the memory bound holds at
+  every boundary unless step t alone trains more rows than the cap.
 
 Rank 0 sends each step's evicted keys with its commit of the step (``PSClient.commit_async(...,
 evict=)``); the shards erase them before serving any read of the step. The planner treats an
@@ -49,6 +56,11 @@ class EvictionSpec:
     trigger_rows: int = 0     # rounds run only while live rows exceed this (0: every step)
     admit_after: int = 0      # admission: an id is trained only once read in this many steps
                               # (<= 1: at once); until then it reads zeros, its gradient dropped
+    admit_probability: float = 1.0  # admission: then admitted with this probability at each
+                                    # read step, by a seeded coin (1: always); in (0, 1]
+    admit_seed: int = 0       # admission: the coins' seed, in [0, 2^64)
+    max_rows: int = 0         # hard cap on live rows after each round (0: none): beyond the
+                              # threshold / TTL, the rows trained longest ago are evicted
 
     def __post_init__(self) -> None:
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold)
@@ -58,7 +70,13 @@ class EvictionSpec:
         if not (isinstance(self.decay_rate, (int, float)) and 0 < self.decay_rate <= 1):
             raise ValueError(f"EvictionSpec.decay_rate must lie in (0, 1], got "
                              f"{self.decay_rate!r}")
-        for name in ("ttl_steps", "trigger_rows", "admit_after"):
+        p = self.admit_probability
+        if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0 < p <= 1):
+            raise ValueError(f"EvictionSpec.admit_probability must lie in (0, 1], got {p!r}")
+        s = self.admit_seed
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1 << 64:
+            raise ValueError(f"EvictionSpec.admit_seed must be an int in [0, 2^64), got {s!r}")
+        for name in ("ttl_steps", "trigger_rows", "admit_after", "max_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"EvictionSpec.{name} must be an int >= 0, got {v!r}")
@@ -66,15 +84,22 @@ class EvictionSpec:
     @property
     def enabled(self) -> bool:
         """Whether rows are ever evicted."""
-        return self.threshold > 0 or self.ttl_steps > 0
+        return self.threshold > 0 or self.ttl_steps > 0 or self.max_rows > 0
 
     @property
     def tracks(self) -> bool:
         """Whether the planner keeps the rule (eviction or admission)."""
-        return self.enabled or self.admit_after > 1
+        return self.enabled or self.admits
+
+    @property
+    def admits(self) -> bool:
+        """Whether admission filters new ids."""
+        return self.admit_after > 1 or self.admit_probability < 1
 
     def native(self) -> dict[str, Any]:
         """The options of the native rule (``C.EvictionRule``, ``C.StepPlanner(eviction=)``)."""
         return {"threshold": float(self.threshold), "decay_rate": float(self.decay_rate),
                 "ttl_steps": int(self.ttl_steps), "trigger_rows": int(self.trigger_rows),
-                "admit_after": int(self.admit_after)}
+                "admit_after": int(self.admit_after),
+                "admit_probability": float(self.admit_probability),
+                "admit_seed": int(self.admit_seed), "max_rows": int(self.max_rows)}

@@ -15,7 +15,23 @@ from collections.abc import Iterable
 
 from torchrec_bagpipe.runtime.eviction import EvictionSpec
 
-__all__ = ["ReferenceEvictionRule"]
+__all__ = ["ReferenceEvictionRule", "admit_coin"]
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def admit_coin(seed: int, key: int, n: int) -> float:
+    """The admission coin of `key` at its n-th read step: (splitmix64 chain >> 11) * 2^-53,
+    the native `AdmitCoin`."""
+    h = _mix64(_mix64(_mix64(seed) ^ (key & _M64)) ^ (n & _M64))
+    return (h >> 11) * 2.0**-53
 
 
 class ReferenceEvictionRule:
@@ -38,10 +54,12 @@ class ReferenceEvictionRule:
     def admit(self, key: int) -> bool:
         """Admission (call once per key per step, before `on_step`): whether `key` is
         trained at this step."""
-        if self.spec.admit_after <= 1 or key in self.rows:
+        s = self.spec
+        if not s.admits or key in self.rows:
             return True
         n = self.seen.get(key, 0) + 1
-        if n < self.spec.admit_after:
+        if n < s.admit_after or (s.admit_probability < 1
+                                 and not admit_coin(s.admit_seed, key, n) < s.admit_probability):
             self.seen[key] = n
             return False
         self.seen.pop(key, None)
@@ -62,7 +80,9 @@ class ReferenceEvictionRule:
             else:
                 row[0] = float(row[0]) + 1.0
                 row[1] = step
-        if not s.enabled or (s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows):
+        over_cap = s.max_rows > 0 and len(self.rows) > s.max_rows
+        if not s.enabled or (s.trigger_rows > 0 and len(self.rows) <= s.trigger_rows
+                             and not over_cap):
             return []
         self.rounds += 1
         out = []
@@ -74,6 +94,12 @@ class ReferenceEvictionRule:
             if (s.threshold > 0 and row[0] < s.threshold) or (
                     s.ttl_steps > 0 and step - int(row[1]) >= s.ttl_steps):
                 out.append(k)
+        gone = set(out)
+        excess = len(self.rows) - len(out) - s.max_rows
+        if s.max_rows > 0 and excess > 0:
+            spare = sorted((int(r[1]), float(r[0]), k) for k, r in self.rows.items()
+                           if k not in gone and r[1] != step)
+            out.extend(k for _, _, k in spare[:excess])
         out.sort()
         for k in out:
             del self.rows[k]
