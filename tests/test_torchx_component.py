@@ -83,16 +83,22 @@ def test_component_checkpoints_and_resumes_the_whole_job(tmp_path):
     with pytest.raises(ValueError, match="needs --checkpoint_dir"):
         bagpipe(script="t.py", checkpoint_every=3)
     # The PS role turns them into its server's arguments: its own part of the job's
-    # directory, and the manifest's set when resuming.
-    assert checkpoint_server_args(d, None, 1) == [
+    # directory, and the manifest's set when resuming: its own part at the same shard count,
+    # every part re-partitioned by the set's partitioner at another.
+    assert checkpoint_server_args(d, None, 1, 2) == [
         "--checkpoint-dir", os.path.join(d, "ps", "shard-1")]
     with pytest.raises(ValueError, match="no MANIFEST"):
-        checkpoint_server_args(None, d, 1)
+        checkpoint_server_args(None, d, 1, 2)
     os.makedirs(d)
-    write_manifest(d, Manifest(label="step-8-ab", step=8))
-    assert checkpoint_server_args(None, d, 1) == [
+    write_manifest(d, Manifest(label="step-8-ab", step=8, ps_shards=2, partitioner="hash"))
+    assert checkpoint_server_args(None, d, 1, 2) == [
         "--checkpoint-dir", os.path.join(d, "ps", "shard-1"),
         "--restore-from", os.path.join(d, "ps", "shard-1", "step-8-ab")]
+    assert checkpoint_server_args(None, d, 0, 1) == [
+        "--checkpoint-dir", os.path.join(d, "ps", "shard-0"),
+        "--restore-resharded", ",".join(os.path.join(d, "ps", f"shard-{i}", "step-8-ab")
+                                        for i in range(2)),
+        "--partitioner", "hash"]
 
 
 def test_torchx_accepts_the_component_file():

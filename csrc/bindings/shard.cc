@@ -118,6 +118,14 @@ void BindShardAdmin(ShardClass& cls) {
   cls.def("checkpoint", &PSShard::Checkpoint, py::arg("dir"),
           py::call_guard<py::gil_scoped_release>());
   cls.def("restore", &PSShard::Restore, py::arg("dir"), py::call_guard<py::gil_scoped_release>());
+  cls.def(
+      "restore_resharded",
+      [](PSShard& s, const std::vector<std::string>& dirs, const std::string& partitioner) {
+        const auto kind = protocol::Partitioner::ParseKind(partitioner);
+        py::gil_scoped_release release;
+        return s.RestoreResharded(dirs, kind);
+      },
+      py::arg("dirs"), py::arg("partitioner"));
   cls.def("table_stats", [](PSShard& s, const std::string& name) {
     auto* t = s.GetTable(name);
     const auto c = t->stats();

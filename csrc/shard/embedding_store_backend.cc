@@ -59,6 +59,19 @@ class EmbeddingStoreBackend : public TableBackend {
     }
     store_->Assign(keys, n, weights_.data(), state_.data());
   }
+  size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows) override {
+    const size_t sd = schema_.state_dim();
+    if (sd == 0) return store_->Export(cursor, max_rows, keys, rows);
+    const size_t d = schema_.dim;
+    weights_.resize(max_rows * d);
+    state_.resize(max_rows * sd);
+    const size_t n = store_->Export(cursor, max_rows, keys, weights_.data(), state_.data());
+    for (size_t i = 0; i < n; ++i) {
+      std::memcpy(rows + i * (d + sd), weights_.data() + i * d, d * sizeof(float));
+      std::memcpy(rows + i * (d + sd) + d, state_.data() + i * sd, sd * sizeof(float));
+    }
+    return n;
+  }
   void Erase(const int64_t* keys, size_t n) override { store_->Erase(keys, n); }
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta) override {
     store_->Save(dir, meta, /*weights_only=*/false);

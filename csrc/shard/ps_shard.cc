@@ -458,68 +458,6 @@ std::map<std::string, int64_t> PSShard::Checkpoint(const std::string& dir_in) {
   return steps;
 }
 
-std::map<std::string, int64_t> PSShard::Restore(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::map<std::string, int64_t> steps;
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw ValueError("restore: '" + dir + "' is not a directory");
-  std::vector<fs::path> entries;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string fname = e.path().filename().string();
-    if (e.is_directory() && fname.rfind("table-", 0) == 0) entries.push_back(e.path());
-  }
-  if (ec) throw IOError("restore: cannot list '" + dir + "': " + ec.message());
-  std::sort(entries.begin(), entries.end());
-  for (const auto& path : entries) {
-    const std::string name = path.filename().string().substr(6);
-    std::map<std::string, std::string> meta;
-    auto backend = loader_(path.string(), &meta);
-    auto get = [&](const char* key) -> std::string {
-      auto it = meta.find(key);
-      if (it == meta.end()) {
-        throw ValueError("restore: checkpoint '" + path.string() + "' has no '" + key +
-                         "' in its meta (not written by a PS shard)");
-      }
-      return it->second;
-    };
-    int64_t step;
-    try {
-      step = std::stoll(get("committed_step"));
-    } catch (const std::logic_error&) {
-      throw ValueError("restore: checkpoint '" + path.string() + "' has a malformed committed_step");
-    }
-    const std::string sid = get("shard_id");
-    const std::string nsh = get("num_shards");
-    if (sid != std::to_string(options_.shard_id) || nsh != std::to_string(options_.num_shards)) {
-      throw ValueError("restore: checkpoint '" + path.string() + "' belongs to shard " + sid +
-                       " of " + nsh + ", this is shard " + std::to_string(options_.shard_id) +
-                       " of " + std::to_string(options_.num_shards));
-    }
-    if (get("table") != name) {
-      throw ValueError("restore: checkpoint '" + path.string() + "' holds table '" +
-                       get("table") + "'");
-    }
-    if (options_.expected_dim != 0 && backend->schema().dim != options_.expected_dim) {
-      throw ValueError("restore: table '" + name + "' has dim " +
-                       std::to_string(backend->schema().dim) + ", this shard's --dim is " +
-                       std::to_string(options_.expected_dim));
-    }
-    auto coord = std::make_unique<CommitCoordinator>(name, std::move(backend), step,
-                                                     MakeCoordinatorOptions(name));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (tables_.count(name)) throw ValueError("restore: table '" + name + "' already exists");
-      tables_.emplace(name, std::move(coord));
-    }
-    steps[name] = step;
-    if (log_) {
-      log_("table '" + name + "' restored from " + path.string() + " at committed step " +
-                   std::to_string(step));
-    }
-  }
-  return steps;
-}
-
 void PSShard::BeginShutdown(const std::string& why) {
   std::vector<CommitCoordinator*> coords;
   std::string text;

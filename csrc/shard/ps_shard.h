@@ -18,7 +18,8 @@
 //   3. Tables are never removed while the shard lives, so coordinator pointers held by
 //      links stay valid.
 //   4. A table checkpoint lives in <dir>/table-<name>/ with meta committed_step, table,
-//      shard_id and num_shards; Restore refuses a checkpoint of another shard id/count.
+//      shard_id and num_shards; Restore refuses a checkpoint of another shard id/count,
+//      RestoreResharded re-partitions a whole set of another count.
 //      Those into checkpoint_dir (periodic, drain, unlabelled requests) are chains
 //      (store/embedding_store_incremental.cc); labelled ones are full.
 #pragma once
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "protocol/partitioner.h"
 #include "protocol/wire.h"
 #include "shard/coordinator.h"
 #include "shard/table_backend.h"
@@ -107,6 +109,15 @@ class PSShard : public transport::FrameHandler {
   // Loads every table checkpoint found in dir (before serving). Returns table -> step.
   // Throws ValueError for a checkpoint of another shard or a table that already exists.
   std::map<std::string, int64_t> Restore(const std::string& dir);
+  // Loads a checkpoint set written by another number of shards (ps_shard_restore.cc):
+  // `dirs` are the set's shard directories (as Restore reads them), one per old shard
+  // 0..K-1 in any order; this shard keeps the stored rows `partitioner` routes to it (its
+  // shard_id of num_shards), weights and optimizer state bitwise. Every table must be in
+  // every directory, at one committed step and with one schema. Before serving.
+  // Returns table -> step. Throws ValueError naming the table and directory (no table is
+  // added then).
+  std::map<std::string, int64_t> RestoreResharded(const std::vector<std::string>& dirs,
+                                                  protocol::PartitionKind partitioner);
 
   // Drain: new work is refused with kShuttingDown, deferred reads fail; Close still works.
   // Every refusal from then on (and the kNotifyShutdown notices) says "PS shard <id> is
@@ -139,6 +150,9 @@ class PSShard : public transport::FrameHandler {
   bool Reject(const Request& r, wire::Status status, const std::string& text, bool keep_link);
   static LinkSession& SessionOf(transport::ServerLink& link);
   CoordinatorOptions MakeCoordinatorOptions(const std::string& name) const;
+  // Adds restored tables (name -> backend at its committed step); throws ValueError,
+  // adding none, if one exists already.
+  void AddRestored(std::map<std::string, std::pair<std::unique_ptr<TableBackend>, int64_t>> t);
   // The text refusals carry once shutting_down_ is set (it is in place before the flag).
   std::string ShutdownText();
 

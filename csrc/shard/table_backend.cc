@@ -101,6 +101,10 @@ void TableBackend::ApplyGradientsSegments(const store::GradSegment* segs, size_t
   ApplyGradients(concat_keys_.data(), n, concat_grads_.data(), lr, grad_divisor);
 }
 
+size_t TableBackend::Export(int64_t*, size_t, int64_t*, float*) {
+  throw ValueError("this table backend cannot list its rows (a resharded restore needs it)");
+}
+
 void TableBackend::Erase(const int64_t*, size_t n) {
   if (n > 0) throw ValueError("this table backend cannot evict rows (virtual tables)");
 }

@@ -73,6 +73,12 @@ class TableBackend {
   // skipped); a later touch recreates a row from its initial value. The default refuses
   // (ValueError). REQUIRES: keys within schema().key_bound (checked by the caller).
   virtual void Erase(const int64_t* keys, size_t n);
+  // Chunked export of the stored rows (rows never written are not stored) with their state,
+  // laid out as Read's `out` with_state, in a deterministic order: up to max_rows rows from
+  // *cursor (0 for the first chunk) into keys / rows; *cursor becomes -1 when the export is
+  // complete. A mutation between chunks invalidates it (ValueError on the next call).
+  // The default refuses (ValueError): a backend that cannot list its rows cannot reshard.
+  virtual size_t Export(int64_t* cursor, size_t max_rows, int64_t* keys, float* rows);
   // Crash-safe checkpoint into dir; `meta` round-trips through the loader.
   virtual void Save(const std::string& dir, const std::map<std::string, std::string>& meta) = 0;
   // A chained checkpoint into dir at `step` (store::EmbeddingStore::Checkpoint: an increment

@@ -287,6 +287,16 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
     rng_held = config is not None and resumed > 0
     if extra is not None:
         lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        # Another number of trainers resumes the same global batch (its steps are the same
+        # synchronous updates): each rank skips `resumed` batches of its own share, as
+        # TorchRec's readers number batches per rank.
+        saved = int(extra.get("global_batch", world * args.batch_size))
+        if saved != world * args.batch_size:
+            hint = (f"; pass --batch_size {saved // world}" if saved % world == 0 else "")
+            raise ValueError(
+                f"--resume: the checkpoint was trained with a global batch of {saved} samples, "
+                f"this job's is {world} ranks x --batch_size {args.batch_size} = "
+                f"{world * args.batch_size}{hint}")
 
     if config is not None:
         prescan = None
@@ -348,7 +358,8 @@ def train_val_test(args: argparse.Namespace, model: DistributedModelParallel,
                 bar.update(1)
                 if config is not None and checkpoint_due(step):  # --checkpoint-every
                     save_job_checkpoint(model, step=step, optimizer=optimizer,
-                                        extra={"lr_scheduler": lr_scheduler.state_dict()})
+                                        extra={"lr_scheduler": lr_scheduler.state_dict(),
+                                               "global_batch": world * args.batch_size})
             if args.validation_freq_within_epoch and it % args.validation_freq_within_epoch == 0:
                 train_time += time.perf_counter() - start
                 _evaluate(args.limit_val_batches, eval_pipeline, loaders["val"], "val", show)

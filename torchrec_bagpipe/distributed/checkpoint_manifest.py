@@ -4,9 +4,10 @@ A whole-job checkpoint (`job_checkpoint.py`) is a *set*: every PS table at one c
 and every trainer's state at the training step that produced it. A directory ``D`` holds
 
 * ``D/MANIFEST.json`` — the last complete set: its label, the trainers' step, each PS
-  table's committed step, the world size and shard count. Written last, through a temporary
-  file renamed into place: a set exists once its manifest does, and a crash at any moment
-  leaves the previous manifest (and the set it names) intact;
+  table's committed step, the world size, the shard count and the partitioner that placed
+  rows on the shards (a resume onto another shard count re-partitions with it). Written
+  last, through a temporary file renamed into place: a set exists once its manifest does,
+  and a crash at any moment leaves the previous manifest (and the set it names) intact;
 * ``D/<label>/trainer-<rank>.pt`` — each trainer's state (`job_checkpoint.py`);
 * ``D/ps/shard-<i>/<label>/table-<name>/`` — shard i's native table checkpoints, written by
   the shard itself (`PSClient.checkpoint(label=...)`) into its checkpoint directory, which
@@ -26,7 +27,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["MANIFEST", "Manifest", "ps_set_dir", "ps_shard_dir", "read_manifest",
+__all__ = ["MANIFEST", "Manifest", "ps_set_dir", "ps_set_dirs", "ps_shard_dir", "read_manifest",
            "trainer_file", "write_manifest"]
 
 MANIFEST = "MANIFEST.json"
@@ -42,6 +43,7 @@ class Manifest:
     tables: dict[str, int] = field(default_factory=dict)  # PS table -> committed step
     world_size: int = 1
     ps_shards: int = 1
+    partitioner: str = "modulo"  # BagPipeConfig.partitioner of the job that wrote it
     format: int = FORMAT
 
 
@@ -53,6 +55,12 @@ def ps_shard_dir(directory: str | os.PathLike[str], shard: int) -> str:
 def ps_set_dir(directory: str | os.PathLike[str], shard: int, label: str) -> str:
     """Where shard `shard`'s tables of set `label` live (its `--restore-from`)."""
     return os.path.join(ps_shard_dir(directory, shard), label)
+
+
+def ps_set_dirs(directory: str | os.PathLike[str], manifest: Manifest) -> list[str]:
+    """Every shard's directory of `manifest`'s set, shard 0 first: what a shard of another
+    shard count restores resharded (`PSShard(restore=[...])`, ``--restore-resharded``)."""
+    return [ps_set_dir(directory, i, manifest.label) for i in range(manifest.ps_shards)]
 
 
 def trainer_file(directory: str | os.PathLike[str], label: str, rank: int) -> str:
@@ -75,7 +83,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
     try:
         return Manifest(label=str(data["label"]), step=int(data["step"]),
                         tables={str(k): int(v) for k, v in data["tables"].items()},
-                        world_size=int(data["world_size"]), ps_shards=int(data["ps_shards"]))
+                        world_size=int(data["world_size"]), ps_shards=int(data["ps_shards"]),
+                        partitioner=str(data.get("partitioner", "modulo")))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"whole-job checkpoint manifest {path} is malformed: {e}") from e
 

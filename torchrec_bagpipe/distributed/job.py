@@ -35,6 +35,7 @@ from torchrec_bagpipe.distributed.agreement import (
 from torchrec_bagpipe.distributed.checkpoint_manifest import (
     Manifest,
     ps_set_dir,
+    ps_set_dirs,
     ps_shard_dir,
     read_manifest,
 )
@@ -96,6 +97,7 @@ class BagPipeJob:
         self.closed = False
         self.shard: Any = None
         self.server: Any = None
+        self.hosts_shards = False  # the trainers host the shards (no ps_addresses): _deploy
         self._store = dist.distributed_c10d._get_default_store()
         self.job_token = self._agree_token()
         # Whole-job checkpoints (job_checkpoint.py): where they go, and the set resumed from.
@@ -115,15 +117,9 @@ class BagPipeJob:
             if self.resumed is None:
                 raise FileNotFoundError(
                     f"BagPipe resume: {resume} holds no whole-job checkpoint (no MANIFEST.json)")
-            if self.resumed.world_size != self.world_size:
-                raise ValueError(
-                    f"BagPipe resume: the checkpoint in {resume} was taken at world size "
-                    f"{self.resumed.world_size}, this job has {self.world_size}")
+        # A set of another world size or shard count resumes reshaped: hosted shards restore
+        # it re-partitioned (_deploy), the trainers' state is re-split (job_checkpoint.py).
         self.endpoints = self._deploy()
-        if self.resumed is not None and self.resumed.ps_shards != len(self.endpoints):
-            raise ValueError(
-                f"BagPipe resume: the checkpoint in {resume} holds {self.resumed.ps_shards} PS "
-                f"shards, this job has {len(self.endpoints)}")
 
     def expected_step(self, table: str) -> int:
         """The committed step PS table `table` must be at when a session opens: -1 in a fresh
@@ -175,7 +171,18 @@ class BagPipeJob:
                     f"BagPipeConfig.ps_shards ({config.ps_shards}) does not match the "
                     f"{len(addresses)} PS addresses"
                 )
+            if (self.resumed is not None and self.resumed.ps_shards != len(addresses)
+                    and self.resumed.partitioner != config.partitioner):
+                # The servers re-partitioned the set by the partitioner it records
+                # (launch/ps_role.py); this job must route keys the same way.
+                raise ValueError(
+                    f"BagPipe resume: the checkpoint in {self.resume_dir} was taken with "
+                    f"{self.resumed.ps_shards} PS shards and partitioner "
+                    f"{self.resumed.partitioner!r}; resuming it on {len(addresses)} servers "
+                    f"re-partitions its rows with that partitioner, this job's is "
+                    f"{config.partitioner!r}")
             return [f"{scheme}{a}" if "://" not in a else a for a in addresses]
+        self.hosts_shards = True
         shards = config.ps_shards if config.ps_shards is not None else self.world_size
         if shards > self.world_size:
             raise ValueError(
@@ -184,16 +191,24 @@ class BagPipeJob:
             )
         if self.rank < shards:
             ckpt = ps_shard_dir(self.checkpoint_dir, self.rank) if self.checkpoint_dir else None
-            restore: str | bool = False
+            restore: str | list[str] | bool = False
             if self.resumed is not None:
                 assert self.resume_dir is not None
-                restore = ps_set_dir(self.resume_dir, self.rank, self.resumed.label)
-                if not os.path.isdir(restore):
-                    raise FileNotFoundError(
-                        f"BagPipe resume: PS shard {self.rank}'s tables of checkpoint set "
-                        f"{self.resumed.label} are missing ({restore})")
+                # The same shard count: this shard's own part; another: every part,
+                # re-partitioned by this job's partitioner.
+                if self.resumed.ps_shards == shards:
+                    restore = ps_set_dir(self.resume_dir, self.rank, self.resumed.label)
+                    parts = [(self.rank, restore)]
+                else:
+                    restore = ps_set_dirs(self.resume_dir, self.resumed)
+                    parts = list(enumerate(restore))
+                for owner, d in parts:
+                    if not os.path.isdir(d):
+                        raise FileNotFoundError(
+                            f"BagPipe resume: PS shard {owner}'s tables of checkpoint set "
+                            f"{self.resumed.label} are missing ({d})")
             self.shard = PSShard(shard_spec(config, self.rank, shards, checkpoint_dir=ckpt),
-                                 restore=restore)
+                                 restore=restore, partitioner=config.partitioner)
             if kind == "rdma":
                 self.server = self.shard.serve_ucx(job_token=self.job_token)
             else:
@@ -246,7 +261,14 @@ class BagPipeJob:
                 module.close()
             except Exception as e:  # keep closing the others
                 errors.append(e)
-        if self.shard is not None:
+        if self.shard is None:
+            if self.hosts_shards:
+                # A rank hosting none of the job's shards (ps_shards < world size) only says
+                # it is done: the hosts wait for every rank before stopping their shards (a
+                # host that gave up waiting reports it; its store may be gone by now).
+                with contextlib.suppress(Exception):
+                    self._store.add(self._key("barrier/closed"), 1)
+        else:
             try:
                 self._store_barrier("closed")
             except Exception as e:

@@ -21,6 +21,19 @@ then `load_job_checkpoint(model, optimizer=...)` restores the trainer state and 
 from there is bitwise the run that never stopped, random ops (dropout) included.
 Losing a shard is recovered the same way: every process rolls back to the last set.
 
+Resuming on another shape: a set taken with W trainers and K PS shards resumes with W'
+trainers and K' shards. Each PS shard of the new job restores the rows the job's
+partitioner routes to it from all K parts of the set (`PSShard(restore=[...])`; the
+launcher's servers get ``--restore-resharded`` and the set's partitioner), weights and
+optimizer state bitwise. Trainer r' loads trainer (r' mod W)'s file: the dense model and
+its optimizer state are replicated by DDP, so any trainer's is every trainer's; the random
+streams and `extra` come from that trainer too (with W' != W no run continues every rank's
+stream: rank r' draws from old rank r' mod W's). Rank-local shards of stock-sharded tables
+cannot be re-split this way (ValueError naming them: use DCP for those). The data position
+is the caller's: the DLRM example saves the samples consumed and re-splits them over the new
+ranks (examples/dlrm/dlrm_main.py). Training continued from there equals the single-process
+reference continued from the same step on the new job's global batches.
+
 Thread-safety: the rank's training thread, between steps (no step running), every rank in
 the same order (barriers on the job's control group).
 """
@@ -151,6 +164,17 @@ def _optimizers(optimizer: Any) -> Iterator[Any]:
         yield optimizer
 
 
+def _rank_local(saved: Any, where: str) -> list[str]:
+    """The places in `saved` (from `_local`) that hold one rank's shards of a tensor."""
+    if isinstance(saved, Mapping):
+        if "__local_shards__" in saved:
+            return [where]
+        return [p for k, v in saved.items() for p in _rank_local(v, f"{where}.{k}")]
+    if isinstance(saved, (list, tuple)):
+        return [p for i, v in enumerate(saved) for p in _rank_local(v, f"{where}[{i}]")]
+    return []
+
+
 def _bagpipe_optimizers(model: nn.Module) -> list[BagPipeFusedOptimizer]:
     return [m.bagpipe_tables.optimizer for _, m in bagpipe_modules(model)]
 
@@ -244,7 +268,7 @@ def save_job_checkpoint(model: nn.Module, directory: str | os.PathLike[str] | No
     job.control.barrier()  # every trainer's state is on disk
     tables = dict(job.control.broadcast_object(tables if job.rank == 0 else None, src=0))
     manifest = Manifest(label=label, step=int(step), tables=tables, world_size=job.world_size,
-                        ps_shards=len(job.endpoints))
+                        ps_shards=len(job.endpoints), partitioner=job.config.partitioner)
     if job.rank == 0:
         write_manifest(d, manifest)
         _remove_older_sets(d, label)
@@ -287,8 +311,21 @@ def load_job_checkpoint(model: nn.Module, *, optimizer: Any = None,
     if manifest is None or manifest.label != job.resumed.label:
         raise RuntimeError(f"BagPipe resume: the manifest in {job.resume_dir} changed while "
                            "the job was starting")
-    path = trainer_file(job.resume_dir, manifest.label, job.rank)
+    reshaped = manifest.world_size != job.world_size
+    source = job.rank % manifest.world_size if reshaped else job.rank
+    path = trainer_file(job.resume_dir, manifest.label, source)
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if reshaped:
+        split = sorted(_rank_local(state["model"], "model")
+                       + _rank_local(state["optimizers"], "optimizer"))
+        if split:
+            raise ValueError(
+                f"BagPipe resume: the checkpoint in {job.resume_dir} was taken at world size "
+                f"{manifest.world_size}, this job has {job.world_size}, and its trainers hold "
+                f"rank-local shards of stock-sharded tables ({', '.join(split[:4])}"
+                f"{', ...' if len(split) > 4 else ''}), which a whole-job checkpoint cannot "
+                "re-split: place those tables on BagPipe, or checkpoint them with DCP "
+                "(torch.distributed.checkpoint reshards them)")
     skip = _bagpipe_keys(model)
     live = {k: v for k, v in model.state_dict().items() if _plain(k) not in skip}
     _into(live, state["model"], "model")

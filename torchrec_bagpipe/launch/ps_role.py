@@ -110,12 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def checkpoint_server_args(checkpoint_dir: str | None, resume: str | None,
-                           shard: int) -> list[str]:
-    """Server arguments of shard `shard` in a whole-job checkpoint (checkpoint_manifest.py):
-    its checkpoint directory under `checkpoint_dir` (or `resume`), and when resuming the set
-    the manifest names. Raises ValueError when `resume` holds no manifest."""
+                           shard: int, num_shards: int) -> list[str]:
+    """Server arguments of shard `shard` of `num_shards` in a whole-job checkpoint
+    (checkpoint_manifest.py): its checkpoint directory under `checkpoint_dir` (or `resume`),
+    and when resuming the set the manifest names: its own part, or, when the set was taken
+    with another shard count, every part to restore re-partitioned with the set's
+    partitioner (``--restore-resharded``). Raises ValueError when `resume` holds no
+    manifest."""
     from torchrec_bagpipe.distributed.checkpoint_manifest import (
         ps_set_dir,
+        ps_set_dirs,
         ps_shard_dir,
         read_manifest,
     )
@@ -129,7 +133,12 @@ def checkpoint_server_args(checkpoint_dir: str | None, resume: str | None,
         if manifest is None:
             raise ValueError(f"--resume {resume}: no whole-job checkpoint there "
                              "(no MANIFEST.json)")
-        out += ["--restore-from", ps_set_dir(os.path.abspath(resume), shard, manifest.label)]
+        root = os.path.abspath(resume)
+        if manifest.ps_shards == num_shards:
+            out += ["--restore-from", ps_set_dir(root, shard, manifest.label)]
+        else:
+            out += ["--restore-resharded", ",".join(ps_set_dirs(root, manifest)),
+                    "--partitioner", manifest.partitioner]
     return out
 
 
@@ -154,7 +163,8 @@ def _start_server(args: argparse.Namespace, token: str,
            "--host", args.host, "--port", "0",
            *(["--transport", "rdma"] if args.transport == "rdma" else []),
            *shlex.split(args.server_args),
-           *checkpoint_server_args(args.checkpoint_dir, args.resume, args.replica_id)]
+           *checkpoint_server_args(args.checkpoint_dir, args.resume, args.replica_id,
+                                   args.num_replicas)]
     env = {**os.environ, "BAGPIPE_JOB_TOKEN": token}
     server = Child(cmd, env, prefix=f"[ps {args.replica_id}]", on_line=on_line)
 

@@ -41,7 +41,7 @@ CONFIG_FLAGS = {
     "network": ("job_token",),
     "store": ("memory_budget", "spill_dir", "store_threads"),
     "checkpoints": ("ps_checkpoint_incremental", "ps_checkpoint_full_every",
-                    "ps_checkpoint_chain_fraction"),
+                    "ps_checkpoint_chain_fraction", "partitioner"),
 }
 
 EPILOG = """\
@@ -54,7 +54,10 @@ Checkpoints: with --checkpoint-dir each table is saved to DIR/table-NAME (crash-
 committed step in the checkpoint's meta) every --checkpoint-every committed steps and when
 the server drains; a trainer's checkpoint request with a label (a whole-job checkpoint)
 saves into DIR/LABEL/table-NAME. A restarted server restores them (--restore, the default
-when DIR holds checkpoints; --restore-from DIR/LABEL for a labelled set). A training job
+when DIR holds checkpoints; --restore-from DIR/LABEL for a labelled set). A set written by
+another number of shards restores with --restore-resharded D0,D1,... (every old shard's
+directory of the set): the server keeps the rows --partitioner (the trainers') routes to it,
+with their optimizer state. A training job
 opening a table whose committed step is past -1 must resume from exactly that step (its
 steps are numbered after it); a fresh job is refused, naming the table and the steps.
 
@@ -145,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the table checkpoints in DIR at start instead (e.g. one set of "
                         "a whole-job checkpoint, CHECKPOINT_DIR/step-N, which a trainer's "
                         "checkpoint request with a label wrote)")
+    g.add_argument("--restore-resharded", default=None, metavar="D0,D1,...",
+                   help="load a checkpoint set written by another number of shards: every old "
+                        "shard's directory of the set, comma-separated; this server keeps the "
+                        "rows --partitioner routes to it")
     g = p.add_argument_group("logging")
     g.add_argument("--quiet", action="store_true", help="no per-session log lines")
     return p
@@ -206,21 +213,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         return usage(e)
     prefix = f"bagpipe-ps shard {args.shard_id}/{args.num_shards}"
-    restore: bool | str = (args.restore if args.restore is not None
+    restore: bool | str | list[str] = (args.restore if args.restore is not None
                            else _has_checkpoints(args.checkpoint_dir))
+    if args.restore_from is not None and args.restore_resharded is not None:
+        return usage("--restore-from and --restore-resharded exclude each other")
     if args.restore_from is not None:
         if args.restore:
             return usage("--restore and --restore-from exclude each other")
         if not _has_checkpoints(args.restore_from):
             return usage(f"--restore-from {args.restore_from}: no table checkpoints there")
         restore = args.restore_from
+    if args.restore_resharded is not None:
+        if args.restore:
+            return usage("--restore and --restore-resharded exclude each other")
+        parts = [d for d in args.restore_resharded.split(",") if d]
+        missing = [d for d in parts if not _has_checkpoints(d)]
+        if not parts or missing:
+            return usage(f"--restore-resharded: no table checkpoints in {missing or parts}")
+        restore = parts
     if restore is True and not args.checkpoint_dir:
         return usage("--restore needs --checkpoint-dir")
     from torchrec_bagpipe.ps.shard import PSShard
 
     try:
         shard = PSShard(shard_settings, verbose=not args.quiet,
-                        restore=restore if isinstance(restore, str) else bool(restore))
+                        restore=restore if isinstance(restore, (str, list)) else bool(restore),
+                        partitioner=config.partitioner)
         if isinstance(server_settings, UcxServerSpec):
             server = shard.serve_ucx(server_settings)
         else:

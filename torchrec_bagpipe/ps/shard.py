@@ -57,6 +57,11 @@ class PSShard:
     steps (0: only on request). ``restore=True`` first loads the tables found in the
     checkpoint directory (`restore` may also name another directory); `verbose` logs one
     line per session event to stderr.
+
+    Resharding: `restore` given as a list of directories is a whole checkpoint set written
+    by another number of shards (one directory per old shard, any order); this shard keeps
+    the stored rows that `partitioner` (the clients' `ClientSpec.partitioner`) routes to it,
+    weights and optimizer state bitwise, so a set of K shards restores onto K' shards.
     """
 
     def __init__(
@@ -64,7 +69,8 @@ class PSShard:
         spec: ShardSpec | None = None,
         /,
         *,
-        restore: bool | str | os.PathLike[str] = False,
+        restore: bool | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = False,
+        partitioner: str = "modulo",
         verbose: bool = False,
         **fields: Any,
     ) -> None:
@@ -80,6 +86,9 @@ class PSShard:
                 raise ValueError("restore=True needs a checkpoint_dir")
             if os.path.isdir(ckpt):
                 self.restored = dict(self._core.restore(ckpt))
+        elif isinstance(restore, (list, tuple)):
+            dirs = [optional_path(d, "restore") for d in restore]
+            self.restored = dict(self._core.restore_resharded(dirs, str(partitioner)))
         elif restore is not False and restore is not None:
             self.restored = dict(self._core.restore(optional_path(restore, "restore")))
 
