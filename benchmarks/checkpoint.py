@@ -28,6 +28,15 @@ Lines (one JSON object each; medians over the rounds):
                              commits behind them (issue 23 item 2 would remove that);
                              touched_fraction is the rows touched between checkpoints.
 
+* restore_s (config ``reshard``)  s   restoring a whole set of ``shards_from`` PS shards onto
+                             ``shards_to`` (``PSShard(restore=[...])``: every new shard
+                             loads each old part and keeps its rows; every row checked
+                             bitwise) vs the same set restored onto ``shards_from`` shards
+                             (each its own part); summed over the new shards (a serial
+                             bound: the shards of a job restore in parallel). The trainers
+                             of a resumed job (2 -> 1, 1 -> 2) load their dense state from
+                             one file whatever the count; the PS rows are the cost.
+
 Wall times are of a loaded 2-core machine and of its disk (page cache and fsync); bytes are
 exact. --quick: 100k rows, 3 rounds per fraction (under a minute).
 """
@@ -42,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,6 +191,60 @@ def run_stall(rows: int, dim: int, steps: int, every: int, repeats: int, work: P
          repeats=repeats, step_ms_without=base / steps * 1e3)
 
 
+def _restore_all(num_shards: int, restore: list[str] | None,
+                 dirs: list[str]) -> tuple[float, list[Any]]:
+    from torchrec_bagpipe.ps import PSShard
+
+    t0 = time.perf_counter()
+    shards = [PSShard(shard_id=i, num_shards=num_shards,
+                      restore=restore if restore is not None else dirs[i])
+              for i in range(num_shards)]
+    return time.perf_counter() - t0, shards
+
+
+def run_resume(rows: int, dim: int, repeats: int, work: Path, verify: bool) -> None:
+    """A set of K shards restored onto K' (2 -> 1, 1 -> 2) vs onto K."""
+    from torchrec_bagpipe.ps import PSClient, PSShard
+
+    keys = torch.arange(rows, dtype=torch.int64)
+    for k_from, k_to in ((2, 1), (1, 2)):
+        shards = [PSShard(shard_id=i, num_shards=k_from, checkpoint_dir=work / f"k{k_from}-{i}")
+                  for i in range(k_from)]
+        with PSClient(shards, table="t", dim=dim, lr=0.01, init="uniform", init_bound=0.01,
+                      optimizer="adagrad", timeout=600.0) as c:
+            g = torch.Generator().manual_seed(k_from)
+            for i in range(0, rows, 1 << 17):
+                k = keys[i:i + (1 << 17)]
+                c.commit(i >> 17, k, torch.randn(k.numel(), dim, generator=g))
+            c.checkpoint(label="set")
+            want = c.lookup(keys, with_state=True) if verify else None
+        for s in shards:
+            s.close()
+        dirs = [str(work / f"k{k_from}-{i}" / "set") for i in range(k_from)]
+        same_t, reshard_t = [], []
+        for rep in range(repeats):
+            for mode in ("same", "reshard") if rep % 2 == 0 else ("reshard", "same"):
+                if mode == "same":
+                    t, restored = _restore_all(k_from, None, dirs)
+                    same_t.append(t)
+                else:
+                    t, restored = _restore_all(k_to, dirs, dirs)
+                    reshard_t.append(t)
+                    if verify and rep == 0:
+                        with PSClient(restored, table="t", dim=dim, lr=0.01, init="uniform",
+                                      init_bound=0.01, optimizer="adagrad",
+                                      expected_step=restored[0].restored["t"]) as c:
+                            assert torch.equal(c.lookup(keys, with_state=True), want)
+                for s in restored:
+                    s.close()
+        value, base = statistics.median(reshard_t), statistics.median(same_t)
+        emit(metric="restore_s", value=value, unit="s", baseline=base, ratio=value / base,
+             config="reshard", bench=BENCH, shards_from=k_from, shards_to=k_to, rows=rows,
+             dim=dim, optimizer="adagrad", repeats=repeats, bitwise_equal=verify)
+        for d in work.iterdir():
+            shutil.rmtree(d)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=1_000_000)
@@ -208,6 +272,9 @@ def main() -> int:
         work.mkdir()
         run_stall(args.rows, args.dim, args.stall_steps, args.stall_every, args.stall_repeats,
                   work, seed=99)
+        work = root / "resume"
+        work.mkdir()
+        run_resume(args.rows, args.dim, 3, work, not args.no_verify)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
