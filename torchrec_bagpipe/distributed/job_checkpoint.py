@@ -30,9 +30,10 @@ its optimizer state are replicated by DDP, so any trainer's is every trainer's; 
 streams and `extra` come from that trainer too (with W' != W no run continues every rank's
 stream: rank r' draws from old rank r' mod W's). Rank-local shards of stock-sharded tables
 cannot be re-split this way (ValueError naming them: use DCP for those). The data position
-is the caller's: the DLRM example saves the samples consumed and re-splits them over the new
-ranks (examples/dlrm/dlrm_main.py). Training continued from there equals the single-process
-reference continued from the same step on the new job's global batches.
+is the caller's: the DLRM example saves its global batch, refuses another one and lets each
+new rank skip the batches already trained (examples/dlrm/dlrm_main.py). Training continued
+from there equals the single-process reference continued from the same step on the new
+job's global batches.
 
 Thread-safety: the rank's training thread, between steps (no step running), every rank in
 the same order (barriers on the job's control group).
