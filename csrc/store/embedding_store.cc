@@ -139,6 +139,7 @@ size_t EmbeddingStore::Impl::Erase(const int64_t* keys, size_t n) {
   if (n == 0) return 0;
   Route(keys, n);
   // Capacity first, so nothing below can fail halfway.
+  ReserveAside();
   free_slots_.reserve(free_slots_.size() + n);
   for (uint32_t s = 0; s < num_shards_; ++s) {
     const uint32_t routed = shard_begin_[s + 1] - shard_begin_[s];
@@ -152,6 +153,7 @@ size_t EmbeddingStore::Impl::Erase(const int64_t* keys, size_t n) {
       const uint32_t i = order_[p];
       const uint32_t slot = sh.map.Erase(keys[i], hashes_[i]);
       if (slot == KeyMap::kNotFound) continue;
+      Preserve(sh, slot);  // a freed slot may be reused, by any shard, without a copy
       sh.freed.push_back(slot);
       ClearDirty(sh, slot);
       if (record) sh.deleted.push_back(keys[i]);

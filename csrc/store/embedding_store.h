@@ -32,8 +32,13 @@
 //      row (and state) and no other.
 //   7. Change tracking (incremental checkpoints, embedding_store_incremental.cc): every row
 //      an op stores or changes (insert, Assign, update) is dirty until the next Checkpoint
-//      that commits; every key erased while a chain is open is a deletion until then. A
-//      Checkpoint that throws leaves both as they were.
+//      that commits, or (BeginCheckpoint) until the snapshot is taken; every key erased
+//      while a chain is open is a deletion until then. A Checkpoint that throws before
+//      its snapshot leaves both as they were; one whose write fails (or is abandoned)
+//      makes the next Checkpoint a full base.
+//   8. Snapshots: between BeginCheckpoint and the end of its Write, every op runs as usual;
+//      the checkpoint holds exactly the rows, state and deletions of the moment Begin
+//      returned (an op copies a snapshot row aside before it first overwrites or frees it).
 //
 // Update arithmetic (shared, bitwise, with the trainer caches, which run the same sequence
 // as separate torch ops, each rounding once in fp32; built with -ffp-contract=off). Per
@@ -255,6 +260,34 @@ class EmbeddingStore {
   CheckpointResult Checkpoint(const std::string& dir, int64_t step,
                               const std::map<std::string, std::string>& meta,
                               const ChainPolicy& policy);
+
+  // A Checkpoint split in two (invariant 8): BeginCheckpoint decides base or increment,
+  // validates dir and takes the snapshot (a walk of the key maps, no row copied) under the
+  // op lock; Write then copies and writes the rows while other ops run, and commits.
+  // Checkpoint(...) is BeginCheckpoint(...)->Write().
+  class PendingCheckpoint {
+   public:
+    // Not written (or its Write failed): the snapshot is dropped, and the next Checkpoint
+    // writes a full base; dir keeps its previous complete checkpoint.
+    ~PendingCheckpoint();
+    PendingCheckpoint(const PendingCheckpoint&) = delete;
+    PendingCheckpoint& operator=(const PendingCheckpoint&) = delete;
+    int64_t step() const;
+    bool incremental() const;
+    // Writes and commits the snapshot (crash safety as Checkpoint). Throws IOError.
+    // REQUIRES: called at most once; the store outlives this object.
+    CheckpointResult Write();
+
+    struct State;  // the snapshot (embedding_store_impl.h)
+    explicit PendingCheckpoint(std::unique_ptr<State> state);
+
+   private:
+    std::unique_ptr<State> state_;  // null once written
+  };
+  // REQUIRES: as Checkpoint; no other PendingCheckpoint of this store alive (ValueError).
+  std::unique_ptr<PendingCheckpoint> BeginCheckpoint(
+      const std::string& dir, int64_t step, const std::map<std::string, std::string>& meta,
+      const ChainPolicy& policy);
 
   // Opens a checkpoint written by Save or Checkpoint (any version this build reads: a chain
   // is its base and then each increment, in order, bitwise the store that wrote the last

@@ -20,6 +20,12 @@
 //      the last committed Checkpoint (MarkDirty in Publish, Assign and the updates; cleared
 //      by Erase and by a Checkpoint's commit); Shard::dirty counts those of the shard's keys.
 //      Shard::deleted lists keys erased since then, while chain_.open only.
+//   5. Snapshot (copy-on-write, embedding_store_snapshot.cc): while a PendingCheckpoint is
+//      alive, snap_mark_[slot] for every slot below its size is 0 (not in the snapshot, or
+//      already written), 1 (in it, and the live row still holds the snapshot's bytes) or
+//      k + 2 (its snapshot bytes are entry k of the Shard::aside of the shard whose key held
+//      it at Begin). Every op calls Preserve before it writes or frees a slot, so a slot
+//      marked 1 is never changed; snap_mark_ is empty when no snapshot is open.
 #pragma once
 
 #include <algorithm>
@@ -124,7 +130,11 @@ class EmbeddingStore::Impl {
     std::vector<uint32_t> freed;                  // slots the current Erase released
     uint64_t dirty = 0;                           // dirty slots of this shard's keys
     std::vector<int64_t> deleted;                 // keys erased since the last Checkpoint
+    // Snapshot rows copied aside (invariant 5): dim + state_dim floats each. Written by
+    // the shard's task (Preserve), read and freed by the snapshot writer under mu_.
+    std::vector<float> aside;
   };
+  using Snapshot = PendingCheckpoint::State;
 
   // The chain this store's last committed Checkpoint (or a whole-chain Load) left in dir.
   struct ChainState {
@@ -163,6 +173,17 @@ class EmbeddingStore::Impl {
   CheckpointResult Checkpoint(const std::string& dir, int64_t step,
                               const std::map<std::string, std::string>& meta,
                               const ChainPolicy& policy);
+  // The two halves of Checkpoint (embedding_store_incremental.cc, _snapshot.cc): Begin
+  // under mu_; WriteSnapshot takes mu_ only to copy a chunk of rows at a time and to
+  // finish; CloseSnapshot (under mu_) drops an unwritten or failed one.
+  std::unique_ptr<Snapshot> BeginCheckpoint(const std::string& dir, int64_t step,
+                                            const std::map<std::string, std::string>& meta,
+                                            const ChainPolicy& policy);
+  CheckpointResult WriteSnapshot(Snapshot& snap);
+  void AbandonSnapshot() {
+    std::lock_guard<std::mutex> lock(mu_);
+    CloseSnapshot(/*committed=*/false);
+  }
   // After a Load of the whole chain in dir (manifest m, MANIFEST checksum digest): nothing
   // is dirty, and the next Checkpoint into dir may extend that chain.
   void AdoptChain(const std::string& dir, const Manifest& m, uint64_t digest);
@@ -207,6 +228,12 @@ class EmbeddingStore::Impl {
       --sh.dirty;
     }
   }
+  // Copy-on-write (invariant 5). REQUIRES: as MarkDirty; called before slot is written or
+  // freed by the running op.
+  void Preserve(Shard& sh, uint32_t slot) {
+    if (slot < snap_mark_.size() && snap_mark_[slot] == 1) CopyAside(sh, slot);
+  }
+  void CopyAside(Shard& sh, uint32_t slot);
   bool IsDirty(uint32_t slot) const {
     const uint32_t page = index_.Page(slot);
     return dirty_[page][index_.RowIn(slot, page)] != 0;
@@ -215,16 +242,21 @@ class EmbeddingStore::Impl {
   void ClearTracking();
   // The manifest fields that describe this store (format head, layout, optimizer).
   Manifest ManifestHead(bool weights_only) const;
-  // Writes `groups` segments into writer, each the rows of a contiguous range of hash shards
-  // in shard order, files "<prefix>keys-GGGG.bin" etc.: every stored row, or only the dirty
-  // ones; with their state when with_state. REQUIRES: 1 <= groups <= num_shards.
-  std::vector<SegmentEntry> WriteSegments(CheckpointWriter& writer, const std::string& prefix,
-                                          bool with_state, bool dirty_only, size_t groups);
-  // Checkpoint's two outcomes.
-  CheckpointResult WriteBase(const std::string& dir, int64_t step,
-                             const std::map<std::string, std::string>& meta);
-  CheckpointResult WriteIncrement(const std::string& dir, int64_t step,
-                                  const std::map<std::string, std::string>& meta);
+  // Save's segments: one per hash shard, in shard order, files "keys-SSSS.bin" etc., every
+  // stored row, with its state when with_state.
+  std::vector<SegmentEntry> WriteSegments(CheckpointWriter& writer, bool with_state);
+  // The snapshot's write (embedding_store_snapshot.cc): segments of snap.groups ranges of
+  // hash shards, one file set per group, groups claimed by up to num_threads threads.
+  std::vector<SegmentEntry> WriteSnapshotSegments(Snapshot& snap, const std::string& prefix);
+  void WriteSnapshotGroup(Snapshot& snap, size_t g, const std::string& prefix,
+                          SegmentEntry& seg);
+  // Drops the open snapshot (if any). Not committed: an increment's rows and deletions
+  // are tracked again (the next Checkpoint extends the parent chain with them), a base's
+  // failure makes the next Checkpoint a full base.
+  void CloseSnapshot(bool committed);
+  // Room in each shard's aside for every row the running op routed to it, so Preserve
+  // never allocates (invariant 3). REQUIRES: after Route, before the op writes a row.
+  void ReserveAside();
   void CheckKeys(const int64_t* keys, size_t n) const;
   void Route(const int64_t* keys, size_t n);
   void RunShards(const std::function<void(Shard&, uint32_t begin, uint32_t end)>& fn);
@@ -270,6 +302,8 @@ class EmbeddingStore::Impl {
   std::vector<PageArena::Page*> pages_;      // page -> arena page (for Touch)
   std::vector<std::unique_ptr<uint8_t[]>> dirty_;  // page -> a dirty byte per row (inv. 4)
   ChainState chain_;
+  Snapshot* snap_ = nullptr;                 // the open snapshot (invariant 5), if any
+  std::vector<uint32_t> snap_mark_;          // slot -> snapshot mark (invariant 5)
   uint32_t next_slot_ = 0;                   // slots [0, next_slot_) have been handed out
   std::vector<uint32_t> free_slots_;         // erased slots, reused last-in first-out
   PageArena arena_;
@@ -292,6 +326,27 @@ class EmbeddingStore::Impl {
   std::vector<uint16_t> route_shard_;          // shard of each routed key (< 4096)
   std::vector<int64_t> segment_keys_;          // ApplyGradientsSegments: the segments' keys
   std::vector<const float*> segment_rows_;     // ApplyGradientsSegments: each key's gradient
+};
+
+// A chained checkpoint between BeginCheckpoint and its write: what to write, decided and
+// captured under mu_. Owner: the PendingCheckpoint holding it (one thread at a time).
+struct EmbeddingStore::PendingCheckpoint::State {
+  Impl* impl = nullptr;
+  std::unique_ptr<CheckpointWriter> writer;  // created (dir validated) at Begin
+  std::string dir;
+  int64_t step = -1;
+  std::map<std::string, std::string> meta;
+  bool incremental = false;
+  Manifest head;                  // increments: the chain's manifest being extended
+  std::vector<int64_t> deleted;   // increments: keys erased since the parent, sorted
+  uint64_t total_rows = 0;        // rows stored at Begin
+  uint64_t chain_id = 0;          // the chain this link belongs to
+  Impl::ChainState parent;        // the store's chain before Begin (restored on failure)
+  uint32_t index = 0;             // increments: this link's index (1 = the first)
+  size_t groups = 1;              // segments, each a contiguous range of hash shards
+  // Per hash shard: the keys to write and the slots they held at Begin, in map order.
+  std::vector<std::vector<int64_t>> keys;
+  std::vector<std::vector<uint32_t>> slots;
 };
 
 }  // namespace bagpipe::store

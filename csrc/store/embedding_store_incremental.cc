@@ -7,6 +7,10 @@
 // increments would pass policy.chain_fraction of the base's bytes: the old links go away
 // with the directory the new base replaces (compaction).
 //
+// Each Checkpoint is BeginCheckpoint (here: the decision and the snapshot, under the op
+// lock) and then the snapshot's write (embedding_store_snapshot.cc), which other ops may
+// overlap.
+//
 // Why the store can trust an increment: the dirty bytes (embedding_store_impl.h invariant 4)
 // say which rows changed since the last commit, and the directory must still hold the very
 // MANIFEST that commit wrote (its checksum), so the chain the increment extends is the one
@@ -17,7 +21,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <mutex>
 #include <random>
 #include <string>
@@ -55,22 +58,6 @@ uint64_t NewChainId() {
   return id;
 }
 
-// Every data file of manifest m, linked into writer from dir.
-void LinkChainFiles(CheckpointWriter& writer, const std::string& dir, const Manifest& m) {
-  auto segments = [&](const std::vector<SegmentEntry>& segs) {
-    for (const SegmentEntry& s : segs) {
-      writer.Link(dir, s.keys);
-      writer.Link(dir, s.rows);
-      if (s.has_state) writer.Link(dir, s.state);
-    }
-  };
-  segments(m.segments);
-  for (const IncrementEntry& inc : m.chain.increments) {
-    writer.Link(dir, inc.deletions);
-    segments(inc.segments);
-  }
-}
-
 }  // namespace
 
 void EmbeddingStore::Impl::ClearTracking() {
@@ -99,9 +86,21 @@ void EmbeddingStore::Impl::AdoptChain(const std::string& dir, const Manifest& m,
 CheckpointResult EmbeddingStore::Impl::Checkpoint(const std::string& dir, int64_t step,
                                                   const std::map<std::string, std::string>& meta,
                                                   const ChainPolicy& policy) {
+  const std::unique_ptr<Snapshot> snap = BeginCheckpoint(dir, step, meta, policy);
+  return WriteSnapshot(*snap);
+}
+
+std::unique_ptr<EmbeddingStore::Impl::Snapshot> EmbeddingStore::Impl::BeginCheckpoint(
+    const std::string& dir, int64_t step, const std::map<std::string, std::string>& meta,
+    const ChainPolicy& policy) {
   CheckPolicy(policy);
   std::lock_guard<std::mutex> lock(mu_);
-  bool increment = policy.incremental && chain_.open && chain_.dir == CanonicalDir(dir) &&
+  if (snap_ != nullptr) {
+    throw ValueError("checkpoint: the checkpoint of step " + std::to_string(snap_->step) +
+                     " into " + snap_->dir + " is still being written; finish it first");
+  }
+  const std::string canonical = CanonicalDir(dir);
+  bool increment = policy.incremental && chain_.open && chain_.dir == canonical &&
                    chain_.increments < static_cast<uint32_t>(policy.full_every) &&
                    step >= chain_.step && ManifestDigest(dir) == chain_.digest;
   if (increment) {
@@ -114,98 +113,77 @@ CheckpointResult EmbeddingStore::Impl::Checkpoint(const std::string& dir, int64_
     const double after = static_cast<double>(chain_.chain_bytes + dirty * per_row + deleted * 8);
     increment = after <= policy.chain_fraction * static_cast<double>(chain_.base_bytes);
   }
-  return increment ? WriteIncrement(dir, step, meta) : WriteBase(dir, step, meta);
-}
-
-CheckpointResult EmbeddingStore::Impl::WriteBase(const std::string& dir, int64_t step,
-                                                 const std::map<std::string, std::string>& meta) {
-  CheckpointWriter writer(dir);
-  Manifest m = ManifestHead(/*weights_only=*/false);
-  m.meta = meta;
-  m.segments = WriteSegments(writer, "", state_dim_ > 0, /*dirty_only=*/false, num_shards_);
-  for (const auto& seg : m.segments) m.rows += seg.count;
-  m.chain.id = NewChainId();
-  m.chain.base_step = step;
-  m.chain.base_meta = meta;
-  const uint64_t digest = writer.Commit(m);
-  // Committed: every change is in the checkpoint.
-  ClearTracking();
-  chain_ = ChainState{};
-  chain_.open = true;
-  chain_.dir = CanonicalDir(dir);
-  chain_.id = m.chain.id;
-  chain_.digest = digest;
-  chain_.step = step;
-  chain_.base_bytes = SegmentBytes(m.segments);
-  CheckpointResult r;
-  r.incremental = false;
-  r.links = 1;
-  r.rows = m.rows;
-  r.bytes = chain_.base_bytes;
-  r.base_bytes = chain_.base_bytes;
-  return r;
-}
-
-CheckpointResult EmbeddingStore::Impl::WriteIncrement(
-    const std::string& dir, int64_t step, const std::map<std::string, std::string>& meta) {
-  const Manifest head = CheckpointReader(dir).manifest();
-  if (head.chain.id != chain_.id || head.chain.increments.size() != chain_.increments) {
-    return WriteBase(dir, step, meta);  // not the chain the dirty set is relative to
+  auto snap = std::make_unique<Snapshot>();
+  if (increment) {
+    snap->head = CheckpointReader(dir).manifest();
+    // Not the chain the dirty set is relative to: a full base.
+    increment = snap->head.chain.id == chain_.id &&
+                snap->head.chain.increments.size() == chain_.increments;
   }
-  CheckpointWriter writer(dir);
-  LinkChainFiles(writer, dir, head);
-  const uint32_t index = chain_.increments + 1;
-  char prefix[32];
-  std::snprintf(prefix, sizeof(prefix), "inc-%04u-", index);
+  snap->impl = this;
+  snap->writer = std::make_unique<CheckpointWriter>(dir);  // validates dir
+  snap->dir = dir;
+  snap->step = step;
+  snap->meta = meta;
+  snap->incremental = increment;
+  // One segment per hash shard for a base; an increment is small, and each file costs an
+  // fsync: one per store thread.
+  snap->groups = increment ? std::min<size_t>(num_shards_, static_cast<size_t>(pool_.num_threads()))
+                           : num_shards_;
 
-  // Keys erased since the parent and not stored again (a stored one is in the rows below).
-  std::vector<int64_t> deleted;
-  for (const auto& sh : shards_) {
-    for (const int64_t k : sh->deleted) {
-      if (sh->map.Find(k, KeyHash(k)) == KeyMap::kNotFound) deleted.push_back(k);
+  // The rows to write (every stored one, or the dirty ones) with their slots, marked 1.
+  std::vector<uint32_t> mark(next_slot_, 0);
+  snap->keys.resize(num_shards_);
+  snap->slots.resize(num_shards_);
+  pool_.Run(num_shards_, [&](size_t s) {
+    const Shard& sh = *shards_[s];
+    if (increment && sh.dirty == 0) return;
+    std::vector<int64_t>& keys = snap->keys[s];
+    std::vector<uint32_t>& slots = snap->slots[s];
+    keys.reserve(increment ? sh.dirty : sh.map.size());
+    slots.reserve(keys.capacity());
+    const KeyMap::Entry* entries = sh.map.entries();
+    for (size_t b = 0; b < sh.map.capacity(); ++b) {
+      if (entries[b].tag == 0) continue;
+      const uint32_t slot = entries[b].tag - 1;
+      if (increment && !IsDirty(slot)) continue;
+      keys.push_back(entries[b].key);
+      slots.push_back(slot);
+      mark[slot] = 1;
     }
+  });
+  if (increment) {
+    // Keys erased since the parent and not stored again (a stored one is in the rows).
+    for (const auto& sh : shards_) {
+      for (const int64_t k : sh->deleted) {
+        if (sh->map.Find(k, KeyHash(k)) == KeyMap::kNotFound) snap->deleted.push_back(k);
+      }
+    }
+    std::sort(snap->deleted.begin(), snap->deleted.end());
+    snap->deleted.erase(std::unique(snap->deleted.begin(), snap->deleted.end()),
+                        snap->deleted.end());
   }
-  std::sort(deleted.begin(), deleted.end());
-  deleted.erase(std::unique(deleted.begin(), deleted.end()), deleted.end());
-  IncrementEntry inc;
-  inc.index = index;
-  inc.step = step;
-  inc.meta = meta;
-  inc.deletion_count = deleted.size();
-  {
-    CheckpointWriter::File f = writer.Create(std::string(prefix) + "deleted.bin");
-    f.Write(deleted.data(), deleted.size() * sizeof(int64_t));
-    inc.deletions = f.Finish();
-  }
-  // One segment per store thread: an increment is small, and each file costs an fsync.
-  const size_t groups = std::min<size_t>(num_shards_, static_cast<size_t>(pool_.num_threads()));
-  inc.segments = WriteSegments(writer, prefix, state_dim_ > 0, /*dirty_only=*/true, groups);
-  for (const auto& seg : inc.segments) inc.rows += seg.count;
-  for (const auto& sh : shards_) inc.total_rows += sh->map.size();
+  for (const auto& sh : shards_) snap->total_rows += sh->map.size();
 
-  Manifest m = ManifestHead(/*weights_only=*/false);
-  m.rows = head.rows;
-  m.segments = head.segments;
-  m.chain = head.chain;
-  m.meta = meta;
-  const uint64_t bytes = IncrementBytes(inc);
-  const uint64_t rows = inc.rows;
-  m.chain.increments.push_back(std::move(inc));
-  const uint64_t digest = writer.Commit(m);
+  // Nothing below throws: the snapshot is open, and every later change is relative to it.
+  snap_mark_ = std::move(mark);
+  snap_ = snap.get();
+  snap->parent = chain_;
   ClearTracking();
-  chain_.digest = digest;
-  chain_.increments = index;
-  chain_.step = step;
-  chain_.chain_bytes += bytes;
-  CheckpointResult r;
-  r.incremental = true;
-  r.links = static_cast<int>(index) + 1;
-  r.rows = rows;
-  r.deletions = deleted.size();
-  r.bytes = bytes;
-  r.base_bytes = chain_.base_bytes;
-  r.chain_bytes = chain_.chain_bytes;
-  return r;
+  if (increment) {
+    chain_.increments += 1;
+    chain_.step = step;
+    chain_.digest = 0;  // known at the commit
+  } else {
+    chain_ = ChainState{};
+    chain_.open = true;  // keys erased from now on are deletions of the next increment
+    chain_.dir = canonical;
+    chain_.id = NewChainId();
+    chain_.step = step;
+  }
+  snap->chain_id = chain_.id;
+  snap->index = chain_.increments;
+  return snap;
 }
 
 }  // namespace bagpipe::store

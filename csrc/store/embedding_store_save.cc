@@ -1,7 +1,6 @@
 // The store's rows walked out in a deterministic order (by hash shard, then key-map
 // position): the chunked Export and the crash-safe Save (checkpoint.h; Load is
-// embedding_store_load.cc), and the segment writer that Checkpoint's links share
-// (embedding_store_incremental.cc).
+// embedding_store_load.cc; Checkpoint's chained links are embedding_store_snapshot.cc).
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -68,20 +67,18 @@ Manifest EmbeddingStore::Impl::ManifestHead(bool weights_only) const {
 }
 
 std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& writer,
-                                                              const std::string& prefix,
-                                                              bool with_state, bool dirty_only,
-                                                              size_t groups) {
-  std::vector<SegmentEntry> segments(groups);
-  pool_.Run(groups, [&](size_t g) {
+                                                              bool with_state) {
+  std::vector<SegmentEntry> segments(num_shards_);
+  pool_.Run(num_shards_, [&](size_t g) {
     char name[32];
     std::snprintf(name, sizeof(name), "keys-%04zu.bin", g);
-    CheckpointWriter::File keys = writer.Create(prefix + name);
+    CheckpointWriter::File keys = writer.Create(name);
     std::snprintf(name, sizeof(name), "rows-%04zu.bin", g);
-    CheckpointWriter::File rows = writer.Create(prefix + name);
+    CheckpointWriter::File rows = writer.Create(name);
     std::optional<CheckpointWriter::File> state;
     if (with_state) {
       std::snprintf(name, sizeof(name), "state-%04zu.bin", g);
-      state.emplace(writer.Create(prefix + name));
+      state.emplace(writer.Create(name));
     }
     // Stage rows in chunks so each file write is large.
     constexpr size_t kChunk = 4096;
@@ -100,14 +97,11 @@ std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& 
       sbuf.clear();
     };
     uint64_t count = 0;
-    const size_t first = num_shards_ * g / groups, last = num_shards_ * (g + 1) / groups;
-    for (size_t s = first; s < last; ++s) {
-      const KeyMap& map = shards_[s]->map;
-      if (dirty_only && shards_[s]->dirty == 0) continue;
+    {
+      const KeyMap& map = shards_[g]->map;
       for (size_t b = 0; b < map.capacity(); ++b) {
         const KeyMap::Entry& e = map.entries()[b];
         if (e.tag == 0) continue;
-        if (dirty_only && !IsDirty(e.tag - 1)) continue;
         kbuf.push_back(e.key);
         const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
         rbuf.insert(rbuf.end(), r, r + dim_);
@@ -139,8 +133,7 @@ void EmbeddingStore::Impl::Save(const std::string& dir,
   CheckpointWriter writer(dir);
   Manifest m = ManifestHead(weights_only);
   m.meta = meta;
-  m.segments = WriteSegments(writer, "", state_dim_ > 0 && !weights_only, /*dirty_only=*/false,
-                             num_shards_);
+  m.segments = WriteSegments(writer, state_dim_ > 0 && !weights_only);
   for (const auto& seg : m.segments) m.rows += seg.count;
   writer.Commit(m);
 }

@@ -19,6 +19,7 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
   if (n == 0) return;
   ++epoch_;
   Route(keys, n);
+  ReserveAside();
   Materialize(keys);
   ++mutations_;
   const bool track = spill_.tracking();
@@ -30,6 +31,7 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
     Publish(sh, /*init_rows=*/false, /*init_state=*/state == nullptr, epoch);
     for (const Shard::Group& grp : sh.groups) {
       const size_t last = order_[b + grp.last];
+      Preserve(sh, grp.slot);
       std::memcpy(Row(grp.slot), rows + last * dim_, row_bytes_);
       if (state != nullptr) std::memcpy(State(grp.slot), state + last * state_dim_, state_bytes_);
       MarkDirty(sh, grp.slot);
@@ -73,6 +75,7 @@ void EmbeddingStore::Impl::UpdateShard(Shard& sh, uint32_t b, const float* grads
   };
   for (size_t g = 0; g < ng; ++g) {
     const Shard::Group& grp = sh.groups[g];
+    Preserve(sh, grp.slot);
     float* w = reinterpret_cast<float*>(Row(grp.slot));
     float* state = nullptr;
     if constexpr (kKind != OptimizerKind::kSgd) state = reinterpret_cast<float*>(State(grp.slot));
@@ -159,6 +162,7 @@ void EmbeddingStore::Impl::ApplyLocked(const int64_t* keys, size_t n, const floa
                                        const float* const* grad_rows, float lr, int divisor) {
   ++epoch_;
   Route(keys, n);
+  ReserveAside();
   Materialize(keys);
   ++mutations_;
   const uint32_t epoch = epoch_;
