@@ -21,11 +21,16 @@ Lines (one JSON object each; medians over the rounds):
                              ratio = chain / full
 * stall_ms          ms       training stall per periodic checkpoint of an in-process PS shard
                              (``checkpoint_every``): a step is a get of its rows at the
-                             previous step and the commit of their gradients (Zipf batches);
+                             previous step, the trainer's compute (``--stall-compute-ms``, a
+                             sleep: a GPU's step leaves the CPU free) and the commit of their
+                             gradients (Zipf batches);
                              (step time summed with checkpoints - without) / checkpoints, the
-                             three runs (none, incremental, full) interleaved over repeats;
-                             value incremental, baseline full. Checkpoints today block the
-                             commits behind them (issue 23 item 2 would remove that);
+                             the runs (none, incremental, full, background,
+                             background_full) interleaved over repeats. Lines by `config`:
+                             incremental vs full (blocking: the commit that reaches the
+                             checkpoint writes it), background vs incremental and
+                             background_full vs full (checkpoint_background: the write runs
+                             beside the later steps' commits, from a copy-on-write snapshot);
                              touched_fraction is the rows touched between checkpoints.
 
 * restore_s (config ``reshard``)  s   restoring a whole set of ``shards_from`` PS shards onto
@@ -146,7 +151,7 @@ def run_fraction(rows: int, dim: int, fraction: float, rounds: int, work: Path,
 
 
 def run_stall(rows: int, dim: int, steps: int, every: int, repeats: int, work: Path,
-              seed: int) -> None:
+              seed: int, compute_ms: float) -> None:
     from torchrec_bagpipe.ps import PSClient, PSShard, ShardSpec
 
     rng = np.random.default_rng(seed)
@@ -160,13 +165,21 @@ def run_stall(rows: int, dim: int, steps: int, every: int, repeats: int, work: P
     touched = statistics.mean(
         len(torch.unique(torch.cat(batches[i:i + every]))) / rows
         for i in range(0, steps - every + 1, every))
-    totals: dict[str, list[float]] = {"none": [], "incremental": [], "full": []}
+    # Blocking and background (checkpoint_background) periodic checkpoints, incremental and
+    # full; `every // 2` steps after the last checkpoint so a background write is inside
+    # the timed window too.
+    configs = {"none": None, "incremental": (True, False), "full": (False, False),
+               "background": (True, True), "background_full": (False, True)}
+    totals: dict[str, list[float]] = {mode: [] for mode in configs}
     modes = list(totals)
+    run_steps = steps + every // 2
     for rep in range(repeats):
-        for mode in modes[rep % 3:] + modes[:rep % 3]:
+        for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             d = work / f"{mode}-{rep}"
+            incremental, background = configs[mode] or (True, False)
             spec = ShardSpec(checkpoint_dir=d, checkpoint_every=0 if mode == "none" else every,
-                             checkpoint_incremental=mode == "incremental")
+                             checkpoint_incremental=incremental,
+                             checkpoint_background=background)
             with PSShard(spec) as shard, PSClient(
                     [shard], table="t", dim=dim, lr=0.01, init="uniform", init_bound=0.01,
                     optimizer="adagrad", timeout=600.0) as c:
@@ -175,20 +188,30 @@ def run_stall(rows: int, dim: int, steps: int, every: int, repeats: int, work: P
                     shard.assign("t", keys[i:i + (1 << 18)],
                                  torch.zeros((min(1 << 18, rows - i), dim)))
                 t0 = time.perf_counter()
-                for step in range(steps):
-                    c.get(batches[step], step - 1)
-                    c.commit(step, batches[step], grads[step])
-                c.get(batches[0], steps - 1)  # the last step (and its checkpoint) applied
+                for step in range(run_steps):
+                    c.get(batches[step % steps], step - 1)
+                    if compute_ms > 0:
+                        time.sleep(compute_ms / 1e3)  # the trainer's step (a GPU's, off-CPU)
+                    c.commit(step, batches[step % steps], grads[step % steps])
+                c.get(batches[0], run_steps - 1)  # the last step (and its checkpoint) applied
                 totals[mode].append(time.perf_counter() - t0)
             shutil.rmtree(d, ignore_errors=True)
     checkpoints = steps // every
     base = statistics.median(totals["none"])
-    inc = (statistics.median(totals["incremental"]) - base) / checkpoints * 1e3
-    full = (statistics.median(totals["full"]) - base) / checkpoints * 1e3
-    emit(metric="stall_ms", value=inc, unit="ms", baseline=full,
-         ratio=inc / full if full > 0 else None, bench=BENCH, touched_fraction=touched,
-         rows=rows, dim=dim, optimizer="adagrad", steps=steps, checkpoint_every=every,
-         repeats=repeats, step_ms_without=base / steps * 1e3)
+    stall = {mode: (statistics.median(t) - base) / checkpoints * 1e3
+             for mode, t in totals.items() if mode != "none"}
+    common = dict(bench=BENCH, touched_fraction=touched, rows=rows, dim=dim,
+                  optimizer="adagrad", steps=run_steps, checkpoint_every=every,
+                  repeats=repeats, compute_ms=compute_ms,
+                  step_ms_without=base / run_steps * 1e3)
+    # value / baseline pairs: incremental vs full (blocking), then each background mode vs
+    # its blocking twin.
+    for value, baseline in (("incremental", "full"), ("background", "incremental"),
+                            ("background_full", "full")):
+        v, b = stall[value], stall[baseline]
+        emit(metric="stall_ms", value=v, unit="ms", baseline=b,
+             ratio=v / b if b > 0 else None, config=value, baseline_config=baseline,
+             **common)
 
 
 def _restore_all(num_shards: int, restore: list[str] | None,
@@ -256,25 +279,31 @@ def main() -> int:
     p.add_argument("--stall-steps", type=int, default=60)
     p.add_argument("--stall-every", type=int, default=10)
     p.add_argument("--stall-repeats", type=int, default=3)
+    p.add_argument("--stall-compute-ms", type=float, default=5.0,
+                   help="the trainer's step between a get and its commit (a sleep: off-CPU)")
+    p.add_argument("--parts", nargs="*", choices=("fractions", "stall", "resume"),
+                   default=["fractions", "stall", "resume"], help="what to measure")
     p.add_argument("--quick", action="store_true", help="100k rows, 3 rounds")
     args = p.parse_args()
     if args.quick:
         args.rows, args.rounds, args.stall_steps, args.stall_repeats = 100_000, 3, 30, 3
     root = Path(tempfile.mkdtemp(prefix="bagpipe-ckbench-", dir=args.dir))
     try:
-        for i, fraction in enumerate(args.fractions):
+        for i, fraction in enumerate(args.fractions if "fractions" in args.parts else []):
             work = root / f"f{i}"
             work.mkdir()
             run_fraction(args.rows, args.dim, fraction, args.rounds, work,
                          not args.no_verify, seed=i)
             shutil.rmtree(work)
-        work = root / "stall"
-        work.mkdir()
-        run_stall(args.rows, args.dim, args.stall_steps, args.stall_every, args.stall_repeats,
-                  work, seed=99)
-        work = root / "resume"
-        work.mkdir()
-        run_resume(args.rows, args.dim, 3, work, not args.no_verify)
+        if "stall" in args.parts:
+            work = root / "stall"
+            work.mkdir()
+            run_stall(args.rows, args.dim, args.stall_steps, args.stall_every,
+                      args.stall_repeats, work, seed=99, compute_ms=args.stall_compute_ms)
+        if "resume" in args.parts:
+            work = root / "resume"
+            work.mkdir()
+            run_resume(args.rows, args.dim, 3, work, not args.no_verify)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

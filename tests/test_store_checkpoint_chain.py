@@ -19,6 +19,7 @@ import textwrap
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +48,7 @@ class ChainMachine(StoreMachine):
         self.base_bytes = 0
         self.chain_bytes = 0
         self.ck_step = 0
+        self.pending: tuple[Any, ...] | None = None  # begun, not yet written (see _begin)
         # What each link of the chain on disk holds: (rows, state, meta).
         self.points: list[tuple[dict[int, np.ndarray], dict[int, np.ndarray], dict[str, str]]] = []
 
@@ -92,7 +94,7 @@ class ChainMachine(StoreMachine):
             self.erased |= present
             self.raw_deleted += len(present)
 
-    @precondition(lambda self: self.saved is not None)
+    @precondition(lambda self: self.saved is not None and self.pending is None)
     @rule(threads=st.sampled_from([1, 2]), shards=st.sampled_from([1, 8]))
     def load(self, threads: int, shards: int) -> None:
         super().load(threads, shards)
@@ -101,9 +103,9 @@ class ChainMachine(StoreMachine):
         self.erased, self.raw_deleted, self.chain_open = set(), 0, False
 
     # ---- chained checkpoints ------------------------------------------------------------
-    @rule(full=st.booleans())
-    def checkpoint(self, full: bool) -> None:
-        """A chained checkpoint (`full`: forced, a compaction), predicted exactly."""
+    def _begin(self, full: bool) -> None:
+        """Begins a chained checkpoint (`full`: forced, a compaction), predicted exactly:
+        the snapshot is the model now, and tracking restarts from it."""
         self.ck_step += 1
         meta = {"ck": str(self.ck_step)}
         stored = set(self.rows)
@@ -113,13 +115,22 @@ class ChainMachine(StoreMachine):
                        and float(estimate) <= self.fraction * float(self.base_bytes))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            r = self.store.checkpoint(self.chain, self.ck_step, meta, incremental=not full,
-                                      full_every=self.full_every, chain_fraction=self.fraction)
-        assert r["incremental"] == incremental, (r, estimate, self.base_bytes)
+            pending = self.store.begin_checkpoint(
+                self.chain, self.ck_step, meta, incremental=not full,
+                full_every=self.full_every, chain_fraction=self.fraction)
+        assert (pending.incremental, pending.step) == (incremental, self.ck_step), estimate
         point = ({k: v.copy() for k, v in self.rows.items()},
                  {k: v.copy() for k, v in self.state.items()}, meta)
+        self.pending = (pending, incremental, point, stored, changed, self.erased - stored)
+        self.dirty, self.erased, self.raw_deleted, self.chain_open = set(), set(), 0, True
+
+    def _write(self) -> None:
+        assert self.pending is not None
+        pending, incremental, point, stored, changed, deleted = self.pending
+        self.pending = None
+        r = pending.write()
+        assert r["incremental"] == incremental
         if incremental:
-            deleted = self.erased - stored
             assert (r["rows"], r["deletions"]) == (len(changed), len(deleted))
             assert r["bytes"] == len(changed) * self.per_row() + 8 * len(deleted)
             self.links += 1
@@ -132,10 +143,52 @@ class ChainMachine(StoreMachine):
             self.points = [point]
         assert (r["links"], r["base_bytes"], r["chain_bytes"]) == (
             self.links, self.base_bytes, self.chain_bytes)
-        self.dirty, self.erased, self.raw_deleted, self.chain_open = set(), set(), 0, True
         info = EmbeddingStore.checkpoint_info(self.chain)
         assert [link["meta"] for link in info["chain"]] == [p[2] for p in self.points]
-        assert info["rows"] == len(stored) and info["meta"] == meta
+        assert info["rows"] == len(stored) and info["meta"] == point[2]
+
+    @precondition(lambda self: self.pending is None)
+    @rule(full=st.booleans())
+    def checkpoint(self, full: bool) -> None:
+        self._begin(full)
+        self._write()
+
+    # Non-blocking checkpoints: rules run between the snapshot and its write.
+    @precondition(lambda self: self.pending is None)
+    @rule(full=st.booleans())
+    def begin_checkpoint(self, full: bool) -> None:
+        self._begin(full)
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def write_checkpoint(self) -> None:
+        """The write holds the snapshot exactly, whatever ran since its begin."""
+        self._write()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._check_point(EmbeddingStore.load(self.chain, **self._open_kwargs()),
+                              self.links - 1)
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def drop_checkpoint(self) -> None:
+        """Dropped unwritten: an increment's changes are tracked again (the next checkpoint
+        extends the chain with them); after a base, the next is a full base."""
+        pending, incremental, _, _, changed, deleted = self.pending
+        self.pending = None
+        pending.drop()
+        if incremental:
+            self.dirty |= changed & set(self.rows)
+            self.erased |= deleted
+            self.raw_deleted += len(deleted)
+        else:
+            self.chain_open = False
+
+    @precondition(lambda self: self.pending is not None)
+    @rule()
+    def second_checkpoint_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="still being written"):
+            self.store.checkpoint(self.chain, self.ck_step + 1, {})
 
     def _check_point(self, store: EmbeddingStore, link: int) -> None:
         rows, state, meta = self.points[link]
@@ -146,7 +199,7 @@ class ChainMachine(StoreMachine):
                 assert np.array_equal(bits(row), bits(rows[key]))
                 assert np.array_equal(bits(s), bits(state[key]))
 
-    @precondition(lambda self: self.links > 0)
+    @precondition(lambda self: self.links > 0 and self.pending is None)
     @rule(data=st.data(), threads=st.sampled_from([1, 2]), shards=st.sampled_from([1, 8]))
     def reload_chain(self, data: st.DataObject, threads: int, shards: int) -> None:
         """Loads the whole chain (the machine goes on with it: it extends the chain) or an
@@ -319,3 +372,44 @@ def test_periodic_shard_checkpoints_chain_and_restore_bitwise(tmp_path: Path) ->
                        shard.lookup("emb", keys, with_state=True).view(torch.int32))
     shard.close()
     restored.close()
+
+
+def test_background_shard_checkpoints_hold_exactly_their_step(tmp_path: Path) -> None:
+    """With checkpoint_background the periodic checkpoint of step s is written while steps
+    s+1, ... commit: it still loads bitwise as the blocking checkpoint of step s."""
+    from torchrec_bagpipe.ps import PSClient, PSShard, ShardSpec
+
+    def spec(name: str, background: bool) -> ShardSpec:
+        return ShardSpec(checkpoint_dir=tmp_path / name, checkpoint_every=4,
+                         checkpoint_full_every=3, checkpoint_chain_fraction=10.0,
+                         checkpoint_background=background)
+
+    shards = {"bg": PSShard(spec("bg", True)), "sync": PSShard(spec("sync", False))}
+    clients = {n: PSClient([s], table="emb", dim=8, lr=0.1, init="uniform", init_bound=0.5,
+                           seed=3, optimizer="adam", timeout=20.0) for n, s in shards.items()}
+    rng = np.random.default_rng(1)
+    table = {n: tmp_path / n / "table-emb" for n in shards}
+    for step in range(10):
+        keys = torch.from_numpy(rng.zipf(1.1, 4000).astype(np.int64) % 50000)
+        grads = torch.from_numpy(rng.standard_normal((4000, 8), np.float32))
+        for c in clients.values():
+            c.commit(step, keys, grads)
+        if step in (5, 9):
+            # An explicit checkpoint waits for the background write of step 3 (then 7).
+            assert shards["bg"].checkpoint(tmp_path / f"bg-{step}") == {"emb": step}
+            info = EmbeddingStore.checkpoint_info(table["bg"])
+            assert info["meta"]["committed_step"] == str(step - 2)
+            assert len(info["chain"]) == (1 if step == 5 else 2)
+            assert _contents(EmbeddingStore.load(table["bg"])) == _contents(
+                EmbeddingStore.load(table["sync"]))
+    for c in clients.values():
+        c.close()
+    stats = shards["bg"].table_stats("emb")
+    assert (stats["checkpoints"], stats["incremental_checkpoints"]) == (4, 1), stats
+    # The live table moved on; the full checkpoint of step 9 is the live one.
+    assert _contents(EmbeddingStore.load(tmp_path / "bg-9" / "table-emb")) != _contents(
+        EmbeddingStore.load(table["bg"]))
+    restored = PSShard(spec("bg", True), restore=True)
+    assert restored.restored == {"emb": 7}
+    for s in (*shards.values(), restored):
+        s.close()

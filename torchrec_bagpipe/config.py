@@ -243,6 +243,14 @@ class BagPipeConfig:
             "fraction of the base's bytes"
         ),
     )
+    ps_checkpoint_background: bool = field(
+        default=False,
+        metadata=_help(
+            "PS shards write their periodic checkpoints in the background, from a "
+            "copy-on-write snapshot of the checkpoint's step, while later steps commit "
+            "(training does not wait for the disk)"
+        ),
+    )
     checkpoint_dir: str | None = field(
         default=None,
         metadata=_help(

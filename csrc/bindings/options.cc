@@ -125,6 +125,7 @@ void BindShardOptions(py::module_& m) {
       .def_readwrite("checkpoint_incremental", &ShardOptions::checkpoint_incremental)
       .def_readwrite("checkpoint_full_every", &ShardOptions::checkpoint_full_every)
       .def_readwrite("checkpoint_chain_fraction", &ShardOptions::checkpoint_chain_fraction)
+      .def_readwrite("checkpoint_background", &ShardOptions::checkpoint_background)
       .def_readwrite("max_frame_bytes", &ShardOptions::max_frame_bytes);
 }
 

@@ -67,6 +67,35 @@ py::dict InitDict(const InitSpec& init) {
 }
 
 // Owns one store plus the warning its spill callback left for the Python side.
+store::ChainPolicy PolicyOf(bool incremental, int full_every, double chain_fraction) {
+  store::ChainPolicy policy;
+  policy.incremental = incremental;
+  policy.full_every = full_every;
+  policy.chain_fraction = chain_fraction;
+  return policy;
+}
+
+py::dict ResultDict(const store::CheckpointResult& r) {
+  py::dict d;
+  d["incremental"] = r.incremental;
+  d["links"] = r.links;
+  d["rows"] = r.rows;
+  d["deletions"] = r.deletions;
+  d["bytes"] = r.bytes;
+  d["base_bytes"] = r.base_bytes;
+  d["chain_bytes"] = r.chain_bytes;
+  return d;
+}
+
+// A store's checkpoint between begin_checkpoint and write (EmbeddingStore::PendingCheckpoint).
+struct PendingHandle {
+  std::unique_ptr<EmbeddingStore::PendingCheckpoint> pending;  // null once written or dropped
+  EmbeddingStore::PendingCheckpoint& get() {
+    if (!pending) throw ValueError("checkpoint: this pending checkpoint was written or dropped");
+    return *pending;
+  }
+};
+
 class StoreHandle {
  public:
   explicit StoreHandle(std::unique_ptr<EmbeddingStore> s) : store_(std::move(s)) {
@@ -241,27 +270,28 @@ void BindStoreMaintenance(StoreClass& cls) {
       [](StoreHandle& h, const std::string& path, int64_t step,
          const std::map<std::string, std::string>& meta, bool incremental, int full_every,
          double chain_fraction) {
-        store::ChainPolicy policy;
-        policy.incremental = incremental;
-        policy.full_every = full_every;
-        policy.chain_fraction = chain_fraction;
+        const store::ChainPolicy policy = PolicyOf(incremental, full_every, chain_fraction);
         store::CheckpointResult r;
         {
           py::gil_scoped_release nogil;
           r = h.store().Checkpoint(path, step, meta, policy);
         }
-        py::dict d;
-        d["incremental"] = r.incremental;
-        d["links"] = r.links;
-        d["rows"] = r.rows;
-        d["deletions"] = r.deletions;
-        d["bytes"] = r.bytes;
-        d["base_bytes"] = r.base_bytes;
-        d["chain_bytes"] = r.chain_bytes;
-        return d;
+        return ResultDict(r);
       },
       py::arg("path"), py::arg("step"), py::arg("meta"), py::arg("incremental"),
       py::arg("full_every"), py::arg("chain_fraction"));
+  cls.def(
+      "begin_checkpoint",
+      [](StoreHandle& h, const std::string& path, int64_t step,
+         const std::map<std::string, std::string>& meta, bool incremental, int full_every,
+         double chain_fraction) {
+        const store::ChainPolicy policy = PolicyOf(incremental, full_every, chain_fraction);
+        py::gil_scoped_release nogil;
+        return PendingHandle{h.store().BeginCheckpoint(path, step, meta, policy)};
+      },
+      py::arg("path"), py::arg("step"), py::arg("meta"), py::arg("incremental"),
+      py::arg("full_every"), py::arg("chain_fraction"),
+      py::keep_alive<0, 1>());  // the store outlives its pending checkpoint
   cls.def("stats", [](StoreHandle& h) {
     store::StoreStats s = h.store().Stats();
     py::dict d;
@@ -283,6 +313,31 @@ void BindStoreMaintenance(StoreClass& cls) {
     d["dirty_rows"] = s.dirty_rows;
     return d;
   });
+}
+
+void BindPendingCheckpoint(py::module_& m) {
+  py::class_<PendingHandle>(m, "PendingCheckpoint")
+      .def_property_readonly("step", [](PendingHandle& p) { return p.get().step(); })
+      .def_property_readonly("incremental",
+                             [](PendingHandle& p) { return p.get().incremental(); })
+      .def("write",
+           [](PendingHandle& p) {
+             std::unique_ptr<EmbeddingStore::PendingCheckpoint> pending = std::move(p.pending);
+             if (!pending) {
+               throw ValueError("checkpoint: this pending checkpoint was written or dropped");
+             }
+             store::CheckpointResult r;
+             {
+               py::gil_scoped_release nogil;
+               r = pending->Write();
+               pending.reset();
+             }
+             return ResultDict(r);
+           })
+      .def("drop", [](PendingHandle& p) {
+        py::gil_scoped_release nogil;
+        p.pending.reset();
+      });
 }
 
 // store_load and store_checkpoint_info: a checkpoint opened as a store, or only read.
@@ -398,6 +453,7 @@ BAGPIPE_BINDING(store) {
   BindStoreUpdates(core);
   BindStoreMaintenance(core);
   BindStoreCheckpoints(m);
+  BindPendingCheckpoint(m);
   BindInitialValues(m);
 }
 

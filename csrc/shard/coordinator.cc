@@ -48,9 +48,18 @@ CommitCoordinator::CommitCoordinator(std::string table, std::unique_ptr<TableBac
       options_(std::move(options)),
       committed_(committed_step) {
   stats_.committed_step = committed_step;
+  if (options_.checkpoint_background) writer_ = std::thread([this] { WriterLoop(); });
 }
 
-CommitCoordinator::~CommitCoordinator() = default;
+CommitCoordinator::~CommitCoordinator() {
+  if (!writer_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(ckpt_mu_);
+    ckpt_stop_ = true;
+  }
+  ckpt_cv_.notify_all();
+  writer_.join();  // a checkpoint being written is finished first
+}
 
 int CommitCoordinator::AttachedLocked() const {
   int n = 0;
@@ -220,20 +229,6 @@ void CommitCoordinator::FailLocked(const std::string& why) {
   committed_cv_.notify_all();
 }
 
-void CommitCoordinator::NotifyCheckpointLocked(const std::string& error) {
-  wire::CheckpointNoteBody body{};
-  body.session = params_.session;
-  body.step = committed_;
-  const size_t n = std::min(error.size(), wire::kMaxMessageBytes);
-  body.text_len = static_cast<uint32_t>(n);
-  const Status status = error.empty() ? Status::kOk : Status::kInternal;
-  for (const auto& l : attached_) {
-    if (!l) continue;
-    l->Send(MsgType::kNotifyCheckpoint, status, 0, wire::kNoSlot, &body, sizeof(body), n,
-            [&](uint8_t* dst) { std::memcpy(dst, error.data(), n); });
-  }
-}
-
 void CommitCoordinator::ServeLocked(const Waiter& w) {
   const size_t n = w.keys.size();
   wire::GetOkBody body{};
@@ -352,38 +347,6 @@ int64_t CommitCoordinator::ReadAt(int64_t at_step, const int64_t* keys, size_t n
   ++stats_.reads;
   stats_.rows_read += static_cast<int64_t>(n);
   return committed_;
-}
-
-int64_t CommitCoordinator::Checkpoint(const std::string& dir) {
-  std::lock_guard<std::mutex> lock(mu_);
-  CheckpointLocked(dir);
-  return committed_;
-}
-
-void CommitCoordinator::CheckpointLocked(const std::string& dir) {
-  auto meta = options_.checkpoint_meta;
-  meta["committed_step"] = std::to_string(committed_);
-  meta["table"] = table_;
-  std::string kind = "full";
-  if (!options_.checkpoint_dir.empty() && dir == options_.checkpoint_dir) {
-    const store::CheckpointResult r =
-        backend_->CheckpointChain(dir, committed_, meta, options_.checkpoint_chain);
-    ++stats_.checkpoints;
-    stats_.incremental_checkpoints += r.incremental ? 1 : 0;
-    stats_.checkpoint_bytes += static_cast<int64_t>(r.bytes);
-    stats_.checkpoint_links = r.links;
-    if (r.incremental) {
-      kind = "incremental (" + std::to_string(r.rows) + " rows, link " +
-             std::to_string(r.links) + ")";
-    }
-  } else {
-    backend_->Save(dir, meta);
-    ++stats_.checkpoints;
-  }
-  if (log_) {
-    log_("table '" + table_ + "': " + kind + " checkpoint at committed step " +
-         std::to_string(committed_) + " written to " + dir);
-  }
 }
 
 void CommitCoordinator::Shutdown(const std::string& why) {

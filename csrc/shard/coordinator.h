@@ -14,8 +14,10 @@
 // every attached rank is notified.
 //
 // Thread safety: every public method is thread-safe; one internal mutex serializes them,
-// including the backend calls, so a read never observes a half-applied step. Link::Send is
-// called with that mutex held (links must not call back into the coordinator).
+// including the backend calls, so a read never observes a half-applied step. The one
+// exception is the write half of a background checkpoint (checkpoint_background), which
+// runs on the coordinator's writer thread beside them (TableBackend::BeginCheckpointChain).
+// Link::Send is called with that mutex held (links must not call back into the coordinator).
 //
 // Invariants:
 //   1. Exactly once: the update of step t is applied at most once; a chunk of a step
@@ -37,9 +39,12 @@
 //   7. Every attached rank hears of what it cannot see otherwise: each periodic checkpoint's
 //      outcome (kNotifyCheckpoint, failures included) and the shard draining
 //      (kNotifyShutdown).
+//   8. A periodic checkpoint of step s holds exactly step s, written in the background or
+//      not; at most one is being written at a time, and an explicit Checkpoint (and the
+//      destructor) waits for it first.
 //
-// Files: coordinator.cc (sessions, reads, bulk loads, checkpoints), coordinator_commit.cc
-// (SubmitChunk and the step's application).
+// Files: coordinator.cc (sessions, reads, bulk loads), coordinator_commit.cc (SubmitChunk and
+// the step's application), coordinator_checkpoint.cc (checkpoints and their writer).
 #pragma once
 
 #include <condition_variable>
@@ -49,7 +54,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/deadline.h"
@@ -71,6 +78,9 @@ struct CoordinatorOptions {
   // How checkpoints into checkpoint_dir chain (increments of the rows changed since the
   // previous one; store/embedding_store.h ChainPolicy). Checkpoints elsewhere are full.
   store::ChainPolicy checkpoint_chain;
+  // Periodic checkpoints are written by a background thread from a snapshot of their step
+  // (commits of later steps go on meanwhile); false: the step's commit writes it.
+  bool checkpoint_background = false;
 };
 
 struct SessionParams {
@@ -235,9 +245,19 @@ class CommitCoordinator {
   void AckChunkLocked(const wire::CommitBody& b, transport::ServerLink& link, uint64_t tag,
                       uint32_t slot, wire::Disposition d);
   void FailLocked(const std::string& why);
+  // Checkpoints (coordinator_checkpoint.cc): the meta of one of committed_, a blocking one,
+  // the counters and log line of a chained one, and the periodic one after ApplyLocked.
+  std::map<std::string, std::string> CheckpointMetaLocked() const;
   void CheckpointLocked(const std::string& dir);
-  // Tells every attached rank how the periodic checkpoint of committed_ went (error "" : ok).
-  void NotifyCheckpointLocked(const std::string& error);
+  void RecordChainLocked(int64_t step, const store::CheckpointResult& r);
+  void PeriodicCheckpointLocked();
+  // Tells every attached rank how the periodic checkpoint of `step` went (error "": ok).
+  void ReportCheckpointLocked(int64_t step, const std::string& error);
+  // The background writer: waits (holding mu_) until no write is queued or running, and
+  // reports a finished one not yet reported; the thread's loop.
+  void WaitForWriterLocked();
+  void ReapWriterLocked();
+  void WriterLoop();
   void ApplyLocked();
   void ServeLocked(const Waiter& w);
   void ServeReadyWaitersLocked();
@@ -270,6 +290,25 @@ class CommitCoordinator {
   std::vector<store::GradSegment> apply_segments_;  // the step's chunks in order (reused)
   std::condition_variable committed_cv_;
   CoordinatorStats stats_;
+
+  // The background checkpoint writer (running iff options_.checkpoint_background).
+  struct Job {
+    int64_t step = -1;
+    TableBackend::PendingWrite write;
+  };
+  struct Outcome {
+    int64_t step = -1;
+    store::CheckpointResult result;
+    std::string error;  // "" : written
+  };
+  std::mutex ckpt_mu_;  // guards the ckpt_ fields; taken after mu_, never before it
+  std::condition_variable ckpt_cv_;
+  std::optional<Job> ckpt_job_;      // set under mu_ for the writer, taken by it
+  bool ckpt_busy_ = false;           // a job is queued or being written
+  int64_t ckpt_writing_ = -1;        // the step of the job being written
+  std::optional<Outcome> ckpt_done_; // a written job not yet reported
+  bool ckpt_stop_ = false;           // set by the destructor
+  std::thread writer_;               // last member: started when every other one exists
 };
 
 }  // namespace bagpipe::shard

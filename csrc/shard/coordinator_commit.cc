@@ -248,17 +248,7 @@ void CommitCoordinator::ApplyLocked() {
   }
   if (options_.checkpoint_every > 0 && !options_.checkpoint_dir.empty() &&
       (committed_ + 1) % options_.checkpoint_every == 0) {
-    std::string error;
-    try {
-      CheckpointLocked(options_.checkpoint_dir);
-    } catch (const std::exception& e) {
-      // The update itself is applied; a failed checkpoint loses a restore point, which the
-      // trainers are told about (below) so a recovery point that lags is never silent.
-      error = e.what();
-      if (log_) log_("table '" + table_ + "': checkpoint of step " + std::to_string(committed_) +
-                     " failed: " + error);
-    }
-    NotifyCheckpointLocked(error);
+    PeriodicCheckpointLocked();
   }
 }
 

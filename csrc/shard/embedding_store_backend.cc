@@ -76,10 +76,12 @@ class EmbeddingStoreBackend : public TableBackend {
   void Save(const std::string& dir, const std::map<std::string, std::string>& meta) override {
     store_->Save(dir, meta, /*weights_only=*/false);
   }
-  store::CheckpointResult CheckpointChain(const std::string& dir, int64_t step,
-                                          const std::map<std::string, std::string>& meta,
-                                          const store::ChainPolicy& policy) override {
-    return store_->Checkpoint(dir, step, meta, policy);
+  PendingWrite BeginCheckpointChain(const std::string& dir, int64_t step,
+                                        const std::map<std::string, std::string>& meta,
+                                        const store::ChainPolicy& policy) override {
+    std::shared_ptr<store::EmbeddingStore::PendingCheckpoint> pending =
+        store_->BeginCheckpoint(dir, step, meta, policy);
+    return [pending] { return pending->Write(); };
   }
   std::map<std::string, int64_t> Stats() override {
     const auto s = store_->Stats();

@@ -71,6 +71,7 @@ CoordinatorOptions PSShard::MakeCoordinatorOptions(const std::string& name) cons
   o.checkpoint_chain.incremental = options_.checkpoint_incremental;
   o.checkpoint_chain.full_every = options_.checkpoint_full_every;
   o.checkpoint_chain.chain_fraction = options_.checkpoint_chain_fraction;
+  o.checkpoint_background = options_.checkpoint_background;
   o.checkpoint_meta = {{"shard_id", std::to_string(options_.shard_id)},
                        {"num_shards", std::to_string(options_.num_shards)}};
   return o;

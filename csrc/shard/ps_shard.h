@@ -53,6 +53,9 @@ struct ShardOptions {
   bool checkpoint_incremental = true;
   int checkpoint_full_every = 8;             // REQUIRES: >= 1
   double checkpoint_chain_fraction = 0.5;    // REQUIRES: > 0, finite
+  // Periodic checkpoints are written in the background from a snapshot of their step, while
+  // later steps commit (CoordinatorOptions::checkpoint_background).
+  bool checkpoint_background = false;
   size_t max_frame_bytes = wire::kDefaultMaxFrameBytes;  // announced in HelloOk
 };
 

@@ -77,11 +77,11 @@ std::string SchemaDifference(const TableSchema& a, const TableSchema& b) {
   return {};
 }
 
-store::CheckpointResult TableBackend::CheckpointChain(
+TableBackend::PendingWrite TableBackend::BeginCheckpointChain(
     const std::string& dir, int64_t, const std::map<std::string, std::string>& meta,
     const store::ChainPolicy&) {
   Save(dir, meta);
-  return {};
+  return [] { return store::CheckpointResult{}; };
 }
 
 void TableBackend::ApplyGradientsSegments(const store::GradSegment* segs, size_t count, float lr,

@@ -82,11 +82,23 @@ class TableBackend {
   // Crash-safe checkpoint into dir; `meta` round-trips through the loader.
   virtual void Save(const std::string& dir, const std::map<std::string, std::string>& meta) = 0;
   // A chained checkpoint into dir at `step` (store::EmbeddingStore::Checkpoint: an increment
-  // of the rows changed since the previous one into dir when `policy` allows it). The
-  // default is a full Save (a backend without change tracking). Throws as Save.
-  virtual store::CheckpointResult CheckpointChain(const std::string& dir, int64_t step,
-                                                  const std::map<std::string, std::string>& meta,
-                                                  const store::ChainPolicy& policy);
+  // of the rows changed since the previous one into dir when `policy` allows it), in two
+  // halves (store::EmbeddingStore::BeginCheckpoint): this call fixes what is written, as of
+  // now; the returned writer writes and commits it, and may run on another thread while
+  // later calls on this backend change rows. No other chained checkpoint may begin before
+  // the writer has run (or been destroyed). The default (a backend without snapshots or
+  // change tracking) is a full Save here and a writer with nothing left to do.
+  // Throws as Save (either half).
+  using PendingWrite = std::function<store::CheckpointResult()>;
+  virtual PendingWrite BeginCheckpointChain(const std::string& dir, int64_t step,
+                                                const std::map<std::string, std::string>& meta,
+                                                const store::ChainPolicy& policy);
+  // Both halves at once.
+  store::CheckpointResult CheckpointChain(const std::string& dir, int64_t step,
+                                          const std::map<std::string, std::string>& meta,
+                                          const store::ChainPolicy& policy) {
+    return BeginCheckpointChain(dir, step, meta, policy)();
+  }
   // Counters for stats() (rows, bytes_resident, ...).
   virtual std::map<std::string, int64_t> Stats() = 0;
 

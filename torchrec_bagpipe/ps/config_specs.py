@@ -51,7 +51,8 @@ def shard_spec(config: BagPipeConfig, shard_id: int, num_shards: int, *,
                store: StoreLayout | None = None, **fields: Any) -> ShardSpec:
     """Shard `shard_id` of `num_shards` under `config`: the config gives its store's
     threads, memory budget and spill directory and how its checkpoints chain
-    (ps_checkpoint_incremental, ps_checkpoint_full_every, ps_checkpoint_chain_fraction);
+    (ps_checkpoint_incremental, ps_checkpoint_full_every, ps_checkpoint_chain_fraction,
+    ps_checkpoint_background);
     `store` the rest of the layout (hash shards, page rows, watermarks); `fields` the other
     `ShardSpec` fields (dim, checkpoint_dir, checkpoint_every, max_frame_bytes)."""
     layout = dataclasses.replace(store or StoreLayout(), num_threads=config.store_threads,
@@ -70,4 +71,5 @@ def _config_shard_fields(config: BagPipeConfig) -> dict[str, Any]:
         "checkpoint_incremental": config.ps_checkpoint_incremental,
         "checkpoint_full_every": config.ps_checkpoint_full_every,
         "checkpoint_chain_fraction": config.ps_checkpoint_chain_fraction,
+        "checkpoint_background": config.ps_checkpoint_background,
     }

@@ -41,7 +41,7 @@ CONFIG_FLAGS = {
     "network": ("job_token",),
     "store": ("memory_budget", "spill_dir", "store_threads"),
     "checkpoints": ("ps_checkpoint_incremental", "ps_checkpoint_full_every",
-                    "ps_checkpoint_chain_fraction", "partitioner"),
+                    "ps_checkpoint_chain_fraction", "ps_checkpoint_background", "partitioner"),
 }
 
 EPILOG = """\

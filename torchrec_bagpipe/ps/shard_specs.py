@@ -33,8 +33,9 @@ class ShardSpec:
     (0: only on request), with `checkpoint_incremental` as a chain: an increment of the rows
     changed since the previous checkpoint, a full base every `checkpoint_full_every`
     increments or once the increments pass `checkpoint_chain_fraction` of the base's bytes
-    (csrc/store/embedding_store_incremental.cc); frames above `max_frame_bytes` are
-    refused."""
+    (csrc/store/embedding_store_incremental.cc), and with `checkpoint_background` written
+    by a background thread from a snapshot of their step while later steps commit
+    (csrc/store/embedding_store_snapshot.cc); frames above `max_frame_bytes` are refused."""
 
     shard_id: int = 0
     num_shards: int = 1
@@ -46,6 +47,7 @@ class ShardSpec:
     checkpoint_incremental: bool = True
     checkpoint_full_every: int = 8
     checkpoint_chain_fraction: float = 0.5
+    checkpoint_background: bool = False
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
@@ -66,8 +68,9 @@ class ShardSpec:
              optional_path(self.checkpoint_dir, "checkpoint_dir") or None)
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
-        if not isinstance(self.checkpoint_incremental, bool):
-            raise TypeError("checkpoint_incremental must be a bool")
+        for flag in ("checkpoint_incremental", "checkpoint_background"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool")
         set_(self, "checkpoint_full_every",
              int_arg(self.checkpoint_full_every, "checkpoint_full_every", minimum=1))
         fraction = float_arg(self.checkpoint_chain_fraction, "checkpoint_chain_fraction")
@@ -88,6 +91,7 @@ class ShardSpec:
         s.checkpoint_incremental = self.checkpoint_incremental
         s.checkpoint_full_every = self.checkpoint_full_every
         s.checkpoint_chain_fraction = self.checkpoint_chain_fraction
+        s.checkpoint_background = self.checkpoint_background
         s.max_frame_bytes = self.max_frame_bytes
         return s
 

@@ -90,6 +90,42 @@ def _step_args(lr: Any, grad_divisor: Any) -> tuple[float, int]:
     return lr, grad_divisor
 
 
+def _chain_args(step: int, meta: Any, incremental: bool, full_every: int,
+                chain_fraction: float) -> tuple[Any, ...]:
+    step = int_arg(step, "step", minimum=-1)
+    full_every = int_arg(full_every, "full_every", minimum=1)
+    fraction = float_arg(chain_fraction, "chain_fraction")
+    if not fraction > 0:
+        raise ValueError(f"chain_fraction must be > 0, got {chain_fraction}")
+    return step, _meta_arg(meta), bool(incremental), full_every, fraction
+
+
+class PendingCheckpoint:
+    """A store's chained checkpoint between `EmbeddingStore.begin_checkpoint` and its
+    ``write()``: it holds the snapshot of its step (and keeps its store alive)."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    @property
+    def step(self) -> int:
+        return int(self._core.step)
+
+    @property
+    def incremental(self) -> bool:
+        """An increment (False: a full base)."""
+        return bool(self._core.incremental)
+
+    def write(self) -> dict[str, Any]:
+        """Writes and commits the snapshot (GIL released); returns what `checkpoint`
+        returns. Once only (ValueError after)."""
+        return dict(self._core.write())
+
+    def drop(self) -> None:
+        """Gives the snapshot up unwritten (the next checkpoint takes its changes)."""
+        self._core.drop()
+
+
 class EmbeddingStore:
     """fp32 rows of one dimension keyed by int64, each with the state of the store's optimizer
     (see docs/ARCHITECTURE.md §2).
@@ -297,13 +333,28 @@ class EmbeddingStore:
         Returns what was written: incremental, links (of the chain now), rows, deletions,
         bytes (data bytes written), base_bytes, chain_bytes.
         """
-        step = int_arg(step, "step", minimum=-1)
-        full_every = int_arg(full_every, "full_every", minimum=1)
-        fraction = float_arg(chain_fraction, "chain_fraction")
-        if not fraction > 0:
-            raise ValueError(f"chain_fraction must be > 0, got {chain_fraction}")
-        return dict(self._core.checkpoint(path_arg(path, "path"), step, _meta_arg(meta),
-                                          bool(incremental), full_every, fraction))
+        return dict(self._core.checkpoint(path_arg(path, "path"), *_chain_args(
+            step, meta, incremental, full_every, chain_fraction)))
+
+    def begin_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        step: int,
+        meta: dict[str, str] | None = None,
+        *,
+        incremental: bool = True,
+        full_every: int = 8,
+        chain_fraction: float = 0.5,
+    ) -> PendingCheckpoint:
+        """`checkpoint` in two halves (csrc/store/embedding_store_snapshot.cc): this call
+        decides base or increment, checks `path` and takes a copy-on-write snapshot of the
+        store as it is now (no row is copied yet); the returned `PendingCheckpoint`'s
+        ``write()`` writes exactly that snapshot, from any thread, while this store keeps
+        serving every call. One pending checkpoint per store at a time (ValueError); one
+        dropped (``drop()``, or garbage-collected) unwritten, or whose write failed, loses
+        nothing: an increment's changes go into the next checkpoint."""
+        return PendingCheckpoint(self._core.begin_checkpoint(path_arg(path, "path"), *_chain_args(
+            step, meta, incremental, full_every, chain_fraction)))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], spec: LoadSpec | None = None, /,
