@@ -32,6 +32,11 @@ Lines (one JSON object each; medians over the rounds):
                              background_full vs full (checkpoint_background: the write runs
                              beside the later steps' commits, from a copy-on-write snapshot);
                              touched_fraction is the rows touched between checkpoints.
+                             Each run's chain starts with an untimed base, so the timed
+                             checkpoints are increments (full modes: full ones). A
+                             background write still running at the next checkpoint is
+                             waited for (one write at a time): background_full, whose
+                             write outlasts the interval, measures that wait.
 
 * restore_s (config ``reshard``)  s   restoring a whole set of ``shards_from`` PS shards onto
                              ``shards_to`` (``PSShard(restore=[...])``: every new shard
@@ -187,6 +192,8 @@ def run_stall(rows: int, dim: int, steps: int, every: int, repeats: int, work: P
                 for i in range(0, rows, 1 << 18):
                     shard.assign("t", keys[i:i + (1 << 18)],
                                  torch.zeros((min(1 << 18, rows - i), dim)))
+                if mode != "none":
+                    shard.checkpoint()  # the chain's base, untimed: the window is steady state
                 t0 = time.perf_counter()
                 for step in range(run_steps):
                     c.get(batches[step % steps], step - 1)
