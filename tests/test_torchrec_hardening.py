@@ -318,13 +318,17 @@ def _checkpoints(rank: int, world: int) -> dict[str, Any]:
     return {"error": error, "warnings": records, "failures": failures_seen}
 
 
-def test_failed_periodic_checkpoints_warn_then_fail_the_trainers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "background"])
+def test_failed_periodic_checkpoints_warn_then_fail_the_trainers(tmp_path: Path,
+                                                                 background: bool) -> None:
     from torchrec_bagpipe.ps import spawn_server
 
     blocker = tmp_path / "file"
     blocker.write_text("a file where the checkpoint directory should be")
     token = secrets.token_hex(8)
     args = ["--quiet", "--checkpoint-dir", str(blocker / "ckpt"), "--checkpoint-every", "1"]
+    if background:
+        args.append("--ps-checkpoint-background")
     servers = [spawn_server(s, 2, job_token=token, args=args) for s in range(2)]
     try:
         env = {"BAGPIPE_PS_ADDRESSES": ",".join(s.address for s in servers),
