@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
@@ -85,12 +86,23 @@ def run_dlrm(argv: list[str], world: int, timeout: float, *,
     for p in procs:
         p.start()
     results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{argv}: no result within {timeout}s")
             try:
-                rank, status, value = out.get(timeout=timeout)
+                rank, status, value = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                raise TimeoutError(f"{argv}: no result within {timeout}s") from None
+                # A rank that died without a word (a crash, a failed spawn) ends the wait.
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and p.exitcode is not None]
+                if dead and out.empty():
+                    r = dead[0]
+                    raise RankError(r, "exit", f"rank {r} exited with code "
+                                    f"{procs[r].exitcode} without a result", "") from None
+                continue
             if status != "ok":
                 raise RankError(rank, *value)
             results[rank] = value

@@ -31,7 +31,18 @@ operations on raw ids spread over [0, 2^40), with 1 and 2 store threads (baselin
 ``insert`` (`lookup(insert_missing=True)` of new ids), ``find`` (`lookup` of live ids) and
 ``evict`` (`erase` of live ids).
 
-Each number is the median over `--repeats` seeds. One JSON line per result:
+Part 4 (throughput, metric ``steps_per_s``). The DLRM example (`examples/dlrm`, 2 gloo ranks,
+every table on BagPipe, the same cache size and lookahead) trains `--tp-steps` batches of its
+synthetic Zipf data: config ``virtual`` with ``--virtual_tables`` (raw ids from a 2^31-id
+space per feature, rows created on first touch, no key bound: the cache metadata's hash
+index and the PS's unbounded keys; a step TTL no row reaches, so the eviction rule runs every
+step as for a table that evicts), baseline ``fixed``: plain BagPipe tables over the same raw
+ids (``--num_embeddings`` 2^31 - 1: the same data, and the PS stores only the rows trained,
+so the same rows are live; checked: both read the same rows). The two run round robin,
+`--repeats` times; the value is the median training steps/s (the example's
+``samples_per_s`` over the global batch); `ratio` virtual / fixed (target >= 0.9).
+
+Each number is the median over `--repeats` seeds (part 4: runs). One JSON line per result:
 {"bench","metric","value","unit","baseline","ratio","config",...}.
 """
 
@@ -358,10 +369,55 @@ def part_store(args: argparse.Namespace) -> None:
                  keys=args.store_keys, dim=args.dim)
 
 
+def part_throughput(args: argparse.Namespace) -> None:
+    from dlrm_ranks import run_dlrm  # benchmarks/dlrm_ranks.py (spawns the example's ranks)
+
+    SYNTHETIC_RAW_IDS = (1 << 31) - 1  # examples/dlrm/dlrm_dataloader.py: the raw id space
+
+    world, tables = 2, 26
+    common = [
+        "--batch_size", str(args.tp_batch), "--limit_train_batches", str(args.tp_steps),
+        "--limit_val_batches", "1", "--limit_test_batches", "1", "--embedding_dim", "16",
+        "--dense_arch_layer_sizes", "32,16", "--over_arch_layer_sizes", "32,1",
+        "--learning_rate", "0.05", "--seed", "1", "--no_progress",
+        "--placement-min-rows", "0", "--lookahead", "8",
+        "--optimization-cache-capacity", str(args.tp_cache_units),
+    ]
+    runs: dict[str, list[float]] = {"virtual": [], "fixed": []}
+    accesses: dict[str, float] = {}
+    live = 0
+    for _ in range(args.repeats):
+        for config in ("virtual", "fixed"):
+            if config == "virtual":
+                # A TTL no row reaches: the rule runs (and counts the live rows) every
+                # step, as it does for a table that evicts; nothing is evicted.
+                argv = [*common, "--virtual_tables", "--virtual_ttl_steps",
+                        str(10 * args.tp_steps)]
+            else:  # plain tables over the same raw ids: the same rows live on the PS
+                argv = [*common, "--num_embeddings", str(SYNTHETIC_RAW_IDS)]
+            r = run_dlrm(argv, world, timeout=args.tp_timeout)[0]
+            b = r["bagpipe"]
+            if config == "virtual":
+                live = int(b["counters"]["live_rows"] // b["ranks"])
+            accesses[config] = b.get("accesses", 0.0)
+            runs[config].append(r["samples_per_s"] / (world * args.tp_batch))
+    if accesses["virtual"] != accesses["fixed"]:
+        raise RuntimeError(f"the two configs read different rows: {accesses}")
+    v, f = median(runs["virtual"]), median(runs["fixed"])
+    common_fields = dict(bench="virtual_tables", metric="steps_per_s", unit="steps/s",
+                         baseline=f, baseline_config="fixed", live_rows=live,
+                         tables=tables, batch=args.tp_batch, world_size=world,
+                         steps=args.tp_steps, repeats=args.repeats,
+                         cache_rows=64 * args.tp_cache_units)
+    emit(**common_fields, config="virtual", value=v, ratio=v / f, runs=runs["virtual"])
+    emit(**common_fields, config="fixed", value=f, ratio=1.0, runs=runs["fixed"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run (a few minutes)")
-    p.add_argument("--part", choices=("all", "memory", "quality", "store"), default="all")
+    p.add_argument("--part", nargs="+", choices=("all", "memory", "quality", "store",
+                                                 "throughput"), default=["all"])
     p.add_argument("--features", type=int, default=8)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--batch", type=int, default=512)
@@ -377,17 +433,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="SGD learning rate of the embeddings (the loss is a batch mean)")
     p.add_argument("--store-keys", type=int, default=1_000_000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp-steps", type=int, default=60, help="throughput: training batches")
+    p.add_argument("--tp-batch", type=int, default=512, help="throughput: batch per rank")
+    p.add_argument("--tp-cache-units", type=int, default=256,
+                   help="throughput: cache size in units of 64 rows (both configs)")
+    p.add_argument("--tp-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     if args.quick:
         args.mem_steps, args.train_batches, args.test_batches = 120, 120, 20
         args.store_keys = 200_000
+        args.tp_steps = 30
     torch.set_num_threads(1)
-    if args.part in ("all", "memory"):
+    parts = {"memory", "quality", "store", "throughput"} if "all" in args.part else set(args.part)
+    if "memory" in parts:
         part_memory(args)
-    if args.part in ("all", "quality"):
+    if "quality" in parts:
         part_quality(args)
-    if args.part in ("all", "store"):
+    if "store" in parts:
         part_store(args)
+    if "throughput" in parts:
+        part_throughput(args)
     return 0
 
 

@@ -12,6 +12,7 @@ initial state again, and a later step recreates it from there).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -161,3 +162,29 @@ def test_the_rule_refuses_bad_options_and_out_of_order_steps() -> None:
     r.on_step(3, np.array([1], dtype=np.int64))
     with pytest.raises(ValueError, match="step 3 after step 3"):
         r.on_step(3, np.array([1], dtype=np.int64))
+
+
+@pytest.mark.parametrize("spec", [EvictionSpec(ttl_steps=1), EvictionSpec(ttl_steps=7),
+                                  EvictionSpec(ttl_steps=5, trigger_rows=40),
+                                  EvictionSpec(ttl_steps=3, admit_after=2)],
+                         ids=["ttl1", "ttl7", "ttl5-trigger", "ttl3-admission"])
+def test_step_ttl_rule_without_a_scan_equals_the_reference_over_long_runs(
+        spec: EvictionSpec) -> None:
+    """The step-TTL rule's touch queue (eviction_rule.h invariant 2: rounds without a scan,
+    compactions) decides exactly as the reference, over enough steps to compact often."""
+    rng = np.random.default_rng(spec.ttl_steps)
+    rule, model = C.EvictionRule(spec.native()), ReferenceEvictionRule(spec)
+    for step in range(600):
+        hot = rng.integers(0, 30, 8)  # touched again and again: stale touches pile up
+        cold = rng.integers(0, 2000, int(rng.integers(0, 40)))
+        keys = list(dict.fromkeys(int(k) for k in np.concatenate([hot, cold])))
+        admitted = []
+        for k in keys:
+            verdict = bool(rule.admit(k))
+            assert verdict == model.admit(k), (step, k)
+            if verdict:
+                admitted.append(k)
+        got = rule.on_step(step, np.array(admitted, dtype=np.int64)).tolist()
+        assert got == model.on_step(step, admitted), step
+        assert rule.live == model.live
+    assert rule.evicted == model.evicted > 0

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -61,7 +62,8 @@ def test_quick_lines_carry_every_metric_and_config():
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         vt.main(["--quick", "--repeats", "1", "--features", "2", "--batch", "64",
                  "--bound-rows", "64", "--mem-steps", "8", "--train-batches", "6",
-                 "--test-batches", "3", "--store-keys", "2000"])
+                 "--test-batches", "3", "--store-keys", "2000",
+                 "--part", "memory", "quality", "store"])
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert all(x["bench"] == "virtual_tables" for x in lines)
     for metric in ("auroc", "collision_rate"):
@@ -76,3 +78,16 @@ def test_quick_lines_carry_every_metric_and_config():
     assert live and all(x["baseline_config"] == "virtual_no_eviction" for x in live)
     rates = {(x["op"], x["threads"]) for x in lines if x["metric"] == "keys_per_s"}
     assert rates == {(op, t) for op in ("insert", "find", "evict") for t in (1, 2)}
+
+
+@pytest.mark.slow
+def test_throughput_lines_compare_virtual_with_fixed_tables():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        vt.main(["--part", "throughput", "--repeats", "1", "--tp-steps", "4",
+                 "--tp-batch", "64", "--tp-cache-units", "8"])
+    lines = {x["config"]: x for x in map(json.loads, out.getvalue().splitlines())}
+    assert set(lines) == {"virtual", "fixed"}
+    assert all(x["metric"] == "steps_per_s" and x["value"] > 0 for x in lines.values())
+    assert lines["virtual"]["baseline"] == lines["fixed"]["value"]
+    assert lines["virtual"]["live_rows"] > 0

@@ -121,6 +121,8 @@ def run(cfg: BagPipeConfig, trace, universe: int, eviction: EvictionSpec, *,
         assert m["hits"] + m["demand_fetched"] + m["prefetch_served"] == m["accesses"]
         if eviction.tracks:
             assert m["live_rows"] == rule.live and m["evicted_rows"] == rule.evicted
+            # fp32 weights and optimizer state of the live rows
+            assert m["live_bytes"] == rule.live * 4 * ps_rows.shape[1]
     if real_ps and eviction.tracks:
         assert box["ps"].live_rows() == rule.live, "PS rows != the rule's live rows"
     return res, rule

@@ -44,7 +44,32 @@ double AdmitCoin(uint64_t seed, int64_t key, int64_t n) {
 
 int64_t EvictionRule::MemoryBytes() const {
   return static_cast<int64_t>(rows_.capacity() * sizeof(Row) + index_.memory_bytes() +
-                              seen_.memory_bytes());
+                              seen_.memory_bytes() + touches_.capacity() * sizeof(Touch));
+}
+
+void EvictionRule::CompactTouches() {
+  // One touch per live row, its last one, in step order (ties in any order: a round's
+  // output is sorted).
+  touches_.clear();
+  touches_.reserve(rows_.size() * 2 + 32);
+  for (const Row& r : rows_) touches_.push_back(Touch{r.key, r.last});
+  std::sort(touches_.begin(), touches_.end(),
+            [](const Touch& a, const Touch& b) { return a.step < b.step; });
+  touches_head_ = 0;
+}
+
+void EvictionRule::TtlRound(int64_t step, std::vector<int64_t>* out) {
+  // Rows with step - last >= ttl_steps are exactly the live rows whose last touch is at or
+  // before step - ttl_steps: each has its current touch in the queue (pushed when it was
+  // trained, kept by compaction); older touches of a key are stale and skipped.
+  const int64_t cutoff = step - opt_.ttl_steps;
+  while (touches_head_ < touches_.size() && touches_[touches_head_].step <= cutoff) {
+    const Touch t = touches_[touches_head_++];
+    const int64_t* pos = index_.Find(t.key);
+    if (pos != nullptr && rows_[static_cast<size_t>(*pos)].last == t.step) {
+      out->push_back(t.key);
+    }
+  }
 }
 
 bool EvictionRule::Get(int64_t key, double* count, int64_t* last) const {
@@ -86,6 +111,13 @@ void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
       r.last = step;
     }
   }
+  if (ttl_only()) {
+    if (touches_.size() + n > 2 * rows_.size() + 32) {  // the popped prefix counts too
+      CompactTouches();  // after the touches above: it takes every row's last step
+    } else {
+      for (size_t i = 0; i < n; ++i) touches_.push_back(Touch{keys[i], step});
+    }
+  }
   if (!opt_.enabled()) return;  // admission only: no rounds
   const bool over_cap = opt_.max_rows > 0 && live() > opt_.max_rows;
   if (opt_.trigger_rows > 0 && live() <= opt_.trigger_rows && !over_cap) return;
@@ -93,7 +125,8 @@ void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
   const size_t first = out->size();
   const bool counts = opt_.threshold > 0.0;
   std::vector<size_t> spare;  // the cap's candidates: not trained at `step`, not evicted yet
-  for (size_t i = 0; i < rows_.size(); ++i) {
+  if (ttl_only()) TtlRound(step, out);
+  for (size_t i = 0; i < (ttl_only() ? 0 : rows_.size()); ++i) {
     Row& r = rows_[i];
     if (counts) r.count = r.count * opt_.decay_rate;
     if (r.last == step) continue;  // trained at this step: kept at its boundary

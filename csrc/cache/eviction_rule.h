@@ -19,7 +19,11 @@
 // Invariants:
 //   1. OnStep's output is sorted ascending, holds only keys live before the call that step s
 //      did not train, and afterwards live() == live before + new keys - evicted keys.
-//   2. Memory: one entry per live key (24 B in a dense array + its map cell).
+//   2. Memory: one entry per live key (24 B in a dense array + its map cell); a step-TTL
+//      rule (ttl_steps > 0, no count rule, no cap) also keeps a queue of (key, step) touches
+//      in step order, compacted to one per live key whenever it (its popped prefix
+//      included) would hold more than 2 x live + 32, so a round costs its evictions and
+//      the touches it passes, not a scan of the live rows.
 //   3. No options (threshold == 0 and ttl_steps == 0): nothing is ever evicted.
 //   4. Admission (admit_after > 1 or admit_probability < 1): a key is live only from the step
 //      at which it was read in n >= admit_after steps (counted since it was last evicted) and
@@ -92,10 +96,23 @@ class EvictionRule {
     double count;
     int64_t last;
   };
+  struct Touch {
+    int64_t key;
+    int64_t step;  // current while the key's row is live with last == step
+  };
+  // The step-TTL rule's round (invariant 2): pops the touches at least ttl_steps old and
+  // appends the keys whose last touch they are to *out.
+  void TtlRound(int64_t step, std::vector<int64_t>* out);
+  void CompactTouches();
+  bool ttl_only() const {
+    return opt_.ttl_steps > 0 && opt_.threshold == 0.0 && opt_.max_rows == 0;
+  }
   EvictionRuleOptions opt_;
   std::vector<Row> rows_;   // live rows, dense (swap-remove)
   FlatMap<int64_t> index_;  // key -> position in rows_
   FlatMap<int64_t> seen_;   // admission: steps each not-live id was read in
+  std::vector<Touch> touches_;  // ttl_only(): touches in step order, from touches_head_
+  size_t touches_head_ = 0;
   int64_t created_ = 0, evicted_ = 0, rounds_ = 0;
   int64_t last_step_ = -1;
 };

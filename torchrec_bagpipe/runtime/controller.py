@@ -240,6 +240,8 @@ class BagPipeController:
         self._dev = DeviceCache(capacity, dim, self.device, world_size=world_size, divide=divide,
                                 optimizer=spec)
         self._cache_lock = threading.RLock()
+        # fp32 weights and optimizer state of one row (a virtual table's live_bytes).
+        self._row_bytes = 4 * (dim + spec.state_dim(dim))
         self._port = PSPort(ps, dim=dim, state_dim=spec.state_dim(dim), timeout=self._timeout,
                             metrics=self.metrics_, start_step=start_step,
                             send_evictions=virtual and rank == 0)
@@ -515,6 +517,7 @@ class BagPipeController:
         if self.eviction is not None:
             # As planned: up to the newest step in the window (ahead of the PS by it).
             d.update(self._plans.eviction_stats())
+            d["live_bytes"] = d["live_rows"] * self._row_bytes
         return d
 
     # ---- the step -----------------------------------------------------------------------
