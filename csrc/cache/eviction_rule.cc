@@ -100,16 +100,33 @@ void EvictionRule::OnStep(int64_t step, const int64_t* keys, size_t n,
   }
   last_step_ = step;
   if (!opt_.tracks()) return;  // nothing to track (invariant 3)
+  // Two passes, each prefetching kAhead keys ahead (both are cache misses on large tables):
+  // the index cells, then the rows of the keys already live.
+  constexpr size_t kAhead = 16;
+  index_.Reserve(n);
+  if (rows_.size() + n > rows_.capacity()) {
+    rows_.reserve(std::max(rows_.size() + n, 2 * rows_.capacity()));  // geometric growth
+  }
+  positions_.resize(n);
   for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) index_.Prefetch(keys[i + kAhead]);
     auto [pos, inserted] = index_.FindOrInsert(keys[i], static_cast<int64_t>(rows_.size()));
     if (inserted) {
       rows_.push_back(Row{keys[i], 1.0, step});
       ++created_;
+      positions_[i] = -1;
     } else {
-      Row& r = rows_[static_cast<size_t>(*pos)];
-      r.count = r.count + 1.0;
-      r.last = step;
+      positions_[i] = *pos;
     }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && positions_[i + kAhead] >= 0) {
+      __builtin_prefetch(&rows_[static_cast<size_t>(positions_[i + kAhead])], 1);
+    }
+    if (positions_[i] < 0) continue;
+    Row& r = rows_[static_cast<size_t>(positions_[i])];
+    r.count = r.count + 1.0;
+    r.last = step;
   }
   if (ttl_only()) {
     if (touches_.size() + n > 2 * rows_.size() + 32) {  // the popped prefix counts too

@@ -111,6 +111,7 @@ class EvictionRule {
   std::vector<Row> rows_;   // live rows, dense (swap-remove)
   FlatMap<int64_t> index_;  // key -> position in rows_
   FlatMap<int64_t> seen_;   // admission: steps each not-live id was read in
+  std::vector<int64_t> positions_;  // OnStep's scratch: each key's row (-1: new)
   std::vector<Touch> touches_;  // ttl_only(): touches in step order, from touches_head_
   size_t touches_head_ = 0;
   int64_t created_ = 0, evicted_ = 0, rounds_ = 0;

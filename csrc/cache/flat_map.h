@@ -57,6 +57,11 @@ class FlatMap {
     __builtin_prefetch(&cells_[MixKey(key) & mask_]);
   }
 
+  // Room for `n` more keys without a rehash (so prefetched cells stay where they are).
+  void Reserve(size_t n) {
+    if ((size_ + n) * 2 > cells_.size()) Rehash(RoundUpPow2((size_ + n) * 2));
+  }
+
   // Returns the value of `key`, or nullptr.  The pointer is valid until the next insert/erase.
   V* Find(int64_t key) {
     size_t i = MixKey(key) & mask_;
