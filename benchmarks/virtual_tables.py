@@ -36,7 +36,8 @@ every table on BagPipe, the same cache size and lookahead) trains `--tp-steps` b
 synthetic Zipf data: config ``virtual`` with ``--virtual_tables`` (raw ids from a 2^31-id
 space per feature, rows created on first touch, no key bound: the cache metadata's hash
 index and the PS's unbounded keys; a step TTL no row reaches, so the eviction rule runs every
-step as for a table that evicts), baseline ``fixed``: plain BagPipe tables over the same raw
+step as for a table that evicts), ``virtual_no_eviction`` (the same without a policy: no
+rule), baseline ``fixed``: plain BagPipe tables over the same raw
 ids (``--num_embeddings`` 2^31 - 1: the same data, and the PS stores only the rows trained,
 so the same rows are live; checked: both read the same rows). The two run round robin,
 `--repeats` times; the value is the median training steps/s (the example's
@@ -383,16 +384,18 @@ def part_throughput(args: argparse.Namespace) -> None:
         "--placement-min-rows", "0", "--lookahead", "8",
         "--optimization-cache-capacity", str(args.tp_cache_units),
     ]
-    runs: dict[str, list[float]] = {"virtual": [], "fixed": []}
+    runs: dict[str, list[float]] = {"virtual": [], "virtual_no_eviction": [], "fixed": []}
     accesses: dict[str, float] = {}
     live = 0
     for _ in range(args.repeats):
-        for config in ("virtual", "fixed"):
+        for config in runs:
             if config == "virtual":
                 # A TTL no row reaches: the rule runs (and counts the live rows) every
                 # step, as it does for a table that evicts; nothing is evicted.
                 argv = [*common, "--virtual_tables", "--virtual_ttl_steps",
                         str(10 * args.tp_steps)]
+            elif config == "virtual_no_eviction":  # no policy: no rule to keep
+                argv = [*common, "--virtual_tables"]
             else:  # plain tables over the same raw ids: the same rows live on the PS
                 argv = [*common, "--num_embeddings", str(SYNTHETIC_RAW_IDS)]
             r = run_dlrm(argv, world, timeout=args.tp_timeout)[0]
@@ -401,16 +404,17 @@ def part_throughput(args: argparse.Namespace) -> None:
                 live = int(b["counters"]["live_rows"] // b["ranks"])
             accesses[config] = b.get("accesses", 0.0)
             runs[config].append(r["samples_per_s"] / (world * args.tp_batch))
-    if accesses["virtual"] != accesses["fixed"]:
-        raise RuntimeError(f"the two configs read different rows: {accesses}")
-    v, f = median(runs["virtual"]), median(runs["fixed"])
+    if len(set(accesses.values())) != 1:
+        raise RuntimeError(f"the configs read different rows: {accesses}")
+    f = median(runs["fixed"])
     common_fields = dict(bench="virtual_tables", metric="steps_per_s", unit="steps/s",
                          baseline=f, baseline_config="fixed", live_rows=live,
                          tables=tables, batch=args.tp_batch, world_size=world,
                          steps=args.tp_steps, repeats=args.repeats,
                          cache_rows=64 * args.tp_cache_units)
-    emit(**common_fields, config="virtual", value=v, ratio=v / f, runs=runs["virtual"])
-    emit(**common_fields, config="fixed", value=f, ratio=1.0, runs=runs["fixed"])
+    for config, values in runs.items():
+        v = median(values)
+        emit(**common_fields, config=config, value=v, ratio=v / f, runs=values)
 
 
 def main(argv: list[str] | None = None) -> int:

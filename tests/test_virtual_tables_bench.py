@@ -87,7 +87,7 @@ def test_throughput_lines_compare_virtual_with_fixed_tables():
         vt.main(["--part", "throughput", "--repeats", "1", "--tp-steps", "4",
                  "--tp-batch", "64", "--tp-cache-units", "8"])
     lines = {x["config"]: x for x in map(json.loads, out.getvalue().splitlines())}
-    assert set(lines) == {"virtual", "fixed"}
+    assert set(lines) == {"virtual", "virtual_no_eviction", "fixed"}
     assert all(x["metric"] == "steps_per_s" and x["value"] > 0 for x in lines.values())
     assert lines["virtual"]["baseline"] == lines["fixed"]["value"]
     assert lines["virtual"]["live_rows"] > 0
