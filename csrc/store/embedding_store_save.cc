@@ -1,15 +1,14 @@
 // The store's rows walked out in a deterministic order (by hash shard, then key-map
 // position): the chunked Export and the crash-safe Save (checkpoint.h; Load is
 // embedding_store_load.cc; Checkpoint's chained links are embedding_store_snapshot.cc).
-#include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <optional>
 #include <vector>
 
 #include "common/errors.h"
 #include "store/checkpoint.h"
 #include "store/embedding_store_impl.h"
+#include "store/segment_files.h"
 
 namespace bagpipe::store {
 
@@ -70,16 +69,7 @@ std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& 
                                                               bool with_state) {
   std::vector<SegmentEntry> segments(num_shards_);
   pool_.Run(num_shards_, [&](size_t g) {
-    char name[32];
-    std::snprintf(name, sizeof(name), "keys-%04zu.bin", g);
-    CheckpointWriter::File keys = writer.Create(name);
-    std::snprintf(name, sizeof(name), "rows-%04zu.bin", g);
-    CheckpointWriter::File rows = writer.Create(name);
-    std::optional<CheckpointWriter::File> state;
-    if (with_state) {
-      std::snprintf(name, sizeof(name), "state-%04zu.bin", g);
-      state.emplace(writer.Create(name));
-    }
+    SegmentFiles files(writer, "", g, with_state);
     // Stage rows in chunks so each file write is large.
     constexpr size_t kChunk = 4096;
     std::vector<int64_t> kbuf;
@@ -89,39 +79,27 @@ std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSegments(CheckpointWriter& 
     rbuf.reserve(kChunk * static_cast<size_t>(dim_));
     if (with_state) sbuf.reserve(kChunk * static_cast<size_t>(state_dim_));
     auto flush = [&] {
-      keys.Write(kbuf.data(), kbuf.size() * sizeof(int64_t));
-      rows.Write(rbuf.data(), rbuf.size() * sizeof(float));
-      if (state) state->Write(sbuf.data(), sbuf.size() * sizeof(float));
+      files.Write(kbuf.data(), rbuf.data(), sbuf.data(), kbuf.size(), static_cast<size_t>(dim_),
+                  static_cast<size_t>(state_dim_));
       kbuf.clear();
       rbuf.clear();
       sbuf.clear();
     };
-    uint64_t count = 0;
-    {
-      const KeyMap& map = shards_[g]->map;
-      for (size_t b = 0; b < map.capacity(); ++b) {
-        const KeyMap::Entry& e = map.entries()[b];
-        if (e.tag == 0) continue;
-        kbuf.push_back(e.key);
-        const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
-        rbuf.insert(rbuf.end(), r, r + dim_);
-        if (with_state) {
-          const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
-          sbuf.insert(sbuf.end(), st, st + state_dim_);
-        }
-        ++count;
-        if (kbuf.size() == kChunk) flush();
+    const KeyMap& map = shards_[g]->map;
+    for (size_t b = 0; b < map.capacity(); ++b) {
+      const KeyMap::Entry& e = map.entries()[b];
+      if (e.tag == 0) continue;
+      kbuf.push_back(e.key);
+      const float* r = reinterpret_cast<const float*>(Row(e.tag - 1));
+      rbuf.insert(rbuf.end(), r, r + dim_);
+      if (with_state) {
+        const float* st = reinterpret_cast<const float*>(State(e.tag - 1));
+        sbuf.insert(sbuf.end(), st, st + state_dim_);
       }
+      if (kbuf.size() == kChunk) flush();
     }
     flush();
-    SegmentEntry& seg = segments[g];
-    seg.count = count;
-    seg.keys = keys.Finish();
-    seg.rows = rows.Finish();
-    if (state) {
-      seg.has_state = true;
-      seg.state = state->Finish();
-    }
+    segments[g] = files.Finish();
   });
   return segments;
 }

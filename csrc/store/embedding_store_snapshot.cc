@@ -11,7 +11,6 @@
 #include <exception>
 #include <mutex>
 #include <new>
-#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -20,6 +19,7 @@
 #include "common/errors.h"
 #include "store/checkpoint.h"
 #include "store/embedding_store_impl.h"
+#include "store/segment_files.h"
 #include "store/splitmix64.h"
 
 namespace bagpipe::store {
@@ -104,16 +104,7 @@ void EmbeddingStore::Impl::CloseSnapshot(bool committed) {
 void EmbeddingStore::Impl::WriteSnapshotGroup(Snapshot& snap, size_t g, const std::string& prefix,
                                               SegmentEntry& seg) {
   const bool with_state = state_dim_ > 0;
-  char name[32];
-  std::snprintf(name, sizeof(name), "keys-%04zu.bin", g);
-  CheckpointWriter::File keys = snap.writer->Create(prefix + name);
-  std::snprintf(name, sizeof(name), "rows-%04zu.bin", g);
-  CheckpointWriter::File rows = snap.writer->Create(prefix + name);
-  std::optional<CheckpointWriter::File> state;
-  if (with_state) {
-    std::snprintf(name, sizeof(name), "state-%04zu.bin", g);
-    state.emplace(snap.writer->Create(prefix + name));
-  }
+  SegmentFiles files(*snap.writer, prefix, g, with_state);
   // Rows are copied in chunks under the op lock and written with it released.
   constexpr size_t kChunk = 4096;
   const size_t dim = static_cast<size_t>(dim_), sdim = static_cast<size_t>(state_dim_);
@@ -123,12 +114,9 @@ void EmbeddingStore::Impl::WriteSnapshotGroup(Snapshot& snap, size_t g, const st
   std::vector<float> sbuf(with_state ? kChunk * sdim : 0);
   size_t used = 0;
   auto flush = [&] {
-    keys.Write(kbuf.data(), used * sizeof(int64_t));
-    rows.Write(rbuf.data(), used * dim * sizeof(float));
-    if (state) state->Write(sbuf.data(), used * sdim * sizeof(float));
+    files.Write(kbuf.data(), rbuf.data(), sbuf.data(), used, dim, sdim);
     used = 0;
   };
-  uint64_t count = 0;
   const size_t first = num_shards_ * g / snap.groups, last = num_shards_ * (g + 1) / snap.groups;
   for (size_t s = first; s < last; ++s) {
     const std::vector<int64_t>& skeys = snap.keys[s];
@@ -159,18 +147,11 @@ void EmbeddingStore::Impl::WriteSnapshotGroup(Snapshot& snap, size_t g, const st
         }
       }
       i += take;
-      count += take;
       if (used == kChunk) flush();
     }
   }
   flush();
-  seg.count = count;
-  seg.keys = keys.Finish();
-  seg.rows = rows.Finish();
-  if (state) {
-    seg.has_state = true;
-    seg.state = state->Finish();
-  }
+  seg = files.Finish();
 }
 
 std::vector<SegmentEntry> EmbeddingStore::Impl::WriteSnapshotSegments(Snapshot& snap,
