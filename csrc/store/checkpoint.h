@@ -23,7 +23,8 @@
 // temp directories of dead processes are removed by the next save.
 //
 // Thread safety: a CheckpointWriter's File objects may be written from different threads
-// at once (one thread per File); Create and Commit are called from one thread.
+// at once (one thread per File), and Create may be too (it only opens a new file in the temp
+// directory); Link and Commit are called from one thread, with no Create running.
 //
 // Invariants:
 //   1. <name> is only ever replaced by a directory whose MANIFEST was durable first.
