@@ -2,6 +2,8 @@
 // test_store_snapshot.cc): a small store, random rounds of ops, its contents bit for bit.
 #pragma once
 
+#include <dirent.h>
+
 #include <algorithm>
 #include <cstring>
 #include <fstream>
@@ -136,6 +138,19 @@ inline bool Contains(const std::string& s, const std::string& sub) {
 inline void WriteFile(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f << text;
+}
+
+// The names in a directory (none when it cannot be read).
+inline std::vector<std::string> Files(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return names;
+  while (dirent* e = readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  closedir(d);
+  return names;
 }
 
 }  // namespace bagpipe::testing::store_chain

@@ -36,18 +36,6 @@ using bagpipe::testing::TempDir;
 
 namespace {
 
-std::vector<std::string> Files(const std::string& dir) {
-  std::vector<std::string> names;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return names;
-  while (dirent* e = readdir(d)) {
-    const std::string n = e->d_name;
-    if (n != "." && n != "..") names.push_back(n);
-  }
-  closedir(d);
-  return names;
-}
-
 bool HasIncrementFiles(const std::string& dir) {
   for (const auto& n : Files(dir)) {
     if (n.rfind("inc-", 0) == 0) return true;

@@ -2,6 +2,8 @@
 // checkpoint a BeginCheckpoint starts holds exactly the store of that moment, bit for bit,
 // whatever ops (updates, assigns, inserts, erases and the reuse of erased slots) run before
 // or during its Write; a dropped or failed one loses nothing for the next.
+#include <unistd.h>
+
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -136,4 +138,42 @@ TEST_CASE(store_snapshot_one_at_a_time_and_written_once) {
   const int64_t dirty = s.Stats().dirty_rows;
   CHECK(!ErrorOf([&] { s.BeginCheckpoint(junk, 2, {}, Policy(8, 100.0)); }).empty());
   CHECK_EQ(s.Stats().dirty_rows, dirty);
+}
+
+TEST_CASE(store_snapshot_write_that_fails_keeps_the_changes_and_the_previous_point) {
+  TempDir dir;
+  EmbeddingStore s(ThreadedOptions(OptimizerKind::kAdagrad));
+  std::mt19937_64 rng(41);
+  Rounds(s, rng, 6, 0.4);
+  const std::string chain = dir.path + "/ck";
+  s.Checkpoint(chain, 0, {}, Policy(8, 100.0));
+  const Contents at_zero = ContentsOf(s);
+  Rounds(s, rng, 3, 0.1);
+  auto pending = s.BeginCheckpoint(chain, 1, {}, Policy(8, 100.0));
+  CHECK(pending->incremental());
+  Rounds(s, rng, 3, 0.1);
+  // The write's temp directory disappears (a full disk, an operator): the write fails.
+  bool removed = false;
+  for (const std::string& n : Files(dir.path)) {
+    if (n.rfind(".ck.tmp-", 0) != 0) continue;
+    for (const std::string& f : Files(dir.path + "/" + n)) {
+      CHECK(unlink((dir.path + "/" + n + "/" + f).c_str()) == 0);
+    }
+    CHECK(rmdir((dir.path + "/" + n).c_str()) == 0);
+    removed = true;
+  }
+  CHECK(removed);
+  bool threw = false;
+  try {
+    pending->Write();
+  } catch (const std::exception&) {
+    threw = true;
+  }
+  CHECK(threw);
+  CHECK(ContentsOf(*LoadDir(chain)) == at_zero);  // the previous complete point
+  // Nothing the failed link held is lost: the next one extends the chain with it.
+  const CheckpointResult r = s.Checkpoint(chain, 2, {}, Policy(8, 100.0));
+  CHECK(r.incremental);
+  CHECK_EQ(r.links, 2);
+  CHECK(ContentsOf(*LoadDir(chain)) == ContentsOf(s));
 }
