@@ -413,3 +413,19 @@ def test_background_shard_checkpoints_hold_exactly_their_step(tmp_path: Path) ->
     assert restored.restored == {"emb": 7}
     for s in (*shards.values(), restored):
         s.close()
+
+
+def test_a_chain_in_a_new_relative_directory_extends(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first checkpoint into a relative path that does not exist yet starts a chain the
+    next checkpoint extends ("ck", "./ck" and the absolute path are one directory)."""
+    monkeypatch.chdir(tmp_path)
+    s = EmbeddingStore(dim=4, init="uniform", init_bound=0.1, optimizer="adagrad")
+    s.apply_gradients(torch.arange(50), torch.ones(50, 4), 0.1)
+    assert not s.checkpoint("ck", 0)["incremental"]
+    for step, path in enumerate(["ck", "./ck", str(tmp_path / "ck")], start=1):
+        s.apply_gradients(torch.arange(step), torch.ones(step, 4), 0.1)
+        pending = s.begin_checkpoint(path, step)
+        assert pending.incremental, path
+        assert pending.write()["links"] == step + 1
+    assert _contents(EmbeddingStore.load("ck")) == _contents(s)

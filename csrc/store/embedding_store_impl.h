@@ -240,6 +240,8 @@ class EmbeddingStore::Impl {
   }
   // Nothing dirty, no deletions (a commit of every change).
   void ClearTracking();
+  // The directory's canonical path when it exists (so "d", "d/" and "./d" are one chain).
+  static std::string CanonicalDir(const std::string& dir);
   // The manifest fields that describe this store (format head, layout, optimizer).
   Manifest ManifestHead(bool weights_only) const;
   // Save's segments: one per hash shard, in shard order, files "keys-SSSS.bin" etc., every

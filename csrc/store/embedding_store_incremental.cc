@@ -44,12 +44,6 @@ void CheckPolicy(const ChainPolicy& p) {
   }
 }
 
-// The directory's canonical path when it exists (so "d", "d/" and "./d" are one chain).
-std::string CanonicalDir(const std::string& dir) {
-  char buf[PATH_MAX];
-  if (realpath(dir.c_str(), buf) == nullptr) return dir;
-  return buf;
-}
 
 uint64_t NewChainId() {
   std::random_device rd;
@@ -59,6 +53,12 @@ uint64_t NewChainId() {
 }
 
 }  // namespace
+
+std::string EmbeddingStore::Impl::CanonicalDir(const std::string& dir) {
+  char buf[PATH_MAX];
+  if (realpath(dir.c_str(), buf) == nullptr) return dir;
+  return buf;
+}
 
 void EmbeddingStore::Impl::ClearTracking() {
   for (auto& d : dirty_) std::fill(d.get(), d.get() + index_.rows(), uint8_t{0});
@@ -177,7 +177,7 @@ std::unique_ptr<EmbeddingStore::Impl::Snapshot> EmbeddingStore::Impl::BeginCheck
   } else {
     chain_ = ChainState{};
     chain_.open = true;  // keys erased from now on are deletions of the next increment
-    chain_.dir = canonical;
+    chain_.dir = canonical;  // made canonical at the commit, once the directory exists
     chain_.id = NewChainId();
     chain_.step = step;
   }

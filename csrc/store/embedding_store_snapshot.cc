@@ -232,11 +232,13 @@ CheckpointResult EmbeddingStore::Impl::WriteSnapshot(Snapshot& snap) {
       m.chain.increments.push_back(std::move(inc));
     }
     const uint64_t digest = writer.Commit(m);
+    const std::string canonical = CanonicalDir(snap.dir);  // the directory exists now
     std::lock_guard<std::mutex> lock(mu_);
     chain_.digest = digest;
     if (snap.incremental) {
       chain_.chain_bytes += r.bytes;
     } else {
+      chain_.dir = canonical;
       chain_.base_bytes = r.bytes;
     }
     r.base_bytes = chain_.base_bytes;
