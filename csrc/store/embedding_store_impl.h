@@ -19,7 +19,10 @@
 //   4. Change tracking: dirty_[page][row] is 1 for exactly the slots stored or changed since
 //      the last committed Checkpoint (MarkDirty in Publish, Assign and the updates; cleared
 //      by Erase and by a Checkpoint's commit); Shard::dirty counts those of the shard's keys.
-//      Shard::deleted lists keys erased since then, while chain_.open only.
+//      Shard::deleted lists keys erased since then, while chain_.open only. While chain_.open,
+//      Shard::dirty_list holds (key, slot) for every slot of the shard's keys that turned
+//      dirty since then (and stale entries: a key since erased or moved), unless
+//      Shard::dirty_list_lost (an append failed: the next increment scans the shard's map).
 //   5. Snapshot (copy-on-write, embedding_store_snapshot.cc): while a PendingCheckpoint is
 //      alive, snap_mark_[slot] for every slot below its size is 0 (not in the snapshot, or
 //      already written), 1 (in it, and the live row still holds the snapshot's bytes) or
@@ -34,6 +37,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "common/os_memory.h"
@@ -133,6 +137,13 @@ class EmbeddingStore::Impl {
     // Snapshot rows copied aside (invariant 5): dim + state_dim floats each. Written by
     // the shard's task (Preserve), read and freed by the snapshot writer under mu_.
     std::vector<float> aside;
+    // The slots that turned dirty while a chain is open, for the next increment (inv. 4).
+    struct DirtyEntry {
+      int64_t key;
+      uint32_t slot;
+    };
+    std::vector<DirtyEntry> dirty_list;
+    bool dirty_list_lost = false;
   };
   using Snapshot = PendingCheckpoint::State;
 
@@ -212,12 +223,19 @@ class EmbeddingStore::Impl {
   void Touch(uint32_t slot, uint32_t epoch) const { pages_[index_.Page(slot)]->Touch(epoch); }
   // Change tracking (invariant 4). REQUIRES: slot's page exists; sh is the shard whose key
   // holds the slot (its task runs this).
-  void MarkDirty(Shard& sh, uint32_t slot) {
+  void MarkDirty(Shard& sh, uint32_t slot, int64_t key) {
     const uint32_t page = index_.Page(slot);
     uint8_t& d = dirty_[page][index_.RowIn(slot, page)];
     if (d == 0) {
       d = 1;
       ++sh.dirty;
+      if (chain_.open && !sh.dirty_list_lost) {
+        try {
+          sh.dirty_list.push_back(Shard::DirtyEntry{key, slot});
+        } catch (const std::bad_alloc&) {
+          sh.dirty_list_lost = true;  // invariant 4: the next increment scans this shard
+        }
+      }
     }
   }
   void ClearDirty(Shard& sh, uint32_t slot) {

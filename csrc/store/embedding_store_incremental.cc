@@ -66,6 +66,9 @@ void EmbeddingStore::Impl::ClearTracking() {
     sh->dirty = 0;
     sh->deleted.clear();
     sh->deleted.shrink_to_fit();
+    sh->dirty_list.clear();
+    sh->dirty_list.shrink_to_fit();
+    sh->dirty_list_lost = false;
   }
 }
 
@@ -131,7 +134,8 @@ std::unique_ptr<EmbeddingStore::Impl::Snapshot> EmbeddingStore::Impl::BeginCheck
   snap->groups = increment ? std::min<size_t>(num_shards_, static_cast<size_t>(pool_.num_threads()))
                            : num_shards_;
 
-  // The rows to write (every stored one, or the dirty ones) with their slots, marked 1.
+  // The rows to write (every stored one, or the dirty ones: from the shards' dirty lists)
+  // with their slots, marked 1.
   std::vector<uint32_t> mark(next_slot_, 0);
   snap->keys.resize(num_shards_);
   snap->slots.resize(num_shards_);
@@ -142,6 +146,20 @@ std::unique_ptr<EmbeddingStore::Impl::Snapshot> EmbeddingStore::Impl::BeginCheck
     std::vector<uint32_t>& slots = snap->slots[s];
     keys.reserve(increment ? sh.dirty : sh.map.size());
     slots.reserve(keys.capacity());
+    if (increment && !sh.dirty_list_lost) {
+      // The slots that turned dirty (invariant 4), in that order; an entry is current when
+      // its key still holds its slot and the slot is dirty, once (a key erased and stored
+      // again into the same slot has two entries). The key test comes first: only the
+      // shard whose key holds a slot reads or writes its mark.
+      for (const Shard::DirtyEntry& e : sh.dirty_list) {
+        if (sh.map.Find(e.key, KeyHash(e.key)) != e.slot) continue;
+        if (mark[e.slot] != 0 || !IsDirty(e.slot)) continue;
+        keys.push_back(e.key);
+        slots.push_back(e.slot);
+        mark[e.slot] = 1;
+      }
+      return;
+    }
     const KeyMap::Entry* entries = sh.map.entries();
     for (size_t b = 0; b < sh.map.capacity(); ++b) {
       if (entries[b].tag == 0) continue;

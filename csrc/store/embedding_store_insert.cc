@@ -197,7 +197,7 @@ void EmbeddingStore::Impl::Publish(Shard& sh, bool init_rows, bool init_state, u
       InitRow(opt_.init, dim_, grp.key, grp.hash, reinterpret_cast<float*>(Row(grp.slot)));
     }
     if (init_state) FillInitialState(reinterpret_cast<float*>(State(grp.slot)));
-    MarkDirty(sh, grp.slot);
+    MarkDirty(sh, grp.slot, grp.key);
     if (track) Touch(grp.slot, epoch);
   }
 }

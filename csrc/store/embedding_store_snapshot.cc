@@ -79,7 +79,9 @@ void EmbeddingStore::Impl::CloseSnapshot(bool committed) {
           const std::vector<int64_t>& keys = snap_->keys[s];
           const std::vector<uint32_t>& slots = snap_->slots[s];
           for (size_t j = 0; j < keys.size(); ++j) {
-            if (sh.map.Find(keys[j], KeyHash(keys[j])) == slots[j]) MarkDirty(sh, slots[j]);
+            if (sh.map.Find(keys[j], KeyHash(keys[j])) == slots[j]) {
+              MarkDirty(sh, slots[j], keys[j]);
+            }
           }
         }
         for (const int64_t k : snap_->deleted) {

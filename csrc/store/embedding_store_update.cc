@@ -34,7 +34,7 @@ void EmbeddingStore::Impl::Assign(const int64_t* keys, size_t n, const float* ro
       Preserve(sh, grp.slot);
       std::memcpy(Row(grp.slot), rows + last * dim_, row_bytes_);
       if (state != nullptr) std::memcpy(State(grp.slot), state + last * state_dim_, state_bytes_);
-      MarkDirty(sh, grp.slot);
+      MarkDirty(sh, grp.slot, grp.key);
       if (track) Touch(grp.slot, epoch);
     }
   });
@@ -88,7 +88,7 @@ void EmbeddingStore::Impl::UpdateShard(Shard& sh, uint32_t b, const float* grads
       grad = acc;
     }
     kernels::UpdateRow<kDim, kKind>(w, state, grad, args, scratch);
-    MarkDirty(sh, grp.slot);
+    MarkDirty(sh, grp.slot, grp.key);
     if (track) Touch(grp.slot, epoch);
   }
 }
