@@ -2,10 +2,9 @@
 // test_store_snapshot.cc): a small store, random rounds of ops, its contents bit for bit.
 #pragma once
 
-#include <dirent.h>
-
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -143,13 +142,10 @@ inline void WriteFile(const std::string& path, const std::string& text) {
 // The names in a directory (none when it cannot be read).
 inline std::vector<std::string> Files(const std::string& dir) {
   std::vector<std::string> names;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return names;
-  while (dirent* e = readdir(d)) {
-    const std::string n = e->d_name;
-    if (n != "." && n != "..") names.push_back(n);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    names.push_back(e.path().filename().string());
   }
-  closedir(d);
   return names;
 }
 
