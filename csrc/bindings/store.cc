@@ -322,10 +322,8 @@ void BindPendingCheckpoint(py::module_& m) {
                              [](PendingHandle& p) { return p.get().incremental(); })
       .def("write",
            [](PendingHandle& p) {
+             p.get();  // not written or dropped yet
              std::unique_ptr<EmbeddingStore::PendingCheckpoint> pending = std::move(p.pending);
-             if (!pending) {
-               throw ValueError("checkpoint: this pending checkpoint was written or dropped");
-             }
              store::CheckpointResult r;
              {
                py::gil_scoped_release nogil;

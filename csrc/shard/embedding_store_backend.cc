@@ -77,8 +77,8 @@ class EmbeddingStoreBackend : public TableBackend {
     store_->Save(dir, meta, /*weights_only=*/false);
   }
   PendingWrite BeginCheckpointChain(const std::string& dir, int64_t step,
-                                        const std::map<std::string, std::string>& meta,
-                                        const store::ChainPolicy& policy) override {
+                                    const std::map<std::string, std::string>& meta,
+                                    const store::ChainPolicy& policy) override {
     std::shared_ptr<store::EmbeddingStore::PendingCheckpoint> pending =
         store_->BeginCheckpoint(dir, step, meta, policy);
     return [pending] { return pending->Write(); };

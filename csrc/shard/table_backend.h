@@ -91,8 +91,8 @@ class TableBackend {
   // Throws as Save (either half).
   using PendingWrite = std::function<store::CheckpointResult()>;
   virtual PendingWrite BeginCheckpointChain(const std::string& dir, int64_t step,
-                                                const std::map<std::string, std::string>& meta,
-                                                const store::ChainPolicy& policy);
+                                            const std::map<std::string, std::string>& meta,
+                                            const store::ChainPolicy& policy);
   // Both halves at once.
   store::CheckpointResult CheckpointChain(const std::string& dir, int64_t step,
                                           const std::map<std::string, std::string>& meta,

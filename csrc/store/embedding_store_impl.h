@@ -364,7 +364,8 @@ struct EmbeddingStore::PendingCheckpoint::State {
   Impl::ChainState parent;        // the store's chain before Begin (restored on failure)
   uint32_t index = 0;             // increments: this link's index (1 = the first)
   size_t groups = 1;              // segments, each a contiguous range of hash shards
-  // Per hash shard: the keys to write and the slots they held at Begin, in map order.
+  // Per hash shard: the keys to write and the slots they held at Begin (a base: in map
+  // order; an increment: in the order they turned dirty).
   std::vector<std::vector<int64_t>> keys;
   std::vector<std::vector<uint32_t>> slots;
 };

@@ -44,7 +44,6 @@ void CheckPolicy(const ChainPolicy& p) {
   }
 }
 
-
 uint64_t NewChainId() {
   std::random_device rd;
   uint64_t id = 0;
@@ -131,8 +130,9 @@ std::unique_ptr<EmbeddingStore::Impl::Snapshot> EmbeddingStore::Impl::BeginCheck
   snap->incremental = increment;
   // One segment per hash shard for a base; an increment is small, and each file costs an
   // fsync: one per store thread.
-  snap->groups = increment ? std::min<size_t>(num_shards_, static_cast<size_t>(pool_.num_threads()))
-                           : num_shards_;
+  snap->groups = increment
+                     ? std::min<size_t>(num_shards_, static_cast<size_t>(pool_.num_threads()))
+                     : num_shards_;
 
   // The rows to write (every stored one, or the dirty ones: from the shards' dirty lists)
   // with their slots, marked 1.
