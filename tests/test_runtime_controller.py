@@ -116,12 +116,16 @@ def scenarios(draw):
     read_mode = draw(st.sampled_from(["bagpipe"] * 5 + ["ps"]))
     policy = draw(st.sampled_from(["oracle", "lru"]))
     lookahead = draw(st.integers(0, 8))
+    # The adaptive window (oracle only): up to 10 batches past the fixed part.
+    adaptive = policy == "oracle" and draw(st.integers(0, 2)) == 0
+    lookahead_max = lookahead + draw(st.integers(1, 10)) if adaptive else 0
     cfg = BagPipeConfig(
         read_mode=read_mode,
         optimization_prescan=draw(st.booleans()),
         optimization_cache_capacity=draw(st.sampled_from([1, 1, 2, 4, 16])),
         bagpipe_aggregation=draw(st.sampled_from(["ps", "collective"])),
         lookahead=lookahead,
+        lookahead_max=lookahead_max,
         eviction_policy=policy,
         prepared_batches=draw(st.integers(1, 3)),
         prepare_ahead=draw(st.booleans()),
@@ -518,8 +522,11 @@ def test_metrics_report_every_counter() -> None:
     for key in ("hits", "demand_fetched", "prefetched", "prefetch_served", "evictions",
                 "invalidations", "resident_bytes", "skipped_dependency_waits", "commit_wait_s",
                 "gradient_payload_bytes", "prescan_startup_s", "shutdown_s", "hit_rate",
-                "fetched_bytes", "plan_memory_bytes"):
+                "fetched_bytes", "plan_memory_bytes", "window_steps", "window_mean"):
         assert key in m
+    # A fixed window of 2 batches, shorter only where the trace ends (steps 4 and 5).
+    assert m["window_steps"] == 2 * 4 + 1 + 0
+    assert m["window_mean"] == pytest.approx(m["window_steps"] / m["steps"])
     assert m["resident_bytes"] == 64 * DIM * 4
     sent = sum(np.unique(per[1]).size for per in trace)
     assert m["gradient_payload_bytes"] == sent * (8 + DIM * 4)
@@ -535,3 +542,31 @@ def test_oracle_without_lookahead_is_exactly_lru() -> None:
     for key in ("hits", "evictions", "bypassed", "demand_fetched", "resident_rows"):
         assert lru[key] == orc[key], key
     assert lru["evictions"] > 0
+
+
+def test_adaptive_window_grows_only_under_pressure_and_never_lowers_the_hit_rate() -> None:
+    """lookahead_max: with the table in the cache the window stays the fixed one; with a
+    one-unit cache under a skewed trace it grows (within its bound) and the cache hits at
+    least as often as the fixed window's, with the same PS rows (exact)."""
+    trace = make_trace(31, 1, 40, 600, 120, 2.0)
+    fixed = BagPipeConfig(optimization_cache_capacity=1, lookahead=2, ps_timeout=30.0)
+    adaptive = fixed.replace(lookahead_max=12)
+    a = run_checked(adaptive, trace, 600).metrics[0]
+    f = run_checked(fixed, trace, 600).metrics[0]
+    assert a["window_mean"] > f["window_mean"] + 1
+    assert a["window_steps"] <= 12 * a["steps"]
+    assert a["hits"] >= f["hits"]
+    roomy = run_checked(adaptive.replace(optimization_cache_capacity=16), trace, 600)
+    assert roomy.metrics[0]["window_steps"] == f["window_steps"]  # never under pressure
+
+
+def test_adaptive_window_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"lookahead_max \(4\) must be 0 or >= lookahead"):
+        BagPipeConfig(lookahead=8, lookahead_max=4)
+    with pytest.raises(ValueError, match="needs eviction_policy 'oracle'"):
+        BagPipeConfig(eviction_policy="lru", lookahead_max=16)
+    with pytest.raises(ValueError, match="lookahead_max must be >= 0"):
+        BagPipeConfig(lookahead_max=-1)
+    assert BagPipeConfig(lookahead=4, lookahead_max=32).window_batches == 32
+    assert BagPipeConfig(lookahead=4).window_batches == 4
+    assert BagPipeConfig(read_mode="ps", lookahead=4, lookahead_max=32).window_batches == 0

@@ -77,11 +77,12 @@ def _equivalence(rank: int, world: int, kinds: list[str]) -> list[str]:
 OPTIMIZER_CASES = [
     ("adagrad", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "plain"),
     ("adagrad", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "pipeline"),
-    ("rowwise_adagrad", {"bagpipe_aggregation": "ps", "optimization_prescan": True},
-     "pipeline"),
+    ("rowwise_adagrad", {"bagpipe_aggregation": "ps", "optimization_prescan": True,
+                         "lookahead": 2, "lookahead_max": 8}, "pipeline"),
     ("rowwise_adagrad", {"bagpipe_aggregation": "collective",
                          "optimization_cache_capacity": 1}, "plain"),
-    ("adam", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
+    ("adam", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1,
+              "lookahead": 2, "lookahead_max": 8}, "pipeline"),  # the adaptive window
     ("adam", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),
     ("sgd", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
     ("sgd", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),

@@ -101,6 +101,15 @@ class BagPipeConfig:
         default=8,
         metadata=_help("number of future batches the planner sees (0: no prefetch)"),
     )
+    lookahead_max: int = field(
+        default=0,
+        metadata=_help(
+            "adaptive window (oracle eviction): batches are submitted up to this many ahead, "
+            "and under cache pressure a step's window grows past `lookahead`, up to this "
+            "bound, through the last of the next steps that reads a cached row with no known "
+            "next use (docs/adaptive_lookahead.md); 0: a fixed window of `lookahead` batches"
+        ),
+    )
     eviction_policy: EvictionPolicy = field(
         default="oracle",
         metadata=_help(
@@ -304,9 +313,20 @@ class BagPipeConfig:
             )
         if not 0.0 < self.cache_auto_fraction <= 1.0:
             raise ValueError("BagPipeConfig.cache_auto_fraction must be in (0, 1]")
-        for name in ("lookahead",):
+        for name in ("lookahead", "lookahead_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"BagPipeConfig.{name} must be >= 0")
+        if self.lookahead_max:
+            if self.lookahead_max < self.lookahead:
+                raise ValueError(
+                    f"BagPipeConfig.lookahead_max ({self.lookahead_max}) must be 0 or >= "
+                    f"lookahead ({self.lookahead})"
+                )
+            if self.eviction_policy != "oracle":
+                raise ValueError(
+                    "BagPipeConfig.lookahead_max needs eviction_policy 'oracle' (the window "
+                    f"only ranks victims under it), got {self.eviction_policy!r}"
+                )
         if self.placement_min_rows is not None and self.placement_min_rows < 0:
             raise ValueError(
                 f"BagPipeConfig.placement_min_rows must be >= 0, got {self.placement_min_rows}"
@@ -351,6 +371,14 @@ class BagPipeConfig:
         if self.memory_budget is None:
             return None
         return parse_memory_budget(str(self.memory_budget), "BagPipeConfig.memory_budget")
+
+    @property
+    def window_batches(self) -> int:
+        """How many batches ahead of the running step are submitted and planned: the
+        adaptive window's bound, else `lookahead`; 0 without a cache (read_mode ps)."""
+        if self.read_mode != "bagpipe":
+            return 0
+        return max(self.lookahead, self.lookahead_max)
 
     def resolved_gradient_division(self) -> bool:
         """Whether summed gradients are divided by the world size (TorchRec's switch)."""

@@ -215,6 +215,16 @@ void BindMetadataBatches(MetadataClass& cls) {
       py::arg("keys"), py::arg("versions"),
       "-> slot of each key if resident at that version, else -1 (no state change)");
   cls.def(
+      "count_unknown_next_uses",
+      [](const CacheMetadata& c, const py::array& keys) {
+        auto k = Vec<int64_t>(keys, "keys");
+        int64_t n = 0;
+        MaybeWithoutGil(k.size, [&] { n = c.CountUnknownNextUses(k.data, k.size); });
+        return n;
+      },
+      py::arg("keys"),
+      "-> how many of the keys are resident with no known next use (no state change)");
+  cls.def(
       "set_version",
       [](CacheMetadata& c, const py::array& slots, int64_t version) {
         auto v = Vec<int64_t>(slots, "slots");

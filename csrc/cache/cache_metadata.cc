@@ -77,6 +77,18 @@ void CacheMetadata::Resident(const int64_t* keys, const int64_t* versions, size_
   });
 }
 
+int64_t CacheMetadata::CountUnknownNextUses(const int64_t* keys, size_t n) const {
+  if (policy_ != EvictionPolicy::kOracle) return 0;
+  if (key_bound_ != kUnboundedKeys) CheckKeys(keys, n, "count_unknown_next_uses");
+  int64_t count = 0;
+  WithIndex([&](const auto& index) {
+    Probe(index, keys, n, [&](size_t, int32_t slot, uint64_t) {
+      if (slot >= 0 && slots_[slot].next_use == kNever32) ++count;
+    });
+  });
+  return count;
+}
+
 void CacheMetadata::SetVersion(const int64_t* slots, size_t n, int64_t version) {
   CheckSlotRange(slots, n, capacity_rows_, "set_version");
   CheckStep32(version, "set_version", "version");

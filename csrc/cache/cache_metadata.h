@@ -197,6 +197,12 @@ class CacheMetadata {
   // (ValueError otherwise).
   void NoteUses(const int64_t* keys, size_t n, int64_t step);
 
+  // How many of the keys are resident with no known next use (kNever): the rows NoteUses of
+  // a step later than every finite next use would change (an adaptive window's probe,
+  // runtime/prefetch.py). 0 under lru. No state change.
+  // REQUIRES: with a key_bound, keys in [0, key_bound) (ValueError otherwise).
+  int64_t CountUnknownNextUses(const int64_t* keys, size_t n) const;
+
   // Frees the slots of the given keys; returns them (absent keys are ignored).
   // REQUIRES: with a key_bound, keys in [0, key_bound) (ValueError otherwise).
   std::vector<int64_t> Invalidate(const int64_t* keys, size_t n);

@@ -292,6 +292,15 @@ TEST_CASE(cache_metadata_randomized_operations_keep_invariants) {
         }
       }
       CheckConsistent(m);
+      // CountUnknownNextUses is the slots' own answer (0 under lru).
+      int64_t unknown = 0;
+      for (auto k : keys) {
+        int64_t s = -1;
+        m.Lookup(&k, 1, &s);
+        if (s >= 0 && m.Slot(s).next_use == kNever) ++unknown;
+      }
+      CHECK_EQ(m.CountUnknownNextUses(keys.data(), keys.size()),
+               policy == EvictionPolicy::kOracle ? unknown : 0);
     }
   }
 }

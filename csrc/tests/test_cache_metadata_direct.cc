@@ -194,6 +194,7 @@ TEST_CASE(cache_metadata_rejects_keys_outside_the_key_bound_without_change) {
     std::vector<int64_t> res(2);
     CHECK_THROWS(bagpipe::ValueError, m.Resident(out.data(), v.data(), 2, res.data()));
     CHECK_THROWS(bagpipe::ValueError, m.NoteUses(out.data(), 2, 3));
+    CHECK_THROWS(bagpipe::ValueError, m.CountUnknownNextUses(out.data(), 2));
     CHECK_THROWS(bagpipe::ValueError, m.Invalidate(out.data(), 2));
     std::vector<int64_t> neg = {-1};
     CHECK_THROWS(bagpipe::ValueError, m.Lookup(neg.data(), 1, &slot));

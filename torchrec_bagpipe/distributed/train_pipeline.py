@@ -45,7 +45,8 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
 
     Args: those of `TrainPipelineSparseDist`, plus
         lookahead: batches read ahead of TorchRec's own pipeline; default: the largest
-            `lookahead` of the model's BagPipe configs (0 without BagPipe modules).
+            `lookahead` (adaptive: `lookahead_max`) of the model's BagPipe configs (0
+            without BagPipe modules).
         prescan_batches: this rank's whole training sequence, for prescan mode (the
             modules' config must set `optimization_prescan`; ignored without BagPipe
             modules).
@@ -64,7 +65,8 @@ class BagPipeTrainPipeline(TrainPipelineSparseDist):
         super().__init__(model, optimizer, device, *args, **kwargs)
         modules = [m for _, m in bagpipe_modules(model)]
         if lookahead is None:
-            lookahead = max((m.bagpipe_config.lookahead for m in modules), default=0)
+            lookahead = max((max(m.bagpipe_config.lookahead, m.bagpipe_config.lookahead_max)
+                             for m in modules), default=0)
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self._bagpipe_modules: list[BagPipeShardedModule] = modules

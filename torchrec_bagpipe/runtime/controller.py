@@ -222,6 +222,8 @@ class BagPipeController:
         collective = config.bagpipe_aggregation == "collective"
         cached = config.read_mode == "bagpipe"
         self._lookahead = config.lookahead if cached else 0
+        # Batches submitted and planned ahead: the adaptive window's bound, else lookahead.
+        self._window = config.window_batches
         divide = config.resolved_gradient_division()
         virtual = self.eviction is not None
         if cached:
@@ -247,7 +249,7 @@ class BagPipeController:
                             send_evictions=virtual and rank == 0)
         self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
         self._plans = IdExchange(
-            rank=rank, world_size=world_size, lookahead=self._lookahead, num_keys=num_keys,
+            rank=rank, world_size=world_size, lookahead=self._window, num_keys=num_keys,
             collective=collective, collectives=collectives, worker=self._worker,
             metrics=self.metrics_, timeout=self._timeout,
             eviction=self.eviction.native() if virtual and self.eviction.tracks else None,
@@ -255,12 +257,13 @@ class BagPipeController:
         self._prefetch = PrefetchScheduler(
             meta=self._meta, port=self._port, metrics=self.metrics_, device=self.device,
             distance=min(config.prepared_batches, self._lookahead),
-            prepared_batches=config.prepared_batches,
+            prepared_batches=config.prepared_batches, lookahead=self._lookahead,
+            adaptive=self._window > self._lookahead,
             with_state=cached and self._dev.state_dim > 0,
         )
         self._assembler = StepAssembler(
             meta=self._meta, cache=self._dev, prefetch=self._prefetch, port=self._port,
-            metrics=self.metrics_, dim=dim, device=self.device, lookahead=self._lookahead,
+            metrics=self.metrics_, dim=dim, device=self.device, window=self._window,
             collective=collective,
         )
         self._agg: Aggregation
@@ -278,7 +281,7 @@ class BagPipeController:
         self._preparer = StepPreparer(
             meta=self._meta, plans=self._plans, prefetch=self._prefetch,
             assembler=self._assembler, aggregation=self._agg, cache_lock=self._cache_lock,
-            metrics=self.metrics_, lookahead=self._lookahead, timeout=self._timeout,
+            metrics=self.metrics_, window=self._window, timeout=self._timeout,
             name=f"bagpipe-prep-r{rank}",
         )
 

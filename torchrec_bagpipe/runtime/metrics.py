@@ -42,6 +42,7 @@ class RuntimeMetrics:
     fetched_bytes: int = 0            # rows received from the PS
     id_exchange_bytes: int = 0        # ids this rank sent in exchanges
     collectives_issued: int = 0
+    window_steps: int = 0        # sum over prepared steps of the window's length then
     planner_s: float = 0.0
     runtime_critical_s: float = 0.0  # training thread inside submit / next_step / finish_step
     runtime_critical_cpu_s: float = 0.0  # ... its CPU time there (the rest is waiting)
@@ -65,6 +66,7 @@ class RuntimeMetrics:
         d["hit_rate"] = d["hits"] / acc if acc else 0.0
         d["cache_served_rate"] = (d["hits"] + d["prefetch_served"]) / acc if acc else 0.0
         steps = d["steps"]
+        d["window_mean"] = d["window_steps"] / steps if steps else 0.0
         d["runtime_critical_ms"] = 1e3 * d["runtime_critical_s"] / steps if steps else 0.0
         d["runtime_worker_ms"] = 1e3 * d["runtime_worker_s"] / steps if steps else 0.0
         d["runtime_worker_cpu_ms"] = 1e3 * d["runtime_worker_cpu_s"] / steps if steps else 0.0

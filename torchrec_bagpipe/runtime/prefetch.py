@@ -1,10 +1,23 @@
 """PrefetchScheduler: which rows to fetch ahead of their step, when, and where they wait.
 
 The lookahead window holds the submitted steps up to t + lookahead; `enter_window` takes each
-new step's plan in (`entered` is the last step in it). Each entering step s > t yields
-candidates: its keys with their dependency steps, placed at step max(dep + 1, s - distance)
-(`distance` = prepared_batches): once this rank has finished the step the row depends on (its
-own invalidations are done), and at most `distance` steps before the use. At its placement
+new step's plan in (`entered` is the last step in it). With an adaptive window
+(`BagPipeConfig.lookahead_max`, `adaptive` here) it then takes further submitted steps in,
+up to t + lookahead_max, while the cache is under pressure (step t's reads do not fit beside
+the resident rows) and the steps ahead would tell it something new (`_informs`: a read of a
+row it holds with no known next use). Entering a step later than every known next use
+changes exactly those rows' ranks (kNever -> that step), so a step that informs nothing
+cannot change a decision yet. The probe looks `lookahead` steps past the last informative
+one (one uninformative step is noise, `lookahead` of them the end of the reuses the cache
+can use) and the window grows through the last informative step it found; it thus reaches
+about as far as the rows the cache holds are reused (docs/adaptive_lookahead.md). A step
+once in stays in, and the probe reads only the plans and the metadata, so every decision
+stays deterministic.
+
+Each entering step s > t yields candidates: its keys with their dependency steps, placed at
+step max(dep + 1, s - distance) (`distance` = prepared_batches): once this rank has finished
+the step the row depends on (its own invalidations are done), and at most `distance` steps
+before the use. At its placement
 step a candidate the cache already holds at the wanted version is dropped (an expected hit);
 the rest wait, per use step, until `issue_ready` finds their dependency committed on the PS and
 issues one get for everything ready (`Fetch`). A fetch's rows (with their optimizer state
@@ -94,9 +107,16 @@ class PrefetchScheduler:
         device: torch.device,
         distance: int,
         prepared_batches: int,
+        lookahead: int = 0,
+        adaptive: bool = False,
         with_state: bool = False,
     ) -> None:
         self._meta = meta
+        self._lookahead = lookahead
+        self._adaptive = adaptive and meta is not None
+        # Adaptive: the window stops growing after this many steps that inform nothing.
+        self._probe_depth = max(lookahead, 1)
+        self._probed: dict[int, StepPlan] = {}  # plans of probed steps not entered yet
         self._port = port
         self._with_state = with_state
         self._metrics = metrics
@@ -113,37 +133,71 @@ class PrefetchScheduler:
 
     # ---- candidates ---------------------------------------------------------------------
     def enter_window(self, t: int, last: int, plan_of: Callable[[int], StepPlan]) -> None:
-        """Steps up to `last` (<= t + lookahead, submitted) enter the window at step t: the
-        cache learns their reads (`note_uses`), their keys become candidates."""
-        for s in range(self.entered + 1, last + 1):
-            self.entered = s
-            if s <= t or self._meta is None:
-                continue
-            p = plan_of(s)
-            noted = (p.prev_use >= 0) & (p.prev_use < t)
-            if noted.any():
-                self._meta.note_uses(p.unique_keys[noted], s)
-            # A candidate is placed at step max(dep + 1, s - distance): once this rank has
-            # finished its dependency, and at most `distance` steps before its use.
-            when = np.maximum(p.deps + 1, s - self._distance)
-            if when.size == 0:
-                continue
-            lo = int(when.min())
-            if lo == int(when.max()):
-                groups: list[tuple[int, np.ndarray | None]] = [(lo, None)]
+        """Steps enter the window at step t: every submitted one up to t + lookahead, then
+        (adaptive, under pressure) the next ones up to `last` through the last one of those
+        probed that would inform the cache (`_informs`).
+        The cache learns their reads (`note_uses`), their keys become candidates.
+        REQUIRES: `last` <= t + the window's bound, and submitted."""
+        fixed = min(last, t + self._lookahead) if self._adaptive else last
+        for s in range(self.entered + 1, fixed + 1):
+            self._enter(t, s, plan_of(s) if s > t and self._meta is not None else None)
+        if not self._adaptive or self.entered >= last:
+            return
+        # No pressure, no decision to inform: step t's reads fit beside the resident rows.
+        if len(self._meta) + plan_of(t).unique_keys.size <= self._meta.capacity_rows:
+            return
+        # Grow through the last step (of the next `probe_depth`) that informs the cache.
+        probed = self._probed
+        reach = self.entered
+        s = self.entered + 1
+        while s <= last and s - reach <= self._probe_depth:
+            p = probed.get(s)
+            if p is None:
+                p = probed[s] = plan_of(s)
+            if self._informs(t, p):
+                reach = s
+            s += 1
+        for s in range(self.entered + 1, reach + 1):
+            self._enter(t, s, probed.pop(s))
+
+    def _informs(self, t: int, p: StepPlan) -> bool:
+        """Whether step p.step (later than every known next use) would change a rank if it
+        entered the window at step t: it reads a row the cache holds (this rank's previous
+        read of it before t) with no known next use."""
+        prev = p.prev_use
+        held = (prev >= 0) & (prev < t)
+        return bool(held.any()) and self._meta.count_unknown_next_uses(p.unique_keys[held]) > 0
+
+    def _enter(self, t: int, s: int, p: StepPlan | None) -> None:
+        """Step s (= entered + 1; p its plan, None for s <= t or without a cache) enters
+        the window at step t."""
+        self.entered = s
+        if p is None:
+            return
+        noted = (p.prev_use >= 0) & (p.prev_use < t)
+        if noted.any():
+            self._meta.note_uses(p.unique_keys[noted], s)
+        # A candidate is placed at step max(dep + 1, s - distance): once this rank has
+        # finished its dependency, and at most `distance` steps before its use.
+        when = np.maximum(p.deps + 1, s - self._distance)
+        if when.size == 0:
+            return
+        lo = int(when.min())
+        if lo == int(when.max()):
+            groups: list[tuple[int, np.ndarray | None]] = [(lo, None)]
+        else:
+            groups = [(int(w), when == w) for w in np.unique(when)]
+        for w, m in groups:
+            if m is None:
+                upos = np.arange(p.unique_keys.size, dtype=np.int64)
+                cands = Candidates(p.unique_keys, p.deps, upos, s)
             else:
-                groups = [(int(w), when == w) for w in np.unique(when)]
-            for w, m in groups:
-                if m is None:
-                    upos = np.arange(p.unique_keys.size, dtype=np.int64)
-                    cands = Candidates(p.unique_keys, p.deps, upos, s)
-                else:
-                    upos = np.flatnonzero(m)
-                    cands = Candidates(p.unique_keys[upos], p.deps[upos], upos, s)
-                if w <= t:
-                    self._ready.append(cands)
-                else:
-                    self._deferred.setdefault(w, []).append(cands)
+                upos = np.flatnonzero(m)
+                cands = Candidates(p.unique_keys[upos], p.deps[upos], upos, s)
+            if w <= t:
+                self._ready.append(cands)
+            else:
+                self._deferred.setdefault(w, []).append(cands)
 
     def place(self, t: int) -> None:
         """Queues the candidates placed at step t that the cache does not hold at the
@@ -275,6 +329,7 @@ class PrefetchScheduler:
         self._ready = []
         self._deferred.clear()
         self._pend.clear()
+        self._probed.clear()
 
     def prepared_bytes(self) -> int:
         """Device bytes of fetched rows waiting for their steps."""

@@ -88,7 +88,7 @@ class StepAssembler:
         metrics: RuntimeMetrics,
         dim: int,
         device: torch.device,
-        lookahead: int,
+        window: int,
         collective: bool,
     ) -> None:
         self._meta = meta
@@ -101,7 +101,7 @@ class StepAssembler:
         self._width = cache.width if meta is not None else dim
         self._with_state = self._width != dim
         self._device = device
-        self._lookahead = lookahead
+        self._window = window  # batches planned ahead (BagPipeConfig.window_batches)
         self._collective = collective
 
     # ---- phase 1: metadata and fetch issue ----------------------------------------------
@@ -114,7 +114,7 @@ class StepAssembler:
         U, deps = plan.unique_keys, plan.deps
         n = U.size
         next_use = plan.next_use
-        if self._prefetch.entered < t + self._lookahead and next_use.size:
+        if self._prefetch.entered < t + self._window and next_use.size:
             next_use = np.where(next_use <= self._prefetch.entered, next_use, -1)
         # Prefetches whose dependency committed since the last issue (step t's included).
         self._prefetch.issue_ready()
@@ -135,7 +135,7 @@ class StepAssembler:
         cand = miss_pos if self._collective else miss_pos[~plan.shared[miss_pos]]
         if cand.size:
             miss_nu = next_use[cand]
-            horizon = self._lookahead + 1
+            horizon = self._window + 1
             rank = np.where(miss_nu < 0, horizon, miss_nu - t)
             rank = rank.astype(np.int16 if horizon < (1 << 15) else np.int64)
             order = np.argsort(rank, kind="stable")

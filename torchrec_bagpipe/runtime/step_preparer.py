@@ -17,9 +17,10 @@ training thread, in step order (`step_assembly.py` invariant 5), so a slot that 
 preparation of step t reassigns still receives step t - 1's update before its new row.
 
 When: step s is prepared ahead (`launch`) once next_step(s - 1) has returned and its window
-is full (batch s + lookahead submitted), so the window, and every decision, is the one
-next_step(s) would see. Otherwise (the end of the data, batches submitted late, or no cache:
-read_mode ps) next_step(s) prepares it on the training thread (`take`), with the same code.
+is full (batch s + window submitted: `BagPipeConfig.window_batches`), so the window, and
+every decision, is the one next_step(s) would see. Otherwise (the end of the data, batches
+submitted late, or no cache: read_mode ps) next_step(s) prepares it on the training thread
+(`take`), with the same code.
 
 Thread safety: `launch`, `take`, `issue_later`, `discard`, `close` and `ahead` are called by
 the training thread. The preparation runs on this preparer's thread (one FIFO thread per
@@ -71,7 +72,7 @@ class StepPreparer:
         aggregation: Aggregation,
         cache_lock: threading.RLock,
         metrics: RuntimeMetrics,
-        lookahead: int,
+        window: int,
         timeout: float,
         name: str,
     ) -> None:
@@ -81,10 +82,10 @@ class StepPreparer:
         self._assembler = assembler
         self._agg = aggregation
         self._cache_lock = cache_lock
-        self._lookahead = lookahead
+        self._window = window  # batches planned ahead (BagPipeConfig.window_batches)
         self._metrics = metrics
-        # The preparation waits for up to lookahead + 1 ID exchanges, each bounded.
-        self._timeout = timeout * (lookahead + 2)
+        # The preparation waits for up to window + 1 ID exchanges, each bounded.
+        self._timeout = timeout * (window + 2)
         self._thread = CommWorker(name)
         self._worker = MeteredWorker(self._thread, metrics)
         self._ahead: tuple[int, Future] | None = None  # the step prepared ahead
@@ -105,7 +106,7 @@ class StepPreparer:
         cache: without one a step's preparation is only its plan, cheaper than the hand-off).
         REQUIRES: next_step(s - 1) returned (or s is the next step and none runs)."""
         if (self._meta is None or self._ahead is not None
-                or submitted - 1 < s + self._lookahead):
+                or submitted - 1 < s + self._window):
             return
         self._ahead = (s, self._worker.submit(self.prepare, s, submitted))
 
@@ -129,7 +130,7 @@ class StepPreparer:
 
     def prepare(self, t: int, submitted: int) -> PreparedWork:
         """Prepares step t with the window of `submitted` batches (any thread)."""
-        upto = min(t + self._lookahead, submitted - 1)
+        upto = min(t + self._window, submitted - 1)
         self._plans.absorb(t, upto)
         with self._cache_lock:
             if self._meta is not None:
@@ -138,6 +139,7 @@ class StepPreparer:
                     freed = self._meta.invalidate(self._evicted)
                     self._metrics.add(invalidations=int(freed.size))
             self._prefetch.enter_window(t, upto, self._plans.plan)
+            self._metrics.add(window_steps=max(self._prefetch.entered - t, 0))
             plan = self._plans.plan(t)
             self._evicted = plan.evicted
             prepared = self._assembler.prepare(t, plan)

@@ -96,9 +96,10 @@ class SimulationSpec:
     every step's rows (`SimResult.reads`); every wait is bounded by `timeout`; the default PS
     applies each step `ps_apply_delay` seconds late. Hooks: `observer` before each get,
     `step_hook(rank, controller)` after each step, `backend` builds another PS (module
-    docstring). Before step t each rank has submitted the batches up to t + lookahead +
-    `submit_ahead` (TorchRec's pipeline runs the next batch's input_dist before the
-    forward: `submit_ahead=1`). `progress`: rank 0 shows the prescan planner's bar.
+    docstring). Before step t each rank has submitted the batches up to t + window
+    (`BagPipeConfig.window_batches`) + `submit_ahead` (TorchRec's pipeline runs the next
+    batch's input_dist before the forward: `submit_ahead=1`). `progress`: rank 0 shows the
+    prescan planner's bar.
     """
 
     num_keys: int
@@ -190,7 +191,7 @@ def simulate(config: BagPipeConfig, trace: Trace, spec: SimulationSpec | None = 
     final_state: list[np.ndarray] = []
     done = threading.Barrier(W)
     done2 = threading.Barrier(W)
-    look = (config.lookahead if config.read_mode == "bagpipe" else 0) + spec.submit_ahead
+    look = config.window_batches + spec.submit_ahead
 
     def rank_main(r: int) -> None:
         ctl = None
