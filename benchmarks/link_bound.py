@@ -24,11 +24,13 @@ traffic allows (issue 24):
   sockets are not bound, so the directions of a pair cannot be told apart by address: one
   bucket for the W ranks' symmetric traffic);
 * configurations: stock TorchRec, PS without cache (``ps_nocache``, the baseline), LRU
-  without lookahead, BagPipe prescan, online, collective aggregation and mixed placement
-  (the 3 largest tables on BagPipe); ``--steps`` (>= 100 in full mode) steps, ``--repeats``
-  rounds, round robin over configurations and trainer-link cases; medians over the rounds.
-  With ``--step-budget`` (``--quick``: 6 s) a case whose predicted step is long runs fewer
-  steps (`plan_steps`, `predict_step`), at least ``--min-steps``; its lines carry ``steps``.
+  without lookahead, BagPipe prescan, online, collective aggregation, write-back aggregation
+  (``writeback``: the caches own their rows; evicted rows cross the PS link back) and mixed
+  placement (the 3 largest tables on BagPipe); ``--steps`` (>= 100 in full mode) steps,
+  ``--repeats`` rounds, round robin over configurations and trainer-link cases; medians over
+  the rounds. With ``--step-budget`` (``--quick``: 6 s) a case whose predicted step is long
+  runs fewer steps (`plan_steps`, `predict_step`), at least ``--min-steps``; its lines carry
+  ``steps``.
   The calibration run is the first round's stock run with an unshaped trainer link.
 
 Per configuration and trainer link (`bound_model`): the bound is the slowest of compute (the
@@ -75,7 +77,8 @@ from e2e_dlrm import MIXED_BAGPIPE_TABLES, table_sizes
 from link_shaping import ShapedLink, ShapingUnavailable, link_rate, measure_link
 
 BENCH = "link_bound"
-CONFIGS = ("stock", "ps_nocache", "lru", "prescan", "online", "collective", "mixed")
+CONFIGS = ("stock", "ps_nocache", "lru", "prescan", "online", "collective", "writeback",
+           "mixed")
 TRAINER_LINKS = ("unshaped", "shaped")
 TRAINER_ADDR = "127.0.0.11"
 TRAINER_IFACE = "lo:bagpipe"  # an address label on lo (IFNAMSIZ: at most 15 characters)
@@ -157,7 +160,9 @@ def counters_of(result: dict[str, Any], world: int, batch: int, dim: int,
     c = result.get("bagpipe", {}).get("counters", {})
     rows = c.get("demand_fetched", 0.0) + c.get("prefetched", 0.0)
     down = c.get("fetched_bytes", 0.0)
-    up = c.get("gradient_payload_bytes", 0.0) + KEY_BYTES * rows
+    # (writeback: evicted rows go back up with their keys and optimizer state)
+    up = (c.get("gradient_payload_bytes", 0.0) + KEY_BYTES * rows
+          + c.get("write_back_bytes", 0.0))
     ring = 2 * (world - 1) / world if world > 1 else 0.0
     background = (ring * c.get("allreduce_payload_bytes", 0.0)
                   + (world - 1) * c.get("id_exchange_bytes", 0.0))
@@ -354,6 +359,7 @@ def build_configs(sizes: list[int], cache_fraction: float, lookahead: int
         "prescan": [*bagpipe, "--optimization-prescan", *ahead],
         "online": [*bagpipe, *ahead],
         "collective": [*bagpipe, *ahead, "--bagpipe-aggregation", "collective"],
+        "writeback": [*bagpipe, *ahead, "--bagpipe-aggregation", "writeback"],
         "mixed": ["--placement-min-rows", str(largest[-1]), *cache(sum(largest)), *ahead],
     }
 

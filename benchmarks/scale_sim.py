@@ -4,12 +4,15 @@ For each trace (benchmarks/traces.py: zipf1.05, drifting, arrival) and world siz
 threads run the real BagPipeController (torchrec_bagpipe/testing/simulate.py) over the same
 kind of batches: every rank `batch` samples x `features` ids per step (one fused table of
 `features` tables of rows / features rows each, pooling factor 1), an oracle cache of
-`cache_pct` % of the rows per rank, lookahead L, in `ps` aggregation (gradients to the PS) and
-in `collective` aggregation (all-reduce of active rows, one rank submits each). Reported per
+`cache_pct` % of the rows per rank, lookahead L, in `ps` aggregation (gradients to the PS),
+in `collective` aggregation (all-reduce of active rows, one rank submits each) and in
+`writeback` aggregation (every cache holds the union's rows and owns them: only rows no cache
+holds commit, evicted rows are written back; docs/writeback.md). Reported per
 (trace, W, aggregation), from the controllers' counters, per rank per step (means over ranks
 and the steps):
   * hit_rate (accesses read from the cache), served_from_cache (hits + prefetch-served);
-  * ps_bytes: rows fetched from the PS + keys and gradients sent to it;
+  * ps_bytes: rows fetched from the PS + keys and gradients sent to it + rows written back
+    (writeback: keys, weights and optimizer state);
   * allreduce_bytes: the fp32 payload this rank all-reduced (a ring moves 2 (W-1)/W of it
     out and as much in);
   * planner_ms (the controller's planner counter) and metadata_ms (thread CPU time inside
@@ -154,7 +157,9 @@ def run_one(trace: list[list[np.ndarray]], args: argparse.Namespace, aggregation
     return {
         "hit_rate": sum(x["hits"] for x in m) / acc,
         "served_from_cache": sum(x["hits"] + x["prefetch_served"] for x in m) / acc,
-        "ps_bytes": sum(x["fetched_bytes"] + x["gradient_payload_bytes"] for x in m) / per,
+        "ps_bytes": sum(x["fetched_bytes"] + x["gradient_payload_bytes"]
+                        + x["write_back_bytes"] for x in m) / per,
+        "write_back_bytes": sum(x["write_back_bytes"] for x in m) / per,
         "fetched_bytes": sum(x["fetched_bytes"] for x in m) / per,
         "gradient_bytes": sum(x["gradient_payload_bytes"] for x in m) / per,
         "allreduce_bytes": sum(x["allreduce_payload_bytes"] for x in m) / per,
@@ -191,9 +196,9 @@ def plot(results: dict[tuple[str, str], dict[int, dict[str, float]]], path: str)
                 continue
             ws = sorted(by_w)
             ax.plot(ws, [by_w[w]["ps_bytes"] for w in ws], "o-", label=f"BagPipe {agg}: PS")
-            if agg == "collective":
+            if agg in ("collective", "writeback"):
                 ax.plot(ws, [by_w[w]["allreduce_bytes"] for w in ws], "s--",
-                        label="BagPipe collective: all-reduce payload")
+                        label=f"BagPipe {agg}: all-reduce payload")
         ref = next(v for (t, _), v in results.items() if t == tr)
         ws = sorted(ref)
         ax.plot(ws, [ref[w]["torchrec_tw"] for w in ws], "k^:", label="TorchRec TW")
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small run (< 2 min on a quiet machine)")
     p.add_argument("--worlds", default="2,8,32,128", help="comma-separated world sizes")
     p.add_argument("--traces", default="zipf1.05,drifting,arrival")
-    p.add_argument("--aggregations", default="ps,collective")
+    p.add_argument("--aggregations", default="ps,collective,writeback")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="samples per rank per step")
     p.add_argument("--features", type=int, default=8)
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                          unit="bytes", baseline=r["torchrec_rw"], baseline_config="torchrec_rw",
                          ratio=r[metric] / r["torchrec_rw"], torchrec_tw=r["torchrec_tw"],
                          torchrec_rw=r["torchrec_rw"], fetched_bytes=r["fetched_bytes"],
-                         gradient_bytes=r["gradient_bytes"], accesses=r["accesses"])
+                         gradient_bytes=r["gradient_bytes"], accesses=r["accesses"],
+                         write_back_bytes=r["write_back_bytes"])
                 base = results[(kind, agg)].get(worlds[0], r)
                 for metric in ("planner_ms", "metadata_ms"):
                     emit(**common, metric=f"{metric}_per_step", value=r[metric], unit="ms",

@@ -481,6 +481,12 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
         assert all(any(m is p for p in pipelined) for _, m in bagpipe_modules(dmp)), pipelined
     state = full_state(dmp, rank)
     state.update(fused_state(opt))
+    if case.config.get("bagpipe_aggregation") == "writeback":
+        # The caches owned their rows: the state read above had them written back.
+        from torchrec_bagpipe.distributed import bagpipe_metrics
+
+        metrics = bagpipe_metrics(dmp).values()
+        assert metrics and all(m["written_back_rows"] > 0 for m in metrics), list(metrics)
     close_model(dmp)
     return state, losses
 

@@ -192,14 +192,15 @@ def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
             f"{(got[k].float() - want[k].float()).abs().max()}"
 
 
-def _interrupted_run(directory: Path, launch: tuple[str, ...], seed: int) -> int:
+def _interrupted_run(directory: Path, launch: tuple[str, ...], seed: int,
+                     example: tuple[str, ...] = ()) -> int:
     """Runs, kills every process with SIGKILL at a random moment, resumes until done;
     returns how many kills happened."""
     rng = random.Random(seed)
     for kills in range(2):
         resume = ("--resume", str(directory)) if read_manifest(directory) else ()
         cmd = _launch_cmd(*launch, "--checkpoint-dir", str(directory),
-                          "--checkpoint-every", str(EVERY), *resume)
+                          "--checkpoint-every", str(EVERY), *resume, example=example)
         if kills >= 1:
             out = _run(cmd)
             assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -220,17 +221,22 @@ def _interrupted_run(directory: Path, launch: tuple[str, ...], seed: int) -> int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("servers", [0, 2], ids=["hosted", "tcp-servers"])
-def test_kill_9_everything_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, servers):
+@pytest.mark.parametrize("servers,example", [(0, ()), (2, ()),
+                                             (0, ("--bagpipe-aggregation", "writeback"))],
+                         ids=["hosted", "tcp-servers", "hosted-writeback"])
+def test_kill_9_everything_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, servers,
+                                                                      example):
+    """(writeback: the caches own their rows between checkpoints; each checkpoint writes
+    them back first, and the resumed run starts from empty caches.)"""
     launch = ("--ps-servers", str(servers)) if servers else ()
     ref = tmp_path / "ref"
     out = _run(_launch_cmd(*launch, "--checkpoint-dir", str(ref),
-                           "--checkpoint-every", str(EVERY)))
+                           "--checkpoint-every", str(EVERY), example=example))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     want = _final_state(ref)
     for seed in (1, 2):
         d = tmp_path / f"killed-{seed}"
-        kills = _interrupted_run(d, launch, seed)
+        kills = _interrupted_run(d, launch, seed, example)
         assert kills == 1  # killed once mid-run, then resumed from its last set
         _assert_bitwise(_final_state(d), want)
 

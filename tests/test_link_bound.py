@@ -115,7 +115,7 @@ def test_report_lines_carry_the_issue_metrics():
         runs[("ps_nocache", t)] = [nocache, nocache, nocache]
         runs[("online", t)] = [online]
         runs[("prescan", t)] = [online]
-    for k in ("lru", "collective", "mixed"):
+    for k in ("lru", "collective", "writeback", "mixed"):
         args.configs.remove(k)
     out = io.StringIO()
     with redirect_stdout(out):

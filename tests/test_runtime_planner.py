@@ -134,3 +134,39 @@ def test_planner_input_errors() -> None:
         pre.build([[np.array([1]), np.array([1])]], progress=False)
     with pytest.raises(ValueError, match="rank must lie"):
         OnlinePlanner(world_size=2, rank=2, lookahead=1, num_keys=10, collective=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces(), st.integers(0, 5), st.data())
+def test_replicated_plans_are_the_unions_on_every_rank(tr, lookahead: int, data) -> None:
+    """Write-back aggregation (step_planner.h invariant 10): each rank's plan is that of one
+    rank reading every rank's keys (a world of one fed the concatenation, in rank order),
+    with its own batch mapped into the union; prescan and online agree."""
+    world, universe, trace = tr
+    rank = data.draw(st.integers(0, world - 1))
+    kw = dict(world_size=world, rank=rank, lookahead=lookahead, num_keys=universe,
+              collective=True, replicated=True)
+    online = OnlinePlanner(**kw)
+    prescan = PrescanPlanner(**kw)
+    prescan.build(trace, progress=False)
+    one = OnlinePlanner(world_size=1, rank=0, lookahead=lookahead, num_keys=universe,
+                        collective=True)
+    for per_rank in trace:
+        online.add_step(per_rank)
+        one.add_step([np.concatenate(per_rank)])
+    for t in range(len(trace)):
+        a, b, want = online.plan(t), prescan.plan(t), one.plan(t)
+        for p in (a, b):
+            assert np.array_equal(p.unique_keys, want.unique_keys)
+            assert np.array_equal(p.unique_keys, p.union_keys)
+            assert np.array_equal(p.union_pos, np.arange(p.unique_keys.size))
+            for f in ("deps", "next_use", "prev_use", "s_now"):
+                assert np.array_equal(getattr(p, f), getattr(want, f)), f
+            assert not p.shared.any() and p.others.size == 0
+            assert np.array_equal(p.unique_keys[p.inverse], trace[t][rank])
+
+
+def test_replicated_planner_needs_collective_and_no_eviction_rule() -> None:
+    with pytest.raises(ValueError, match="replicated planner needs collective"):
+        OnlinePlanner(world_size=2, rank=0, lookahead=2, num_keys=10, collective=False,
+                      replicated=True)

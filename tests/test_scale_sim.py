@@ -67,7 +67,7 @@ def test_counters_agree_with_the_batches() -> None:
 def test_quick_json_lines_parse_and_cover_every_series(tmp_path: Path) -> None:
     out = io.StringIO()
     argv = ["--quick", "--worlds", "2,3", "--steps", "3", "--batch", "4", "--rows", "1024",
-            "--features", "2", "--traces", "zipf1.05,arrival", "--aggregations", "ps"]
+            "--features", "2", "--traces", "zipf1.05,arrival", "--aggregations", "ps,writeback"]
     with contextlib.redirect_stdout(out):
         assert scale_sim.main(argv) == 0
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
@@ -84,7 +84,10 @@ def test_quick_json_lines_parse_and_cover_every_series(tmp_path: Path) -> None:
         assert (trace, None, "scaling_exponent_ps_bytes") in keyed
     for d in lines:
         if d["metric"] == "ps_bytes_per_rank_step":
-            assert d["value"] == pytest.approx(d["fetched_bytes"] + d["gradient_bytes"])
+            assert d["value"] == pytest.approx(d["fetched_bytes"] + d["gradient_bytes"]
+                                               + d["write_back_bytes"])
+            if d["aggregation"] == "writeback":
+                assert d["write_back_bytes"] > 0  # at least the final flush
             assert d["ratio"] == pytest.approx(d["value"] / d["torchrec_rw"])
 
 

@@ -87,6 +87,13 @@ OPTIMIZER_CASES = [
     ("sgd", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
     ("sgd", {"bagpipe_aggregation": "collective", "optimization_prescan": True}, "plain"),
     ("mixed", {"bagpipe_aggregation": "ps", "optimization_cache_capacity": 1}, "pipeline"),
+    # write-back: the caches own their rows (evictions at one unit, none in a large cache)
+    ("adam", {"bagpipe_aggregation": "writeback", "optimization_cache_capacity": 1},
+     "pipeline"),
+    ("rowwise_adagrad", {"bagpipe_aggregation": "writeback", "optimization_prescan": True},
+     "plain"),
+    ("sgd", {"bagpipe_aggregation": "writeback", "optimization_cache_capacity": 1,
+             "lookahead": 2, "lookahead_max": 6}, "pipeline"),
 ]
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 ReadMode = Literal["bagpipe", "ps"]
-Aggregation = Literal["ps", "collective"]
+Aggregation = Literal["ps", "collective", "writeback"]
 PSType = Literal["local", "tcp", "rdma"]
 EvictionPolicy = Literal["oracle", "lru"]
 Partitioner = Literal["modulo", "hash", "fast_range"]
@@ -94,7 +94,10 @@ class BagPipeConfig:
         default="ps",
         metadata=_help(
             "ps: ranks send local unique-row gradients to the PS, which sums them in rank "
-            "order; collective: all-reduce active-row gradients, one rank submits each row"
+            "order; collective: all-reduce active-row gradients, one rank submits each row; "
+            "writeback: every cache holds the same rows (the ranks' union), resident rows "
+            "are updated in the caches only and go back to the PS when evicted (upstream "
+            "BagPipe's logically replicated cache)"
         ),
     )
     lookahead: int = field(
@@ -313,6 +316,11 @@ class BagPipeConfig:
             )
         if not 0.0 < self.cache_auto_fraction <= 1.0:
             raise ValueError("BagPipeConfig.cache_auto_fraction must be in (0, 1]")
+        if self.bagpipe_aggregation == "writeback" and self.read_mode != "bagpipe":
+            raise ValueError(
+                "BagPipeConfig.bagpipe_aggregation 'writeback' needs read_mode 'bagpipe' (the "
+                f"caches own the rows they hold), got read_mode {self.read_mode!r}"
+            )
         for name in ("lookahead", "lookahead_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"BagPipeConfig.{name} must be >= 0")

@@ -268,13 +268,21 @@ void BindMetadataInspection(MetadataClass& cls) {
       },
       py::arg("slot"), "-> (key, state, version, next_use (-1: none), pin_step)");
   cls.def("victim_order", [](const CacheMetadata& c) { return ToArray(c.VictimOrder()); });
+  cls.def(
+      "resident_slots",
+      [](const CacheMetadata& c) {
+        std::vector<int64_t> keys, slots;
+        c.ResidentSlots(&keys, &slots);
+        return py::make_tuple(ToArray(std::move(keys)), ToArray(std::move(slots)));
+      },
+      "-> (keys, slots): every resident slot, ascending, with its key");
 }
 
 // Construction and what the planner holds.
 void BindPlannerState(PlannerClass& cls) {
   cls.def(
       py::init([](int world_size, int rank, int64_t lookahead, int64_t num_keys, bool collective,
-                  const py::object& eviction) {
+                  const py::object& eviction, bool replicated) {
         cache::PlannerOptions o;
         o.eviction = EvictionOptionsFrom(eviction);
         o.world_size = world_size;
@@ -282,10 +290,12 @@ void BindPlannerState(PlannerClass& cls) {
         o.lookahead = lookahead;
         o.num_keys = num_keys;
         o.collective = collective;
+        o.replicated = replicated;
         return new StepPlanner(o);
       }),
       py::arg("world_size"), py::arg("rank"), py::arg("lookahead"), py::arg("num_keys"),
-      py::arg("collective") = false, py::arg("eviction") = py::none());
+      py::arg("collective") = false, py::arg("eviction") = py::none(),
+      py::arg("replicated") = false);
   cls.def_property_readonly("num_steps", &StepPlanner::num_steps);
   cls.def("eviction_stats", [](const StepPlanner& p) {
     const cache::EvictionRule& r = p.eviction();

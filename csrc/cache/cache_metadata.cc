@@ -198,6 +198,17 @@ CacheMetadata::SlotView CacheMetadata::Slot(int64_t slot) const {
   return {s.key, s.state, s.version, s.next_use == kNever32 ? kNever : s.next_use, s.pin_step};
 }
 
+void CacheMetadata::ResidentSlots(std::vector<int64_t>* keys,
+                                  std::vector<int64_t>* slots) const {
+  keys->clear();
+  slots->clear();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].state != SlotState::kReady) continue;
+    keys->push_back(slots_[i].key);
+    slots->push_back(static_cast<int64_t>(i));
+  }
+}
+
 std::vector<int64_t> CacheMetadata::VictimOrder() const {
   std::vector<int64_t> order;
   const QueuedLive live = queued_live();

@@ -225,6 +225,9 @@ class CacheMetadata {
   // REQUIRES: 0 <= slot < capacity_rows() (ValueError otherwise).
   SlotView Slot(int64_t slot) const;
 
+  // Every resident slot (ascending) and its key: what a write-back of the whole cache reads.
+  void ResidentSlots(std::vector<int64_t>* keys, std::vector<int64_t>* slots) const;
+
   // Unpinned resident slots in victim order (first = next victim).  For tests and debugging.
   std::vector<int64_t> VictimOrder() const;
 

@@ -30,6 +30,9 @@ StepPlanner::StepPlanner(const PlannerOptions& options)
   }
   if (opt_.lookahead < 0) throw ValueError("lookahead must be >= 0");
   if (opt_.num_keys <= 0) throw ValueError("num_keys must be > 0");
+  if (opt_.replicated && (!opt_.collective || opt_.eviction.tracks())) {
+    throw ValueError("a replicated planner needs collective and no eviction rule");
+  }
 }
 
 RankPlan* StepPlanner::Retained(int64_t step) {
@@ -112,6 +115,11 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
       if (inserted) {
         uk.push_back(k);
         scratch_.push_back(UnionScratch{1, q, -1});
+        if (opt_.replicated) {  // invariant 10: every union key is r's, in union order
+          scratch_.back().own_local = idx;
+          plan.unique.push_back(k);
+          plan.union_pos.push_back(idx);
+        }
       } else if (scratch_[idx].last_rank != q) {
         scratch_[idx].last_rank = q;
         ++scratch_[idx].nranks;
@@ -148,7 +156,8 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
       prev->s_now[st->union_idx] = 1;  // (union_idx < 0: evicted at s - 1, not trained)
     }
     const int64_t own = scratch_[idx].own_local;
-    const bool others_touch = scratch_[idx].nranks > (own >= 0 ? 1 : 0);
+    const bool others_touch =
+        !opt_.replicated && scratch_[idx].nranks > (own >= 0 ? 1 : 0);
     if (own >= 0) {
       plan.dep[own] = dep;
       plan.shared[own] = others_touch ? 1 : 0;

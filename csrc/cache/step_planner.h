@@ -37,6 +37,11 @@
 //   9. Admission (options.eviction.admit_after > 1): an id the rule does not admit at step t
 //      is in no key list of the plan (no read, write or dependency); its positions in r's
 //      batch have inverse -1 (they read as zeros, their gradient is dropped).
+//  10. Replicated (write-back aggregation): r "reads" the whole union of every step: unique
+//      equals union_keys (union_pos the identity), inverse maps r's batch into the union,
+//      and dep / next_use / prev_use / s_now are those of the union (a key's reads are every
+//      rank's), never shared. Every rank's plan holds the same keys and facts, so caches
+//      driven by them make the same decisions on every rank.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +59,9 @@ struct PlannerOptions {
   int64_t lookahead = 0;     // REQUIRES: >= 0
   int64_t num_keys = 0;      // keys must lie in [0, num_keys); REQUIRES: > 0
   bool collective = false;   // collective aggregation: keep the union + S_now, no invalidation
+  // Write-back aggregation (logical replication, invariant 10); REQUIRES: collective, and no
+  // eviction rule.
+  bool replicated = false;
   EvictionRuleOptions eviction;  // virtual tables: the eviction rule (default: none)
 };
 

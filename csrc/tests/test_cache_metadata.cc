@@ -40,6 +40,10 @@ void CheckConsistent(const CacheMetadata& m) {
   }
   CHECK_EQ(resident, m.size());
   CHECK(resident <= m.capacity_rows());
+  std::vector<int64_t> rkeys, rslots;
+  m.ResidentSlots(&rkeys, &rslots);
+  CHECK_EQ(static_cast<int64_t>(rslots.size()), resident);
+  for (size_t i = 0; i < rslots.size(); ++i) CHECK_EQ(m.Slot(rslots[i]).key, rkeys[i]);
 }
 
 }  // namespace

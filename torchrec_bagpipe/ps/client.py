@@ -315,11 +315,18 @@ class PSClient:
         their optimizer state; the last duplicate wins); with `with_state`, rows
         (n, dim + state_dim) carry their optimizer state after the weights. Runs after every
         earlier operation and before every later one."""
+        self.assign_async(keys, rows, with_state=with_state).wait(timeout)
+
+    def assign_async(self, keys: torch.Tensor, rows: torch.Tensor, *,
+                     with_state: bool = False) -> PSHandle:
+        """`assign` without the wait: each shard applies the rows on arrival, after this
+        client's earlier messages and before its later ones (so before a commit sent after
+        it: write-back aggregation's ordering)."""
         k = keys_arg(keys)
         with_state = bool(with_state)
         r = rows_arg(rows, "rows", k.shape[0], self.dim + (self.state_dim if with_state else 0))
         op = self._live().assign_async(k, r, with_state)
-        self._track(PSHandle(op, "assign", None, (keys, rows, k, r), self)).wait(timeout)
+        return self._track(PSHandle(op, "assign", None, (keys, rows, k, r), self))
 
     def lookup(self, keys: torch.Tensor, timeout: float | None = None, *,
                with_state: bool = False) -> torch.Tensor:

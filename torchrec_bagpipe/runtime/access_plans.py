@@ -7,7 +7,9 @@ last global step before this one that touched it; -1 never), whether another ran
 in the same step, its next read inside the lookahead window (rows to keep; -1: a prime
 eviction victim, either unused in the window or invalidated by another rank first), the keys
 other ranks touch of which this rank holds a valid copy (what it invalidates), and for
-collective aggregation the global union with its S_now rows.
+collective aggregation the global union with its S_now rows. Replicated (write-back
+aggregation): every rank's plan is the union's, as if the rank read every rank's keys
+(unique_keys = union_keys; `inverse` maps its own batch into them; step_planner.h inv. 10).
 
 Prescan keeps every plan in CPU memory (proportional to the trace) and checks each submitted
 batch against it; online adds one step per exchanged batch and releases executed steps. Where
@@ -117,7 +119,7 @@ class StepPlan:
 class _PlannerBase:
     def __init__(
         self, *, world_size: int, rank: int, lookahead: int, num_keys: int, collective: bool,
-        eviction: dict | None = None,
+        eviction: dict | None = None, replicated: bool = False,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
@@ -125,7 +127,7 @@ class _PlannerBase:
         self.num_keys = num_keys
         self.collective = collective
         self._native = C.StepPlanner(world_size, rank, lookahead, num_keys, collective,
-                                     eviction=eviction)
+                                     eviction=eviction, replicated=replicated)
         self.plan_seconds = 0.0  # time spent in the native planner
 
     @property

@@ -82,6 +82,8 @@ class CollectivePlan(NamedTuple):
     later_slots: np.ndarray  # resident (pinned) slots of S_later rows ...
     later_sel: np.ndarray    # ... and their rows in the S_later part
     keys: np.ndarray         # the keys this rank commits (its S_now run, then S_later run)
+    commit_rows: np.ndarray | None = None  # the buffer rows of `keys`, when not those runs
+                                           # (write-back: only rows no cache holds)
 
 
 @dataclass
@@ -206,6 +208,8 @@ class CollectiveAggregation(Aggregation):
                                   collectives_issued=1)
                 # No lock: these slots are pinned through t + 1 (invariant 2).
                 self._cache.apply_gradients_(later_slots, g_later, later_sel, lr=lr)
+            if p.commit_rows is not None:
+                return buf.index_select(0, torch.from_numpy(p.commit_rows).to(dev)).cpu()
             runs = [buf[a:b] for a, b in (p.now_run, p.later_run) if b > a]
             if not runs:
                 return buf[:0].cpu()

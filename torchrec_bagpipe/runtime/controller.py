@@ -36,8 +36,11 @@ dep(k, t), the last global step < t that touched k. The pieces, one file each:
     admitted soonest-next-use first (Belady's MIN with bypass over the window), so
     prefetching changes when rows are fetched, never what is cached;
   * aggregation (`aggregation.py`): ``ps`` (`ps_aggregation.py`: local update of rows only
-    this rank touched, invalidation of the others, commit) or ``collective``
-    (`collective_aggregation.py`: all-reduce over the global union, S_now first);
+    this rank touched, invalidation of the others, commit), ``collective``
+    (`collective_aggregation.py`: all-reduce over the global union, S_now first) or
+    ``writeback`` (`writeback_aggregation.py`: replicated plans, so every cache holds the
+    same rows; resident rows are updated in the caches only and written back when evicted;
+    a step's rows are then the union's: `Step.unique_keys` is every rank's keys);
   * the PS client behind one port (`ps_port.py`), the row values (`device_cache.py`), the
     native metadata (`C.BagPipeCacheMetadata`), the counters (`metrics.py`).
 A forward waits for a commit only through a fetch whose dependency is that commit; each
@@ -105,6 +108,7 @@ from torchrec_bagpipe.runtime.ps_port import FetchObserver, Handle, PSClientLike
 from torchrec_bagpipe.runtime.step_assembly import StepAssembler
 from torchrec_bagpipe.runtime.step_preparer import StepPreparer
 from torchrec_bagpipe.runtime.worker import MeteredWorker, acquire_worker, release_worker
+from torchrec_bagpipe.runtime.writeback_aggregation import WritebackAggregation, WriteBackLog
 
 __all__ = ["BagPipeController", "ControllerError", "Handle", "PSClientLike", "Step"]
 
@@ -180,6 +184,11 @@ class BagPipeController:
             raise TypeError(f"eviction must be an EvictionSpec or None, got "
                             f"{type(eviction).__name__}")
         self.eviction = eviction  # a virtual table's rule (runtime/eviction.py); None: a table
+        if eviction is not None and config.bagpipe_aggregation == "writeback":
+            raise ValueError(
+                "bagpipe_aggregation 'writeback' does not run virtual tables (an evicted row's "
+                "write-back would race its erasure); use 'ps' or 'collective' for them"
+            )
         if getattr(collectives, "rank", rank) != rank or getattr(
             collectives, "world_size", world_size
         ) != world_size:
@@ -219,7 +228,8 @@ class BagPipeController:
         """Builds the pieces (module docstring) and connects them."""
         config, rank, world_size, dim = self.config, self.rank, self.world_size, self.dim
         num_keys, spec, collectives = self.num_keys, self.optimizer, self._coll
-        collective = config.bagpipe_aggregation == "collective"
+        writeback = config.bagpipe_aggregation == "writeback"
+        collective = writeback or config.bagpipe_aggregation == "collective"
         cached = config.read_mode == "bagpipe"
         self._lookahead = config.lookahead if cached else 0
         # Batches submitted and planned ahead: the adaptive window's bound, else lookahead.
@@ -248,32 +258,37 @@ class BagPipeController:
                             metrics=self.metrics_, start_step=start_step,
                             send_evictions=virtual and rank == 0)
         self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
+        log = (WriteBackLog(num_keys, rank=rank, world_size=world_size) if writeback
+               else None)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._window, num_keys=num_keys,
             collective=collective, collectives=collectives, worker=self._worker,
             metrics=self.metrics_, timeout=self._timeout,
             eviction=self.eviction.native() if virtual and self.eviction.tracks else None,
+            replicated=writeback,
         )
         self._prefetch = PrefetchScheduler(
             meta=self._meta, port=self._port, metrics=self.metrics_, device=self.device,
             distance=min(config.prepared_batches, self._lookahead),
             prepared_batches=config.prepared_batches, lookahead=self._lookahead,
             adaptive=self._window > self._lookahead,
-            with_state=cached and self._dev.state_dim > 0,
+            with_state=cached and self._dev.state_dim > 0, write_backs=log,
         )
         self._assembler = StepAssembler(
             meta=self._meta, cache=self._dev, prefetch=self._prefetch, port=self._port,
             metrics=self.metrics_, dim=dim, device=self.device, window=self._window,
-            collective=collective,
+            collective=collective, write_backs=log,
         )
         self._agg: Aggregation
         if collective:
-            self._agg = CollectiveAggregation(
+            kw = dict(
                 meta=self._meta, cache=self._dev, cache_lock=self._cache_lock,
                 port=self._port, metrics=self.metrics_, collectives=collectives,
                 worker=self._worker, window_end=lambda: self._prefetch.entered, rank=rank,
                 world_size=world_size, dim=dim, timeout=self._timeout,
             )
+            self._agg = (WritebackAggregation(log=log, **kw) if log is not None
+                         else CollectiveAggregation(**kw))
         else:
             self._agg = PSAggregation(meta=self._meta, cache=self._dev,
                                       cache_lock=self._cache_lock, port=self._port,
@@ -433,6 +448,8 @@ class BagPipeController:
             self._prefetch.clear(self._timeout)
             if self._meta is not None:
                 self._meta.clear()
+            if isinstance(self._agg, WritebackAggregation):
+                self._agg.forget()  # flush() wrote back every row it owned
 
     def close(self, *, close_ps: bool = True) -> None:
         """Drains pending commits, completes the ID exchanges of batches submitted but never

@@ -82,11 +82,13 @@ class IdExchange:
         metrics: RuntimeMetrics,
         timeout: float,
         eviction: dict | None = None,
+        replicated: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self._planner_kw = dict(world_size=world_size, rank=rank, lookahead=lookahead,
-                                num_keys=num_keys, collective=collective, eviction=eviction)
+                                num_keys=num_keys, collective=collective, eviction=eviction,
+                                replicated=replicated)
         self._coll = collectives
         self._worker = worker
         self._metrics = metrics

@@ -110,8 +110,10 @@ class PrefetchScheduler:
         lookahead: int = 0,
         adaptive: bool = False,
         with_state: bool = False,
+        write_backs: Any = None,  # WriteBackLog (write-back aggregation), else None
     ) -> None:
         self._meta = meta
+        self._wb = write_backs
         self._lookahead = lookahead
         self._adaptive = adaptive and meta is not None
         # Adaptive: the window stops growing after this many steps that inform nothing.
@@ -209,6 +211,8 @@ class PrefetchScheduler:
         for keys, deps, upos, use in placed:
             if use <= t:  # the step's own keys are misses, fetched on demand
                 continue
+            if self._wb is not None:  # rows written back by now are read after that step
+                deps = self._wb.deps(keys, deps)
             # Rows resident at the wanted version are expected hits; the rest are prefetched.
             need = self._meta.resident(keys, deps) < 0
             if need.all():

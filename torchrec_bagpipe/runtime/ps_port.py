@@ -13,6 +13,9 @@ adds what every caller of that client inside the runtime needs:
   * `commit(t, keys, grads, lr)`: submits step t's commit with the step's learning rate and
     remembers its handle, so that `poll_commits()` raises a failed commit's error and
     `drain_commits()` waits for all;
+  * `write_back(keys, rows)` (write-back aggregation): rows with their optimizer state,
+    assigned on the PS ahead of every later commit of this client; `poll_commits` and
+    `drain_commits` cover them too;
   * `committed()`: the client's committed step (the last value seen once the port is closed);
   * the step numbering: the runtime numbers its steps from 0, the PS table may have
     committed steps before this session opened (a resumed job): runtime step t is PS step
@@ -28,8 +31,9 @@ Invariants:
      `_client_lock`; the lock is a leaf: nothing else is acquired while it is held.
   2. A get is issued at ``max(deps)`` (or -1 for no keys' dependency), never earlier: the
      client serves it once that step committed (dependency gating, ARCHITECTURE §1 inv. 4).
-  3. Commit handles are appended in submission order (`deque.append` from the training
-     thread or the communication worker) and removed only by the training thread.
+  3. Commit and write-back handles are appended in submission order (`deque.append` from
+     the training thread or the communication worker) and removed only by the training
+     thread.
   4. Steps cross to the client shifted by ``start_step + 1`` (above), both ways; the fetch
      observer sees runtime steps.
 """
@@ -69,6 +73,7 @@ class PSClientLike(Protocol):
     def committed_step(self) -> int: ...
 
     def close(self) -> None: ...
+    # Write-back aggregation also calls `assign_async(keys, rows, with_state=True)`.
 
 
 # Test hook: called as (kind, keys, deps, uses, at_step) before each get.
@@ -138,13 +143,26 @@ class PSPort:
         self._commits.append(handle)
         self._metrics.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
 
+    def write_back(self, keys: np.ndarray, rows: torch.Tensor) -> None:
+        """Assigns rows (weights, then optimizer state: [n, dim + state_dim] fp32 CPU) to
+        `keys` on the PS, ahead of every commit this client sends later."""
+        if not keys.size:
+            return
+        kw = {"with_state": True} if self._state_dim else {}
+        with self._client_lock:
+            handle = self._ps.assign_async(torch.from_numpy(keys), rows, **kw)
+        self._commits.append(handle)
+        self._metrics.add(written_back_rows=int(keys.size),
+                          write_back_bytes=int(keys.size) * (8 + rows.shape[1] * 4))
+
     def poll_commits(self) -> None:
-        """Raises a failed commit's error; forgets the commits known to be done."""
+        """Raises a failed commit's (or write-back's) error; forgets those known done."""
         while self._commits and self._commits[0].done():
             self._commits.popleft().wait(self._timeout)
 
     def drain_commits(self) -> None:
-        """Waits until every submitted commit is committed (each wait bounded)."""
+        """Waits until every submitted commit is committed and every write-back applied
+        (each wait bounded)."""
         while self._commits:
             self._commits[0].wait(self._timeout)
             self._commits.popleft()

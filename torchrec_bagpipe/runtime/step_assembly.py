@@ -90,6 +90,7 @@ class StepAssembler:
         device: torch.device,
         window: int,
         collective: bool,
+        write_backs: Any = None,  # WriteBackLog (write-back aggregation), else None
     ) -> None:
         self._meta = meta
         self._cache = cache
@@ -103,6 +104,7 @@ class StepAssembler:
         self._device = device
         self._window = window  # batches planned ahead (BagPipeConfig.window_batches)
         self._collective = collective
+        self._wb = write_backs
 
     # ---- phase 1: metadata and fetch issue ----------------------------------------------
     def prepare(self, t: int, plan: StepPlan) -> PreparedStep:
@@ -112,6 +114,8 @@ class StepAssembler:
             return self._prepare_uncached(t, plan)
         meta = self._meta
         U, deps = plan.unique_keys, plan.deps
+        if self._wb is not None:  # a row written back is read after its write-back's step
+            deps = self._wb.deps(U, deps)
         n = U.size
         next_use = plan.next_use
         if self._prefetch.entered < t + self._window and next_use.size:
@@ -143,6 +147,10 @@ class StepAssembler:
             a_idx, a_slots, evicted, a_bypassed = meta.admit(U[mp], deps[mp], miss_nu[order])
             a_pos = mp[a_idx]
             self._metrics.add(evictions=int(evicted.size), bypassed=int(a_bypassed.size))
+            if self._wb is not None:
+                # Placements take the free slots first, then one victim each in eviction
+                # order: the last len(evicted) placements hold the victims' slots.
+                self._wb.evicted(t, evicted, a_slots[a_slots.size - evicted.size:], a_slots)
         if stale:
             self._metrics.add(stale=int(stale))
         self._prefetch.place(t)
@@ -194,6 +202,8 @@ class StepAssembler:
         REQUIRES: the training thread, after every earlier step's row writes
         (`Aggregation.before_step(t)`)."""
         n = p.plan.unique_keys.size
+        if self._wb is not None:  # the rows step t evicted, before their slots are refilled
+            self._wb.send(p.t, self._cache, self._port)
         # Allocated here, on the training thread (and its current stream on CUDA).
         src = torch.empty(n, self._width, dtype=torch.float32, device=self._device)
         num_demand = p.demand_keys.size

@@ -483,5 +483,13 @@ class ReferencePSClient:
                with_state: bool = False) -> None:
         self.server.assign(np.asarray(keys), np.asarray(rows), with_state)
 
+    def assign_async(self, keys: torch.Tensor, rows: torch.Tensor, *,
+                     with_state: bool = False) -> _Handle:
+        """Applied at once (before any later commit of this rank); a done handle."""
+        self.server.assign(np.asarray(keys), np.asarray(rows), with_state)
+        h = _Handle("assign", self.server.timeout)
+        h._set(None)
+        return h
+
     def close(self) -> None:
         self.server.close_rank(self.rank)
