@@ -160,7 +160,8 @@ def counters_of(result: dict[str, Any], world: int, batch: int, dim: int,
     c = result.get("bagpipe", {}).get("counters", {})
     rows = c.get("demand_fetched", 0.0) + c.get("prefetched", 0.0)
     down = c.get("fetched_bytes", 0.0)
-    # (writeback: evicted rows go back up with their keys and optimizer state)
+    # (writeback: evicted rows go back up with their keys and optimizer state; the drains'
+    # flushes, a one-off at the end of the run, are not a step's traffic)
     up = (c.get("gradient_payload_bytes", 0.0) + KEY_BYTES * rows
           + c.get("write_back_bytes", 0.0))
     ring = 2 * (world - 1) / world if world > 1 else 0.0

@@ -11,8 +11,9 @@ holds commit, evicted rows are written back; docs/writeback.md). Reported per
 (trace, W, aggregation), from the controllers' counters, per rank per step (means over ranks
 and the steps):
   * hit_rate (accesses read from the cache), served_from_cache (hits + prefetch-served);
-  * ps_bytes: rows fetched from the PS + keys and gradients sent to it + rows written back
-    (writeback: keys, weights and optimizer state);
+  * ps_bytes: rows fetched from the PS + keys and gradients sent to it + evicted rows written
+    back (writeback: keys, weights and optimizer state; the final flush, a one-off, is not a
+    step's traffic);
   * allreduce_bytes: the fp32 payload this rank all-reduced (a ring moves 2 (W-1)/W of it
     out and as much in);
   * planner_ms (the controller's planner counter) and metadata_ms (thread CPU time inside

@@ -486,7 +486,7 @@ def train_dmp(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor
         from torchrec_bagpipe.distributed import bagpipe_metrics
 
         metrics = bagpipe_metrics(dmp).values()
-        assert metrics and all(m["written_back_rows"] > 0 for m in metrics), list(metrics)
+        assert metrics and all(m["flushed_rows"] > 0 for m in metrics), list(metrics)
     close_model(dmp)
     return state, losses
 

@@ -86,8 +86,6 @@ def test_quick_json_lines_parse_and_cover_every_series(tmp_path: Path) -> None:
         if d["metric"] == "ps_bytes_per_rank_step":
             assert d["value"] == pytest.approx(d["fetched_bytes"] + d["gradient_bytes"]
                                                + d["write_back_bytes"])
-            if d["aggregation"] == "writeback":
-                assert d["write_back_bytes"] > 0  # at least the final flush
             assert d["ratio"] == pytest.approx(d["value"] / d["torchrec_rw"])
 
 

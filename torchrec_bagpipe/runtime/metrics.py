@@ -40,8 +40,10 @@ class RuntimeMetrics:
     gradient_payload_bytes: int = 0   # keys + fp32 gradients this rank sent to the PS
     allreduce_payload_bytes: int = 0  # fp32 gradients this rank all-reduced (collective)
     fetched_bytes: int = 0            # rows received from the PS
-    written_back_rows: int = 0        # write-back aggregation: rows assigned back to the PS
+    written_back_rows: int = 0        # write-back aggregation: evicted rows assigned back
     write_back_bytes: int = 0         # ... their keys, weights and optimizer state
+    flushed_rows: int = 0             # ... resident rows a drain assigned back
+    flush_bytes: int = 0
     id_exchange_bytes: int = 0        # ids this rank sent in exchanges
     collectives_issued: int = 0
     window_steps: int = 0        # sum over prepared steps of the window's length then

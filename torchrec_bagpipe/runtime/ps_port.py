@@ -143,17 +143,21 @@ class PSPort:
         self._commits.append(handle)
         self._metrics.add(gradient_payload_bytes=keys.numel() * 8 + grads.numel() * 4)
 
-    def write_back(self, keys: np.ndarray, rows: torch.Tensor) -> None:
+    def write_back(self, keys: np.ndarray, rows: torch.Tensor, *, flush: bool = False) -> None:
         """Assigns rows (weights, then optimizer state: [n, dim + state_dim] fp32 CPU) to
-        `keys` on the PS, ahead of every commit this client sends later."""
+        `keys` on the PS, ahead of every commit this client sends later. Counted as evicted
+        rows' write-backs, or with `flush` as a drain's."""
         if not keys.size:
             return
         kw = {"with_state": True} if self._state_dim else {}
         with self._client_lock:
             handle = self._ps.assign_async(torch.from_numpy(keys), rows, **kw)
         self._commits.append(handle)
-        self._metrics.add(written_back_rows=int(keys.size),
-                          write_back_bytes=int(keys.size) * (8 + rows.shape[1] * 4))
+        nbytes = int(keys.size) * (8 + rows.shape[1] * 4)
+        if flush:
+            self._metrics.add(flushed_rows=int(keys.size), flush_bytes=nbytes)
+        else:
+            self._metrics.add(written_back_rows=int(keys.size), write_back_bytes=nbytes)
 
     def poll_commits(self) -> None:
         """Raises a failed commit's (or write-back's) error; forgets those known done."""

@@ -20,10 +20,12 @@ writes all of them: the values are the same on every rank) and the evicted rows 
 prepared ahead whose assembly has not run yet, and waits: afterwards the PS holds the
 synchronous value of every row.
 
-Thread safety: as `CollectiveAggregation`. `WriteBackLog` is called with the controller's
-cache lock held (`evicted` by whichever thread prepares a step, `send` and `drain_rows` by
-the training thread), except `deps`, which reads an array only the preparation writes, under
-the same lock.
+Thread safety: as `CollectiveAggregation`. Every `WriteBackLog` call holds the controller's
+cache lock: `evicted` and `deps` on whichever thread prepares a step, `send` (the assembly)
+and `drain_rows` on the training thread.
+
+Counters: `written_back_rows` / `write_back_bytes` (evicted rows), `flushed_rows` /
+`flush_bytes` (a drain's).
 
 Invariants:
   1. Resident rows are the same on every rank after every preparation (replicated plans,
@@ -172,7 +174,7 @@ class WritebackAggregation(CollectiveAggregation):
                 return
             keys, rows = self._log.drain_rows(self._meta, self._cache, self._dirty)
         if rows is not None:
-            self._port.write_back(keys, rows)
+            self._port.write_back(keys, rows, flush=True)
         self._port.drain_commits()
         self._dirty = False
 
