@@ -10,6 +10,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,3 +80,26 @@ def test_reuse_horizon_is_smallest_window_covering_capacity_reuses(trace, capaci
         if w < limit:
             assert covered(w) >= goal  # stopped early: the window covers the goal ...
         assert w == 0 or covered(w - 1) < goal  # ... and no shorter window does
+
+
+def test_hit_rate_part_reports_the_adaptive_window_against_the_best_fixed_one(capsys):
+    """The adaptive lines (issue 26 item 3): one per lookahead below the bound, baseline the
+    best fixed window's hit rate in the same run, with the window it ran at."""
+    import argparse
+    import json
+
+    args = argparse.Namespace(rows=2_000, steps=20, batch=256, lookaheads=[2, 8],
+                              lookahead_max=8, traces=["zipf1.05"], pcts=[5.0], dim=4)
+    cp.part_hit_rate(args)
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    best = next(d for d in lines if d["metric"] == "best_fixed_gap_to_min")
+    fixed = {d["lookahead"]: d for d in lines if d["metric"] == "gap_to_min"}
+    ada = [d for d in lines if d["metric"] == "adaptive_gap_to_min"]
+    assert [d["lookahead"] for d in ada] == [2]  # lookahead 8 is the bound itself
+    d = ada[0]
+    assert d["lookahead_max"] == 8 and 2 <= d["window_mean"] <= 8
+    min_rate = d["min_hit_rate"]
+    best_rate = min_rate - best["value"]
+    assert d["baseline"] == pytest.approx(best_rate)
+    assert best_rate == pytest.approx(min_rate - fixed[best["lookahead"]]["value"])
+    assert d["ratio"] == pytest.approx((min_rate - d["value"]) / best_rate)

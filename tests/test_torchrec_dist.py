@@ -94,6 +94,7 @@ OPTIMIZER_CASES = [
      "plain"),
     ("sgd", {"bagpipe_aggregation": "writeback", "optimization_cache_capacity": 1,
              "lookahead": 2, "lookahead_max": 6}, "pipeline"),
+    ("adagrad", {"bagpipe_aggregation": "writeback"}, "pipeline"),  # online, a large cache
 ]
 
 
