@@ -164,6 +164,11 @@ def test_replicated_plans_are_the_unions_on_every_rank(tr, lookahead: int, data)
                 assert np.array_equal(getattr(p, f), getattr(want, f)), f
             assert not p.shared.any() and p.others.size == 0
             assert np.array_equal(p.unique_keys[p.inverse], trace[t][rank])
+            # The rank's own unique keys, first-occurrence order, and its batch over them.
+            own = np.array(list(dict.fromkeys(trace[t][rank].tolist())), dtype=np.int64)
+            assert np.array_equal(p.unique_keys[p.own_pos], own)
+            assert np.array_equal(own[p.own_inverse], trace[t][rank])
+    assert one.plan(0).own_pos.size == 0 and one.plan(0).own_inverse.size == 0
 
 
 def test_replicated_planner_needs_collective_and_no_eviction_rule() -> None:

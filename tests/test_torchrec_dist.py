@@ -68,6 +68,7 @@ def _equivalence(rank: int, world: int, kinds: list[str]) -> list[str]:
             problems.extend(S.compare(state, S.train_reference(case, world), case.label()))
     problems.extend(_meta_lazy_init(rank, world))
     problems.extend(_optimizers(rank, world))
+    problems.extend(_writeback_bitwise(rank, world))
     return problems
 
 
@@ -109,6 +110,24 @@ def _optimizers(rank: int, world: int) -> list[str]:
             problems.extend(S.compare(state, want, case.label(), rtol=1e-4, atol=1e-5))
             if name != "sgd" and not any(k.startswith("opt:") for k in state):
                 problems.append(f"{case.label()}: the fused optimizer has no state")
+    return problems
+
+
+def _writeback_bitwise(rank: int, world: int) -> list[str]:
+    """Write-back aggregation trains the same bits as PS-owned rows: at two ranks the
+    all-reduced gradient is the PS's rank-ordered sum, and the caches run the PS's arithmetic
+    (weights and optimizer state after 20 steps with evictions, exactly equal)."""
+    problems: list[str] = []
+    for name in ("adam", "adagrad"):
+        states = []
+        for agg in ("ps", "writeback"):
+            case = S.Case(kind="dlrm", config={"bagpipe_aggregation": agg,
+                                               "optimization_cache_capacity": 1},
+                          loop="pipeline", steps=20, seed=61, optimizer=name, schedule=True)
+            states.append(S.train_dmp(case, rank, world)[0])
+        if rank == 0:
+            problems.extend(S.compare(states[1], states[0], f"writeback == ps ({name})",
+                                      rtol=0.0, atol=0.0))
     return problems
 
 

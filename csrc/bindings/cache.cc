@@ -151,6 +151,8 @@ py::dict PlanDict(const RankPlan& p) {
   d["union_keys"] = CopyArray(p.union_keys);
   d["s_now"] = CopyArray(p.s_now);
   d["evicted"] = CopyArray(p.evicted);
+  d["own_pos"] = CopyArray(p.own_pos);
+  d["own_inverse"] = CopyArray(p.own_inverse);
   d["global_ids"] = p.global_ids;
   d["union_size"] = p.union_size;
   return d;

@@ -18,7 +18,8 @@ int64_t VecBytes(const std::vector<T>& v) {
 int64_t RankPlan::MemoryBytes() const {
   return VecBytes(unique) + VecBytes(inverse) + VecBytes(dep) + VecBytes(next_use) +
          VecBytes(prev_use) + VecBytes(shared) + VecBytes(union_pos) + VecBytes(others) +
-         VecBytes(union_keys) + VecBytes(s_now) + VecBytes(evicted) +
+         VecBytes(union_keys) + VecBytes(s_now) + VecBytes(evicted) + VecBytes(own_pos) +
+         VecBytes(own_inverse) +
          static_cast<int64_t>(sizeof(RankPlan));
 }
 
@@ -114,7 +115,7 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
       }
       if (inserted) {
         uk.push_back(k);
-        scratch_.push_back(UnionScratch{1, q, -1});
+        scratch_.push_back(UnionScratch{1, q, -1, -1});
         if (opt_.replicated) {  // invariant 10: every union key is r's, in union order
           scratch_.back().own_local = idx;
           plan.unique.push_back(k);
@@ -123,6 +124,14 @@ int64_t StepPlanner::AddStep(const int64_t* keys, const int64_t* offsets,
       } else if (scratch_[idx].last_rank != q) {
         scratch_[idx].last_rank = q;
         ++scratch_[idx].nranks;
+      }
+      if (own && opt_.replicated) {
+        UnionScratch& u = scratch_[idx];
+        if (u.own_first < 0) {
+          u.own_first = static_cast<int32_t>(plan.own_pos.size());
+          plan.own_pos.push_back(idx);
+        }
+        plan.own_inverse.push_back(u.own_first);
       }
       if (own) {
         UnionScratch& u = scratch_[idx];

@@ -41,7 +41,9 @@
 //      equals union_keys (union_pos the identity), inverse maps r's batch into the union,
 //      and dep / next_use / prev_use / s_now are those of the union (a key's reads are every
 //      rank's), never shared. Every rank's plan holds the same keys and facts, so caches
-//      driven by them make the same decisions on every rank.
+//      driven by them make the same decisions on every rank. own_pos / own_inverse give r's
+//      own unique keys (first-occurrence order, as a non-replicated plan's unique) and
+//      batch: unique[own_pos[own_inverse[i]]] is r's i-th id.
 #pragma once
 
 #include <cstdint>
@@ -79,6 +81,10 @@ struct RankPlan {
   std::vector<int64_t> union_keys; // every rank's keys, first occurrence in rank order (collective)
   std::vector<uint8_t> s_now;      // per union key: some rank reads it at step + 1 (collective)
   std::vector<int64_t> evicted;    // keys evicted at this step's boundary (invariant 8)
+  // Replicated (invariant 10) only: r's own unique keys, first-occurrence order, as indices
+  // into unique (the union), and r's batch as indices into them.
+  std::vector<int64_t> own_pos;
+  std::vector<int64_t> own_inverse;
   int64_t global_ids = 0;          // ids of every rank at this step (duplicates included)
   int64_t union_size = 0;
 
@@ -139,6 +145,7 @@ class StepPlanner {
     int32_t nranks;     // ranks touching the key
     int32_t last_rank;  // last rank seen touching it
     int32_t own_local;  // r's unique index, or -1
+    int32_t own_first;  // replicated: the key's index in own_pos, or -1
   };
   std::vector<UnionScratch> scratch_;    // scratch per union index
   std::vector<int64_t> union_scratch_;   // scratch: union keys (ps mode)

@@ -9,7 +9,8 @@ eviction victim, either unused in the window or invalidated by another rank firs
 other ranks touch of which this rank holds a valid copy (what it invalidates), and for
 collective aggregation the global union with its S_now rows. Replicated (write-back
 aggregation): every rank's plan is the union's, as if the rank read every rank's keys
-(unique_keys = union_keys; `inverse` maps its own batch into them; step_planner.h inv. 10).
+(unique_keys = union_keys; `inverse` maps its own batch into them; `own_pos` / `own_inverse`
+give its own unique keys and batch; step_planner.h inv. 10).
 
 Prescan keeps every plan in CPU memory (proportional to the trace) and checks each submitted
 batch against it; online adds one step per exchanged batch and releases executed steps. Where
@@ -85,6 +86,11 @@ class StepPlan:
     evicted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # int64, sorted: keys evicted at this
                              # step's boundary (virtual tables; the same on every rank)
+    own_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # replicated only: this rank's own unique keys (first-occurrence order) as indices into
+    # unique_keys (the union) ...
+    own_inverse: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # ... and its batch as indices into own_pos
 
     @property
     def keep(self) -> np.ndarray:
@@ -113,6 +119,8 @@ class StepPlan:
             global_ids=int(d["global_ids"]),
             union_size=int(d["union_size"]),
             evicted=d["evicted"],
+            own_pos=d["own_pos"],
+            own_inverse=d["own_inverse"],
         )
 
 

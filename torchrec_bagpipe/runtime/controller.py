@@ -39,8 +39,7 @@ dep(k, t), the last global step < t that touched k. The pieces, one file each:
     this rank touched, invalidation of the others, commit), ``collective``
     (`collective_aggregation.py`: all-reduce over the global union, S_now first) or
     ``writeback`` (`writeback_aggregation.py`: replicated plans, so every cache holds the
-    same rows; resident rows are updated in the caches only and written back when evicted;
-    a step's rows are then the union's: `Step.unique_keys` is every rank's keys);
+    same rows; resident rows are updated in the caches only and written back when evicted);
   * the PS client behind one port (`ps_port.py`), the row values (`device_cache.py`), the
     native metadata (`C.BagPipeCacheMetadata`), the counters (`metrics.py`).
 A forward waits for a commit only through a fetch whose dependency is that commit; each
@@ -229,6 +228,7 @@ class BagPipeController:
         config, rank, world_size, dim = self.config, self.rank, self.world_size, self.dim
         num_keys, spec, collectives = self.num_keys, self.optimizer, self._coll
         writeback = config.bagpipe_aggregation == "writeback"
+        self._replicated = writeback  # plans are the union's (step_planner.h invariant 10)
         collective = writeback or config.bagpipe_aggregation == "collective"
         cached = config.read_mode == "bagpipe"
         self._lookahead = config.lookahead if cached else 0
@@ -384,7 +384,7 @@ class BagPipeController:
             raise ValueError("finish_step: `step` is not the step returned by next_step")
         if not isinstance(grad, torch.Tensor):
             raise TypeError("finish_step: grad must be a torch.Tensor")
-        n = step.plan.unique_keys.size
+        n = step.unique_keys.numel()
         if grad.dtype != torch.float32:
             raise TypeError(f"finish_step: grad must be float32, got {grad.dtype}")
         if step.rows.shape[0] == n + 1 and tuple(grad.shape) == (n + 1, self.dim):
@@ -550,19 +550,26 @@ class BagPipeController:
             rows = self._assembler.assemble(prepared)
         self._finish_plan = work.finish
         plan = prepared.plan
+        unique = plan.unique_keys
         inverse = torch.from_numpy(plan.inverse)
+        if self._replicated:
+            # writeback: the cache read the union's rows; the step is this rank's own rows
+            # (first-occurrence order, as under ps), so its backward is theirs bit for bit.
+            rows = rows.index_select(0, self._dev.index(plan.own_pos))
+            unique = unique[plan.own_pos]
+            inverse = torch.from_numpy(plan.own_inverse)
         if inverse.numel() and int(inverse.min()) < 0:
             # Admission: ids not admitted at this step read one zero row after the unique
             # rows (their gradient row is dropped by finish_step).
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-            inverse = torch.where(inverse < 0, plan.unique_keys.size, inverse)
+            inverse = torch.where(inverse < 0, unique.size, inverse)
         if self.device.type != "cpu":
             inverse = inverse.to(self.device, non_blocking=True)
         rows.requires_grad_(True)
         return Step(
             step=t,
             keys=torch.from_numpy(batch),
-            unique_keys=torch.from_numpy(plan.unique_keys),
+            unique_keys=torch.from_numpy(unique),
             inverse=inverse,
             rows=rows,
             plan=plan,

@@ -158,7 +158,9 @@ class WritebackAggregation(CollectiveAggregation):
         # Buffer row -> union index (the layout is a permutation of the union).
         union_of_row = np.empty(nu, dtype=np.int64)
         union_of_row[p.grad_dest] = np.arange(nu)
-        return p._replace(keys=plan.union_keys[union_of_row[commit_rows]],
+        # The step's gradient is this rank's own rows (own_pos into the union).
+        return p._replace(grad_dest=p.grad_dest[plan.own_pos],
+                          keys=plan.union_keys[union_of_row[commit_rows]],
                           commit_rows=commit_rows)
 
     def finish(self, t: int, plan: StepPlan, grad: torch.Tensor, planned: CollectivePlan,

@@ -192,7 +192,6 @@ def simulate(config: BagPipeConfig, trace: Trace, spec: SimulationSpec | None = 
     done = threading.Barrier(W)
     done2 = threading.Barrier(W)
     look = config.window_batches + spec.submit_ahead
-    replicated = config.bagpipe_aggregation == "writeback"
 
     def rank_main(r: int) -> None:
         ctl = None
@@ -215,20 +214,9 @@ def simulate(config: BagPipeConfig, trace: Trace, spec: SimulationSpec | None = 
                     submitted += 1
                 step = ctl.next_step()
                 rows = step.rows.detach().cpu().numpy()
-                if replicated:
-                    # writeback: the step's rows are the union's; this rank's own unique
-                    # keys (first-occurrence order) are rows `own`, the rest get no gradient
-                    # (as TorchRec's backward through rows[inverse] gives them).
-                    _, first = np.unique(step.keys.numpy(), return_index=True)
-                    own = step.inverse.cpu().numpy()[np.sort(first)]
-                    if spec.record_reads:
-                        reads[(t, r)] = rows[own].copy()
-                    g = np.zeros_like(rows)
-                    g[own] = spec.grad_fn(t, r, step.unique_keys.numpy()[own], rows[own])
-                else:
-                    if spec.record_reads:
-                        reads[(t, r)] = rows.copy()
-                    g = spec.grad_fn(t, r, step.unique_keys.numpy(), rows)
+                if spec.record_reads:
+                    reads[(t, r)] = rows.copy()
+                g = spec.grad_fn(t, r, step.unique_keys.numpy(), rows)
                 grad = torch.from_numpy(np.ascontiguousarray(g)).to(step.rows.device)
                 ctl.finish_step(step, grad, lr=lr_of(t))
                 if spec.step_hook is not None:
