@@ -91,3 +91,28 @@ def test_writeback_needs_a_cache_and_refuses_virtual_tables() -> None:
         BagPipeController(WB, rank=0, world_size=1, dim=DIM, num_keys=10, lr=LR,
                           ps=ps.client(0), collectives=ThreadGroup(1).collectives(0),
                           eviction=EvictionSpec(ttl_steps=2))
+
+
+def test_write_back_log_of_a_large_table_forgets_committed_steps() -> None:
+    """Beyond 2^24 rows the log is a map; steps the PS committed leave it (a get served after
+    them reads their write-backs anyway), so it stays about the size of the recent
+    evictions, and the dependencies it raises are the array's."""
+    from torchrec_bagpipe.runtime.writeback_aggregation import WriteBackLog
+
+    committed = [-1]
+    big = WriteBackLog(1 << 40, rank=0, world_size=2, committed=lambda: committed[0])
+    small = WriteBackLog(1 << 20, rank=0, world_size=2, committed=lambda: committed[0])
+    rng = np.random.default_rng(0)
+    none = np.zeros(0, dtype=np.int64)
+    for t in range(40):
+        keys = np.unique(rng.integers(0, 1 << 20, 5000))
+        for log in (big, small):
+            log.evicted(t, keys, none, none)
+        committed[0] = t - 2  # the PS two steps behind
+        probe = rng.integers(0, 1 << 20, 1000)
+        deps = rng.integers(-1, t + 1, 1000)
+        want = small.deps(probe, deps)
+        got = big.deps(probe, deps)
+        # The same wherever it matters: above the committed step.
+        assert np.array_equal(np.maximum(got, committed[0]), np.maximum(want, committed[0]))
+    assert len(big._sparse) < 4 * 5000 * 4  # a few steps' evictions, not all 40 steps'

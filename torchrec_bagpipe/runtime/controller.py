@@ -258,8 +258,8 @@ class BagPipeController:
                             metrics=self.metrics_, start_step=start_step,
                             send_evictions=virtual and rank == 0)
         self._worker = MeteredWorker(acquire_worker(collectives), self.metrics_)
-        log = (WriteBackLog(num_keys, rank=rank, world_size=world_size) if writeback
-               else None)
+        log = (WriteBackLog(num_keys, rank=rank, world_size=world_size,
+                            committed=self._port.committed) if writeback else None)
         self._plans = IdExchange(
             rank=rank, world_size=world_size, lookahead=self._window, num_keys=num_keys,
             collective=collective, collectives=collectives, worker=self._worker,

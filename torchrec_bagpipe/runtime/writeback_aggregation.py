@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,7 +54,7 @@ from torchrec_bagpipe.runtime.ps_port import PSPort
 __all__ = ["WriteBackLog", "WritebackAggregation"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-_DENSE_KEYS = 1 << 26  # a table up to this many rows keeps its write-back steps in an array
+_DENSE_KEYS = 1 << 24  # a table up to this many rows keeps its write-back steps in an array
 
 
 class _Evicted(NamedTuple):
@@ -68,12 +69,18 @@ class _Evicted(NamedTuple):
 class WriteBackLog:
     """Which rows went back to the PS after which step, and evictions not written yet."""
 
-    def __init__(self, num_keys: int, *, rank: int, world_size: int) -> None:
+    def __init__(self, num_keys: int, *, rank: int, world_size: int,
+                 committed: Callable[[], int]) -> None:
         self._rank = rank
         self._world_size = world_size
+        self._committed = committed  # the PS's committed step (runtime numbering)
         self._dense = (np.full(num_keys, -1, dtype=np.int32) if num_keys <= _DENSE_KEYS
                        else None)
+        # Larger tables: a map, pruned of the steps the PS committed (a get served after such
+        # a step reads its write-backs whatever its own dependency), so it holds about the
+        # evictions of the last few steps.
         self._sparse: dict[int, int] = {}
+        self._prune_at = 1 << 16
         self._pending: dict[int, _Evicted] = {}  # step -> its admission's evictions
 
     def deps(self, keys: np.ndarray, deps: np.ndarray) -> np.ndarray:
@@ -97,6 +104,10 @@ class WriteBackLog:
                 self._dense[keys] = t
             else:
                 self._sparse.update(zip(keys.tolist(), [t] * keys.size))
+                if len(self._sparse) > self._prune_at:
+                    done = self._committed()
+                    self._sparse = {k: s for k, s in self._sparse.items() if s > done}
+                    self._prune_at = max(1 << 16, 2 * len(self._sparse))
         if keys.size or admitted.size:
             self._pending[t] = _Evicted(keys, slots, admitted, False)
 
