@@ -578,3 +578,13 @@ def test_adaptive_window_settings_are_checked() -> None:
     assert BagPipeConfig(lookahead=4, lookahead_max=32).window_batches == 32
     assert BagPipeConfig(lookahead=4).window_batches == 4
     assert BagPipeConfig(read_mode="ps", lookahead=4, lookahead_max=32).window_batches == 0
+
+
+def test_an_adaptive_window_keeps_collective_splits_the_same_on_every_rank() -> None:
+    """Each rank's window grows with its own cache; collective aggregation's S_now split (the
+    all-reduces' shapes) follows only the fixed part, which every rank shares (a window of
+    0 batches that grows to 1 on some ranks used to split differently and mismatch)."""
+    cfg = BagPipeConfig(bagpipe_aggregation="collective", optimization_cache_capacity=1,
+                        lookahead=0, lookahead_max=1, ps_timeout=30.0)
+    for seed in range(6):
+        run_checked(cfg, make_trace(seed, 4, 8, 150, 40, 1.0), 150)

@@ -122,7 +122,8 @@ class CollectiveAggregation(Aggregation):
         self._metrics = metrics
         self._coll = collectives
         self._worker = worker
-        self._window_end = window_end  # the last step in the lookahead window
+        self._window_end = window_end  # the end of the window's fixed part: the same on
+                                       # every rank (an S_now split all ranks agree on)
         self._rank = rank
         self._world_size = world_size
         self._dim = dim

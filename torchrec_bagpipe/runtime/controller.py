@@ -284,7 +284,7 @@ class BagPipeController:
             kw = dict(
                 meta=self._meta, cache=self._dev, cache_lock=self._cache_lock,
                 port=self._port, metrics=self.metrics_, collectives=collectives,
-                worker=self._worker, window_end=lambda: self._prefetch.entered, rank=rank,
+                worker=self._worker, window_end=lambda: self._prefetch.fixed_end, rank=rank,
                 world_size=world_size, dim=dim, timeout=self._timeout,
             )
             self._agg = (WritebackAggregation(log=log, **kw) if log is not None

@@ -126,6 +126,9 @@ class PrefetchScheduler:
         self._distance = distance
         self._prepared_batches = prepared_batches
         self.entered = -1                                   # last step in the window
+        # ... and in its fixed part (up to t + lookahead): the same on every rank, whatever
+        # an adaptive window's growth (which follows this rank's cache) added.
+        self.fixed_end = -1
         self._ready: list[Candidates] = []                  # to place at the next step
         self._deferred: dict[int, list[Candidates]] = {}    # by placement step
         self._pend: dict[int, list[Candidates]] = {}        # placed, not issued; by use
@@ -141,6 +144,7 @@ class PrefetchScheduler:
         The cache learns their reads (`note_uses`), their keys become candidates.
         REQUIRES: `last` <= t + the window's bound, and submitted."""
         fixed = min(last, t + self._lookahead) if self._adaptive else last
+        self.fixed_end = max(self.fixed_end, fixed)
         for s in range(self.entered + 1, fixed + 1):
             self._enter(t, s, plan_of(s) if s > t and self._meta is not None else None)
         if not self._adaptive or self.entered >= last:
