@@ -241,6 +241,24 @@ def test_kill_9_everything_and_resume_is_bitwise_the_uninterrupted_run(tmp_path,
         _assert_bitwise(_final_state(d), want)
 
 
+@pytest.mark.slow
+def test_writeback_over_tcp_servers_trains_the_bits_of_ps_owned_rows(tmp_path):
+    """The launcher with two TCP PS server processes and a one-unit cache (evictions, so
+    write-backs, every step): `writeback` ends with the PS tables, their optimizer state and
+    every trainer's state bitwise those of `ps` aggregation (a write-back reaches each shard
+    ahead of the commit a later fetch waits for, over the wire too)."""
+    states = {}
+    for agg in ("ps", "writeback"):
+        d = tmp_path / agg
+        out = _run(_launch_cmd("--ps-servers", "2", "--checkpoint-dir", str(d),
+                               "--checkpoint-every", str(EVERY),
+                               example=("--bagpipe-aggregation", agg,
+                                        "--optimization-cache-capacity", "1")))
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        states[agg] = _final_state(d)
+    _assert_bitwise(states["writeback"], states["ps"])
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
