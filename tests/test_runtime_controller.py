@@ -176,6 +176,11 @@ def run_checked(cfg: BagPipeConfig, trace, universe: int, backend=("reference", 
                 violations.append("at_step is not the largest dependency")
 
     def step_hook(rank, ctl):
+        # The adaptive window keeps probed plans only for steps past its end.
+        kept = [s for s in ctl._prefetch._probed if s <= ctl._prefetch.entered]
+        if kept:
+            with lock:
+                violations.append(f"probed plans of entered steps kept: {kept[:5]}")
         if ctl._meta is not None:
             st_ = ctl._meta.stats()
             if st_["resident"] > cap_rows or st_["stale"] != 0:

@@ -137,21 +137,27 @@ class PrefetchScheduler:
         self._by_use: dict[int, list[int]] = {}             # use step -> fetches with its rows
 
     # ---- candidates ---------------------------------------------------------------------
-    def enter_window(self, t: int, last: int, plan_of: Callable[[int], StepPlan]) -> None:
+    def enter_window(self, t: int, last: int, plan_of: Callable[[int], StepPlan],
+                     step_rows: int = 0) -> None:
         """Steps enter the window at step t: every submitted one up to t + lookahead, then
-        (adaptive, under pressure) the next ones up to `last` through the last one of those
-        probed that would inform the cache (`_informs`).
+        (adaptive, under pressure: `step_rows`, step t's unique rows, do not fit beside the
+        resident rows) the next ones up to `last` through the last one of those probed that
+        would inform the cache (`_informs`).
         The cache learns their reads (`note_uses`), their keys become candidates.
         REQUIRES: `last` <= t + the window's bound, and submitted."""
         fixed = min(last, t + self._lookahead) if self._adaptive else last
         self.fixed_end = max(self.fixed_end, fixed)
         for s in range(self.entered + 1, fixed + 1):
-            self._enter(t, s, plan_of(s) if s > t and self._meta is not None else None)
+            p = self._probed.pop(s, None)  # a probed plan is built once
+            if s > t and self._meta is not None:
+                p = p or plan_of(s)
+            else:
+                p = None  # step t itself, or no cache: nothing to note
+            self._enter(t, s, p)
         if not self._adaptive or self.entered >= last:
             return
-        # No pressure, no decision to inform: step t's reads fit beside the resident rows.
-        if len(self._meta) + plan_of(t).unique_keys.size <= self._meta.capacity_rows:
-            return
+        if len(self._meta) + step_rows <= self._meta.capacity_rows:
+            return  # no pressure, no decision to inform
         # Grow through the last step (of the next `probe_depth`) that informs the cache.
         probed = self._probed
         reach = self.entered

@@ -138,9 +138,9 @@ class StepPreparer:
                 if self._evicted.size:
                     freed = self._meta.invalidate(self._evicted)
                     self._metrics.add(invalidations=int(freed.size))
-            self._prefetch.enter_window(t, upto, self._plans.plan)
-            self._metrics.add(window_steps=max(self._prefetch.entered - t, 0))
             plan = self._plans.plan(t)
+            self._prefetch.enter_window(t, upto, self._plans.plan, plan.unique_keys.size)
+            self._metrics.add(window_steps=max(self._prefetch.entered - t, 0))
             self._evicted = plan.evicted
             prepared = self._assembler.prepare(t, plan)
             finish = self._agg.plan_finish(t, plan)
